@@ -1,0 +1,84 @@
+#include "array_layout.hpp"
+
+#include <sstream>
+#include <stdexcept>
+
+namespace mstar::py_bind {
+
+namespace {
+
+std::string shape_str(const py::ssize_t* dims, std::size_t n) {
+  std::ostringstream s;
+  s << "(";
+  for (std::size_t i = 0; i < n; ++i) s << dims[i] << (n == 1 ? "," : (i + 1 < n ? ", " : ""));
+  s << ")";
+  return s.str();
+}
+
+std::string batch_str(const std::vector<py::ssize_t>& item) {
+  std::string s = "(n";
+  for (py::ssize_t d : item) s += ", " + std::to_string(d);
+  return s + (item.empty() ? ",)" : ")");
+}
+
+}  // namespace
+
+ItemLayout::ItemLayout(const py::object& dtype_like, std::vector<py::ssize_t> item_shape)
+    : dtype(py::dtype::from_args(dtype_like)), shape(std::move(item_shape)) {
+  if (dtype.attr("hasobject").cast<bool>())
+    throw py::type_error("streams hold raw bytes: dtype " + py::str(dtype).cast<std::string>() +
+                         " contains Python objects; use a numeric or fixed-size dtype");
+  std::size_t elements = 1;
+  for (py::ssize_t d : shape) {
+    if (d <= 0) throw py::value_error("item_shape " + shape_str(shape.data(), shape.size()) +
+                                      " must have positive dimensions");
+    elements *= static_cast<std::size_t>(d);
+  }
+  item_bytes = elements * static_cast<std::size_t>(dtype.itemsize());
+  if (item_bytes == 0) throw py::value_error("items must be at least one byte");
+}
+
+std::string ItemLayout::describe() const {
+  return py::str(dtype).cast<std::string>() + " items of shape " +
+         shape_str(shape.data(), shape.size());
+}
+
+std::size_t ItemLayout::count_items(py::array& array, const char* where) const {
+  auto& api = py::detail::npy_api::get();
+  const auto* proxy = py::detail::array_proxy(array.ptr());
+  if (!api.PyArray_EquivTypes_(proxy->descr, dtype.ptr()))
+    throw py::type_error(std::string(where) + ": got an array of dtype " +
+                         py::str(array.dtype()).cast<std::string>() + ", but this stream holds " +
+                         describe() + "; convert it first (array.astype(...))");
+  const auto nd = static_cast<std::size_t>(array.ndim());
+  const std::size_t k = shape.size();
+  const bool batch = nd == k + 1;
+  if (nd != k && !batch)
+    throw py::value_error(std::string(where) + ": got shape " + shape_str(array.shape(), nd) +
+                          ", expected one item of shape " + shape_str(shape.data(), k) +
+                          " or a batch of shape " + batch_str(shape));
+  for (std::size_t i = 0; i < k; ++i) {
+    if (array.shape(static_cast<py::ssize_t>(nd - k + i)) != shape[i])
+      throw py::value_error(std::string(where) + ": got shape " + shape_str(array.shape(), nd) +
+                            ", but items have shape " + shape_str(shape.data(), k));
+  }
+  if (!(array.flags() & py::array::c_style))
+    array = py::array::ensure(array, py::array::c_style);  // the one unavoidable copy
+  return batch ? static_cast<std::size_t>(array.shape(0)) : 1;
+}
+
+py::array ItemLayout::view(const void* data, std::size_t count, py::handle base,
+                           bool writable) const {
+  std::vector<py::ssize_t> dims;
+  dims.reserve(shape.size() + 1);
+  dims.push_back(static_cast<py::ssize_t>(count));
+  dims.insert(dims.end(), shape.begin(), shape.end());
+  // No data: a fresh owned array. Data without a base would be copied by numpy, so views always
+  // get the owner as base.
+  py::array out = data ? py::array(dtype, dims, {}, data, base) : py::array(dtype, dims);
+  if (!writable)
+    py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  return out;
+}
+
+}  // namespace mstar::py_bind

@@ -1,0 +1,17 @@
+// mstar_rt._core: the compiled core. Python code imports the typed face in mstar_rt instead.
+#include <pybind11/pybind11.h>
+
+#include "producer.hpp"
+
+namespace mstar::py_bind {
+void bind_ring(py::module_& m);
+void bind_stream(py::module_& m);
+}  // namespace mstar::py_bind
+
+PYBIND11_MODULE(_core, m) {
+  namespace py = pybind11;
+  m.doc() = "mstar_rt C++ core: lock-free rings, chunk policies, stream buffers";
+  py::register_exception<mstar::py_bind::StreamClosed>(m, "StreamClosedError", PyExc_RuntimeError);
+  mstar::py_bind::bind_ring(m);
+  mstar::py_bind::bind_stream(m);
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what mstar_rt needs on a fresh Debian/Ubuntu machine and builds it into .venv.
+# Idempotent: apt only runs for missing packages, pip only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(g++ libgtest-dev libboost-dev python3-venv)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "== apt: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  python3 -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+echo "== pip: build tools and test dependencies"
+"${PIP[@]}" "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib
+echo "== pip: building mstar_rt"
+# No build isolation: the build tools above are reused, so rebuilds are incremental and offline.
+"${PIP[@]}" --no-build-isolation .

@@ -1,0 +1,112 @@
+#include "mstar/chunk_policy.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace mstar {
+
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+}  // namespace
+
+ChunkPolicy::ChunkPolicy(Kind kind, std::vector<std::size_t> first, std::size_t steady,
+                         std::size_t context)
+    : kind_(kind), first_(std::move(first)), steady_(steady), context_(context) {}
+
+ChunkPolicy ChunkPolicy::fixed(std::size_t k) {
+  require(k >= 1, "Fixed(K): K must be at least 1, got 0");
+  ChunkPolicy p(Kind::fixed, {}, k, 0);
+  p.a_ = k;
+  return p;
+}
+
+ChunkPolicy ChunkPolicy::sliding_window(std::size_t window, std::size_t stride) {
+  require(window >= 1, "SlidingWindow(W, S): W must be at least 1, got 0");
+  require(stride >= 1, "SlidingWindow(W, S): S must be at least 1, got 0");
+  require(stride <= window, "SlidingWindow(W, S): S (" + std::to_string(stride) +
+                                ") must not exceed W (" + std::to_string(window) +
+                                "), or items between windows would never be seen");
+  ChunkPolicy p(Kind::sliding_window, {window}, stride, window - stride);
+  p.a_ = window;
+  p.b_ = stride;
+  return p;
+}
+
+ChunkPolicy ChunkPolicy::left_context(std::size_t context, std::size_t size) {
+  require(size >= 1, "LeftContext(C, L): L must be at least 1, got 0");
+  ChunkPolicy p(Kind::left_context, {}, size, context);
+  p.a_ = context;
+  p.b_ = size;
+  return p;
+}
+
+ChunkPolicy ChunkPolicy::ramp(std::vector<std::size_t> first, std::size_t steady,
+                              std::size_t context) {
+  require(steady >= 1, "Ramp(first, steady, context): steady must be at least 1, got 0");
+  for (std::size_t i = 0; i < first.size(); ++i)
+    require(first[i] >= 1, "Ramp(first, steady, context): first[" + std::to_string(i) +
+                               "] must be at least 1, got 0");
+  return ChunkPolicy(Kind::ramp, std::move(first), steady, context);
+}
+
+std::size_t ChunkPolicy::max_window() const noexcept {
+  std::size_t biggest = steady_;
+  for (std::size_t s : first_) biggest = std::max(biggest, s);
+  // Sliding windows: the first window (W) has no context, later ones are S + (W - S) = W.
+  if (kind_ == Kind::sliding_window) return first_[0];
+  return biggest + context_;
+}
+
+std::string ChunkPolicy::describe() const {
+  switch (kind_) {
+    case Kind::fixed:
+      return "Fixed(" + std::to_string(a_) + ")";
+    case Kind::sliding_window:
+      return "SlidingWindow(" + std::to_string(a_) + ", " + std::to_string(b_) + ")";
+    case Kind::left_context:
+      return "LeftContext(" + std::to_string(a_) + ", " + std::to_string(b_) + ")";
+    case Kind::ramp: {
+      std::string s = "Ramp([";
+      for (std::size_t i = 0; i < first_.size(); ++i)
+        s += (i ? ", " : "") + std::to_string(first_[i]);
+      return s + "], " + std::to_string(steady_) + ", " + std::to_string(context_) + ")";
+    }
+  }
+  return "ChunkPolicy(?)";
+}
+
+ChunkCursor::Next ChunkCursor::next(std::uint64_t oldest, std::uint64_t written, bool ended,
+                                    Chunk* out) noexcept {
+  // Items lost to a drop_oldest ring: resume at the first survivor instead of waiting forever.
+  if (new_begin_ < oldest) new_begin_ = oldest;
+  const std::uint64_t full_end = new_begin_ + policy_->new_size(index_);
+  std::uint64_t end = full_end;
+  if (written < full_end) {
+    if (!ended) return Next::wait;
+    if (written <= new_begin_) return Next::finished;
+    end = written;  // the flush: a short last chunk, so nothing is dropped
+  }
+  const std::uint64_t ctx = policy_->context();
+  std::uint64_t begin = new_begin_ > ctx ? new_begin_ - ctx : 0;
+  begin = std::max(begin, oldest);
+  out->begin = begin;
+  out->new_begin = new_begin_;
+  out->end = end;
+  out->index = index_;
+  out->last = ended && end == written;
+  return Next::ready;
+}
+
+std::uint64_t ChunkCursor::advance(const Chunk& chunk) noexcept {
+  new_begin_ = chunk.end;
+  index_ = chunk.index + 1;
+  const std::uint64_t ctx = policy_->context();
+  return new_begin_ > ctx ? new_begin_ - ctx : 0;
+}
+
+}  // namespace mstar

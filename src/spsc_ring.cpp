@@ -1,0 +1,270 @@
+// SpscRing: construction, regions, overflow handling and the spin-then-futex waits.
+#include "mstar/spsc_ring.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "wait_word.hpp"
+
+namespace mstar {
+
+namespace {
+
+bool is_power_of_two(std::size_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+}  // namespace
+
+SpscRing::SpscRing(std::size_t item_size, std::size_t capacity, Overflow overflow,
+                   std::size_t mirror)
+    : item_size_(item_size),
+      capacity_(capacity),
+      mask_(capacity - 1),
+      mirror_(mirror),
+      overflow_(overflow),
+      buf_(nullptr) {
+  if (item_size == 0) throw std::invalid_argument("SpscRing: item_size must be at least 1 byte");
+  if (!is_power_of_two(capacity))
+    throw std::invalid_argument("SpscRing: capacity must be a power of two, got " +
+                                std::to_string(capacity));
+  if (mirror > capacity)
+    throw std::invalid_argument("SpscRing: mirror (" + std::to_string(mirror) +
+                                ") must not exceed capacity (" + std::to_string(capacity) + ")");
+  // Cache-line aligned so slot 0 does not share a line with anything else; zeroed so that a
+  // reader of never-written memory (a bug) sees zeros, not garbage.
+  const std::size_t bytes = (capacity + mirror) * item_size;
+  const std::size_t rounded = (bytes + kLine - 1) / kLine * kLine;
+  buf_ = static_cast<std::byte*>(::operator new(rounded, std::align_val_t{kLine}));
+  std::memset(buf_, 0, rounded);
+}
+
+SpscRing::~SpscRing() { ::operator delete(buf_, std::align_val_t{kLine}); }
+
+std::size_t SpscRing::size() const noexcept {
+  // Read the read side first: it only grows, so the difference can only over-estimate briefly.
+  const std::uint64_t r = read_state_.load(std::memory_order_acquire) >> 1;
+  const std::uint64_t w = write_pos_.load(std::memory_order_acquire);
+  return w > r ? static_cast<std::size_t>(w - r) : 0;
+}
+
+RingStats SpscRing::stats() const noexcept {
+  RingStats s;
+  s.pushed = pushed_.load(std::memory_order_relaxed);
+  s.popped = popped_.load(std::memory_order_relaxed);
+  s.dropped = dropped_.load(std::memory_order_relaxed);
+  s.rejected = rejected_.load(std::memory_order_relaxed);
+  return s;
+}
+
+// ---- producer -------------------------------------------------------------------------------
+
+bool SpscRing::make_room(std::size_t count) noexcept {
+  if (overflow_ == Overflow::block) return false;  // full, not refused: the caller may wait
+  if (overflow_ == Overflow::reject || count > capacity_) {
+    bump(rejected_, count);
+    return false;
+  }
+  std::uint64_t state = read_state_.load(std::memory_order_acquire);
+  for (;;) {
+    if (state & 1u) break;  // the consumer holds the oldest items: they cannot go
+    const std::uint64_t read = state >> 1;
+    const std::uint64_t need = write_local_ + count - read;
+    if (need <= capacity_) {
+      read_cache_ = read;
+      return true;
+    }
+    const std::uint64_t drop = need - capacity_;
+    if (read_state_.compare_exchange_weak(state, (read + drop) << 1, std::memory_order_acq_rel,
+                                          std::memory_order_acquire)) {
+      read_cache_ = read + drop;
+      bump(dropped_, drop);
+      return true;
+    }
+  }
+  bump(rejected_, count);
+  return false;
+}
+
+void SpscRing::mirror_commit(std::uint64_t from, std::size_t count) noexcept {
+  if (mirror_ == 0 || count == 0) return;
+  const std::size_t start = static_cast<std::size_t>(from & mask_);
+  const std::size_t end = start + count;  // may run into the mirror band
+  const std::size_t line = capacity_ * item_size_;
+  if (end > capacity_) {  // written into the band: copy back to the head
+    const std::size_t a = std::max(start, capacity_);
+    std::memcpy(buf_ + (a - capacity_) * item_size_, buf_ + a * item_size_, (end - a) * item_size_);
+  }
+  if (start < mirror_) {  // written into the head: copy into the band
+    const std::size_t b = std::min(end, mirror_);
+    std::memcpy(buf_ + start * item_size_ + line, buf_ + start * item_size_, (b - start) * item_size_);
+  }
+}
+
+WriteRegion SpscRing::reserve(std::size_t max_count) noexcept {
+  const std::uint64_t w = write_local_;
+  if (closed_.load(std::memory_order_relaxed)) return {slot(w), 0, w};
+  std::size_t room = static_cast<std::size_t>(capacity_ - (w - read_cache_));
+  if (room < max_count) {
+    read_cache_ = read_state_.load(std::memory_order_acquire) >> 1;
+    room = static_cast<std::size_t>(capacity_ - (w - read_cache_));
+  }
+  const std::size_t contiguous = capacity_ + mirror_ - static_cast<std::size_t>(w & mask_);
+  return {slot(w), std::min({max_count, room, contiguous}), w};
+}
+
+void SpscRing::commit(std::size_t count) noexcept {
+  if (count == 0) return;
+  const std::uint64_t w = write_local_;
+  mirror_commit(w, count);
+  write_local_ = w + count;
+  write_pos_.store(w + count, std::memory_order_release);
+  bump(pushed_, count);
+  notify_consumer();
+}
+
+std::size_t SpscRing::push(const void* items, std::size_t count, Timeout timeout) {
+  if (closed()) throw std::logic_error("SpscRing: push after close(); the stream has ended");
+  if (overflow_ != Overflow::block && count > capacity_)
+    throw std::invalid_argument("SpscRing: cannot push " + std::to_string(count) +
+                                " items at once into a ring of capacity " +
+                                std::to_string(capacity_) + " with a reject/drop_oldest policy");
+  const auto* src = static_cast<const std::byte*>(items);
+  if (overflow_ != Overflow::block) {
+    if (!has_room(count) && !make_room(count)) return 0;
+  }
+  const auto deadline = timeout == kForever ? std::chrono::steady_clock::time_point::max()
+                                            : std::chrono::steady_clock::now() + timeout;
+  std::size_t done = 0;
+  while (done < count) {
+    const WriteRegion region = reserve(count - done);
+    if (region.count > 0) {
+      std::memcpy(region.data, src + done * item_size_, region.count * item_size_);
+      commit(region.count);
+      done += region.count;
+      continue;
+    }
+    if (closed()) break;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) break;
+    const Timeout left = deadline == std::chrono::steady_clock::time_point::max()
+                             ? kForever
+                             : std::chrono::duration_cast<Timeout>(deadline - now);
+    if (wait_for_space(1, left) != WaitStatus::ready) break;
+  }
+  return done;
+}
+
+WaitStatus SpscRing::wait_for_space(std::size_t count, Timeout timeout) noexcept {
+  return wait(false, count, timeout);
+}
+
+void SpscRing::close() noexcept {
+  closed_.store(true, std::memory_order_seq_cst);
+  wake(items_seq_);
+  wake(space_seq_);
+}
+
+// ---- consumer -------------------------------------------------------------------------------
+
+std::uint64_t SpscRing::acquire_read_start() noexcept {
+  if (overflow_ != Overflow::drop_oldest) return read_local_;
+  // Set the held bit so the producer cannot drop what we are about to read.
+  std::uint64_t state = read_state_.load(std::memory_order_acquire);
+  while (!read_state_.compare_exchange_weak(state, state | 1u, std::memory_order_acq_rel,
+                                            std::memory_order_acquire)) {
+  }
+  read_local_ = state >> 1;
+  holding_ = true;
+  return read_local_;
+}
+
+ReadRegion SpscRing::peek(std::size_t max_count) noexcept {
+  const std::uint64_t r = acquire_read_start();
+  std::size_t avail = static_cast<std::size_t>(write_cache_ - r);
+  if (write_cache_ < r || avail < max_count) {
+    write_cache_ = write_pos_.load(std::memory_order_acquire);
+    avail = static_cast<std::size_t>(write_cache_ - r);
+  }
+  const std::size_t contiguous = capacity_ + mirror_ - static_cast<std::size_t>(r & mask_);
+  const std::size_t n = std::min({max_count, avail, contiguous});
+  if (n == 0 && holding_) {  // nothing to hold: give the producer its freedom back
+    holding_ = false;
+    read_state_.store(r << 1, std::memory_order_release);
+  }
+  return {slot(r), n, r};
+}
+
+void SpscRing::release(std::size_t count) noexcept {
+  if (count == 0 && !holding_) return;  // nothing held: the producer may have moved the read position
+  const std::uint64_t r = read_local_ + count;
+  read_local_ = r;
+  holding_ = false;
+  read_state_.store(r << 1, std::memory_order_release);
+  if (count == 0) return;
+  bump(popped_, count);
+  notify_producer();
+}
+
+WaitStatus SpscRing::wait_for_items(std::size_t count, Timeout timeout) noexcept {
+  return wait(true, count, timeout);
+}
+
+// ---- waiting --------------------------------------------------------------------------------
+
+void SpscRing::wake(std::atomic<std::uint32_t>& seq) noexcept {
+  seq.fetch_add(1, std::memory_order_release);
+  detail::wake_all(seq);
+}
+
+WaitStatus SpscRing::wait(bool for_items, std::size_t count, Timeout timeout) noexcept {
+  // Each side reads only published positions here, never the other side's private fields.
+  auto ready = [&]() noexcept {
+    const std::uint64_t w = write_pos_.load(std::memory_order_acquire);
+    const std::uint64_t r = read_state_.load(std::memory_order_acquire) >> 1;
+    return for_items ? w - r >= count : capacity_ - (w - r) >= count;
+  };
+  auto& seq = for_items ? items_seq_ : space_seq_;
+  auto& waiting = for_items ? consumer_waiting_ : producer_waiting_;
+  const auto deadline = timeout == kForever ? std::chrono::steady_clock::time_point::max()
+                                            : std::chrono::steady_clock::now() + timeout;
+  for (int i = 0; i < kSpinIterations; ++i) {
+    if (ready()) return WaitStatus::ready;
+    if (closed()) break;
+    cpu_relax();
+  }
+  WaitStatus status = WaitStatus::timeout;
+  for (;;) {
+    waiting.store(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const std::uint32_t observed = seq.load(std::memory_order_acquire);
+    if (ready()) {
+      status = WaitStatus::ready;
+      break;
+    }
+    if (closed()) {
+      status = WaitStatus::closed;
+      break;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) break;
+    const Timeout left = deadline == std::chrono::steady_clock::time_point::max()
+                             ? kForever
+                             : std::chrono::duration_cast<Timeout>(deadline - now);
+    detail::wait_on(seq, observed, left);
+  }
+  waiting.store(0, std::memory_order_relaxed);
+  return status;
+}
+
+}  // namespace mstar
