@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <string>
@@ -38,15 +39,16 @@ WaitStatus wait_released(Wait&& wait, Timeout timeout) {
     if (timeout != kForever) {
       const Timeout left =
           timeout - std::chrono::duration_cast<Timeout>(std::chrono::steady_clock::now() - start);
-      if (left <= Timeout::zero()) return WaitStatus::timeout;
-      if (left < slice) slice = left;
+      slice = std::max(Timeout::zero(), std::min(slice, left));
     }
     WaitStatus status;
-    {
+    if (slice == Timeout::zero()) {
+      status = wait(slice);  // a poll: still reports ready or closed, so timeout=0 sees the end
+    } else {
       py::gil_scoped_release nogil;
       status = wait(slice);
     }
-    if (status != WaitStatus::timeout) return status;
+    if (status != WaitStatus::timeout || slice == Timeout::zero()) return status;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
 }

@@ -1,8 +1,9 @@
 """Action chunks through a ring: a slow policy feeds a fast control loop.
 
-A stand-in policy produces chunks of 50 actions (7-DoF) at ~8 Hz; a 100 Hz control loop paced on
-absolute deadlines pops one action per tick from a lock-free Ring and reports how late its ticks
-were and whether it ever ran dry. (The C++ ControlLoop with real-time chunking replaces this
+A stand-in policy (30 ms per inference) produces a chunk of 50 actions (7-DoF) whenever fewer than
+half a chunk is queued, as LeRobot's async client does; a 100 Hz control loop paced on absolute
+deadlines pops one action per tick from a lock-free Ring and reports how late its ticks were and
+whether it ever ran dry. (The C++ ControlLoop with real-time chunking replaces this
 Python loop in a later release; the ring underneath is the same.)
 """
 
@@ -20,17 +21,19 @@ DOF = 7
 HORIZON = 50
 
 
-def policy(actions: mstar_rt.Ring, seconds: float, period_s: float) -> int:
+def policy(actions: mstar_rt.Ring, seconds: float, inference_s: float) -> int:
     chunks = 0
     step = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        if len(actions) >= HORIZON // 2:
+            time.sleep(0.002)
+            continue
+        time.sleep(inference_s)  # the model thinks
         chunk = np.zeros((HORIZON, DOF), np.float32)
         chunk[:, 0] = np.arange(step, step + HORIZON)
-        actions.push(chunk, timeout=1.0)
-        step += HORIZON
+        step += actions.push(chunk, timeout=1.0)
         chunks += 1
-        time.sleep(period_s)
     actions.close()
     return chunks
 
@@ -42,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
 
     actions = mstar_rt.Ring(np.float32, 256, item_shape=(DOF,))
-    producer = threading.Thread(target=policy, args=(actions, args.seconds, 0.12))
+    producer = threading.Thread(target=policy, args=(actions, args.seconds, 0.03))
     producer.start()
     period = 1.0 / args.hz
     lateness, starved, executed = [], 0, []

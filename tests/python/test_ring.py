@@ -159,3 +159,13 @@ def test_close_ends_a_waiting_consumer():
     ring.close()
     t.join(5)
     assert result == [None]
+
+
+def test_a_zero_timeout_polls_and_still_sees_the_end_of_stream():
+    ring = mstar_rt.Ring(np.int32, 8)
+    with pytest.raises(TimeoutError):
+        ring.pop(timeout=0)
+    ring.push(np.array([7], np.int32))
+    assert ring.pop(timeout=0).tolist() == [7]
+    ring.close()
+    assert ring.pop(timeout=0) is None

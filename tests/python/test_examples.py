@@ -1,0 +1,25 @@
+"""The examples run end to end and check their own results (they exit non-zero on a loss)."""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> str:
+    result = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_voice_stream_demo_plays_every_sample():
+    out = _run("examples/voice/stream_demo.py", "--frames", "12")
+    assert "frames decoded    12 of 12" in out
+    assert "samples played    24576 (expected 24576)" in out
+
+
+def test_robot_action_stream_executes_actions_in_order():
+    out = _run("examples/robot/action_stream.py", "--seconds", "0.6")
+    assert "actions" in out and "lateness p50" in out
