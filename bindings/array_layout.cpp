@@ -1,5 +1,6 @@
 #include "array_layout.hpp"
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
 
@@ -69,15 +70,27 @@ std::size_t ItemLayout::count_items(py::array& array, const char* where) const {
 
 py::array ItemLayout::view(const void* data, std::size_t count, py::handle base,
                            bool writable) const {
-  std::vector<py::ssize_t> dims;
-  dims.reserve(shape.size() + 1);
-  dims.push_back(static_cast<py::ssize_t>(count));
-  dims.insert(dims.end(), shape.begin(), shape.end());
-  // No data: a fresh owned array. Data without a base would be copied by numpy, so views always
-  // get the owner as base.
-  py::array out = data ? py::array(dtype, dims, {}, data, base) : py::array(dtype, dims);
-  if (!writable)
-    py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  // Straight through numpy's C API with the shape on the stack: this runs once per chunk, and
+  // pybind11's array constructor would allocate shape and stride vectors each time.
+  constexpr std::size_t kMaxDims = 16;
+  if (shape.size() + 1 > kMaxDims) throw py::value_error("items may have at most 15 dimensions");
+  py::ssize_t dims[kMaxDims];
+  dims[0] = static_cast<py::ssize_t>(count);
+  std::copy(shape.begin(), shape.end(), dims + 1);
+  const int nd = static_cast<int>(shape.size() + 1);
+  auto& api = py::detail::npy_api::get();
+  if (data == nullptr) {  // a fresh, owned array
+    return py::reinterpret_steal<py::array>(api.PyArray_NewFromDescr_(
+        api.PyArray_Type_, dtype.inc_ref().ptr(), nd, dims, nullptr, nullptr, 0, nullptr));
+  }
+  int flags = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
+  if (writable) flags |= py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  auto out = py::reinterpret_steal<py::array>(api.PyArray_NewFromDescr_(
+      api.PyArray_Type_, dtype.inc_ref().ptr(), nd, dims, nullptr, const_cast<void*>(data), flags,
+      nullptr));
+  if (!out) throw py::error_already_set();
+  // The base keeps the ring's memory alive for as long as the view lives.
+  if (api.PyArray_SetBaseObject_(out.ptr(), base.inc_ref().ptr()) != 0) throw py::error_already_set();
   return out;
 }
 

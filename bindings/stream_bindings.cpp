@@ -85,6 +85,48 @@ class PyStreamBuffer {
   std::uint64_t held_index_ = 0;
 };
 
+/// `for chunk in buffer`: each step releases the previous chunk; so does dropping the iterator
+/// (a `break` out of the loop), so a loop never leaves a chunk pinned.
+class PyChunkIterator {
+ public:
+  PyChunkIterator(py::object owner, PyStreamBuffer* buffer)
+      : owner_(std::move(owner)), buffer_(buffer) {}
+  ~PyChunkIterator() { release_current(); }
+  PyChunkIterator(const PyChunkIterator&) = delete;
+  PyChunkIterator& operator=(const PyChunkIterator&) = delete;
+  PyChunkIterator(PyChunkIterator&&) = default;
+
+  /// New reference to the next chunk, or nullptr at the end of the stream (no exception set).
+  PyObject* next() {
+    release_current();
+    current_ = py::object();
+    py::object chunk = buffer_->next_chunk(owner_, std::nullopt);
+    if (chunk.is_none()) return nullptr;
+    current_ = chunk;
+    return chunk.release().ptr();
+  }
+
+  /// tp_iternext: called by for-loops and next() without pybind11's per-call dispatch.
+  static PyObject* iternext(PyObject* self) {
+    try {
+      return py::handle(self).cast<PyChunkIterator&>().next();
+    } catch (py::error_already_set& e) {
+      e.restore();
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+    return nullptr;
+  }
+
+ private:
+  void release_current() {
+    if (current_) current_.cast<PyChunk&>().release();
+  }
+  py::object owner_;
+  PyStreamBuffer* buffer_;
+  py::object current_;
+};
+
 py::array PyChunk::data() {
   if (released_)
     throw std::logic_error("chunk " + std::to_string(view_.chunk.index) +
@@ -138,6 +180,16 @@ A ready chunk: items [begin, end) of the stream, of which [new_begin, end) are n
                (k.last ? ", last=True)" : ")");
       });
 
+  py::class_<PyChunkIterator> iterator(m, "ChunkIterator");
+  iterator.def("__iter__", [](py::object self) { return self; })
+      .def("__next__", [](PyChunkIterator& it) {
+        PyObject* chunk = it.next();
+        if (chunk == nullptr) throw py::stop_iteration();
+        return py::reinterpret_steal<py::object>(chunk);
+      });
+  // After the def above (which installs CPython's generic slot), point the slot straight at C++.
+  reinterpret_cast<PyTypeObject*>(iterator.ptr())->tp_iternext = &PyChunkIterator::iternext;
+
   py::class_<PyStreamBuffer>(m, "StreamBuffer", R"doc(
 A ring plus a chunk policy: one streaming edge. The producer pushes items; the consumer takes
 whole chunks as zero-copy views. A held chunk pins its items until released.)doc")
@@ -154,6 +206,9 @@ whole chunks as zero-copy views. A held chunk pins its items until released.)doc
       .def("next_chunk", [](py::object self, std::optional<double> timeout) {
              return self.cast<PyStreamBuffer&>().next_chunk(self, timeout);
            }, py::arg("timeout") = py::none())
+      .def("__iter__", [](py::object self) {
+             return PyChunkIterator(self, &self.cast<PyStreamBuffer&>());
+           })
       .def_property_readonly("closed", [](PyStreamBuffer& b) { return b.buffer().ring().closed(); })
       .def_property_readonly("holding", [](PyStreamBuffer& b) { return b.buffer().holding(); })
       .def_property_readonly("policy", [](PyStreamBuffer& b) { return b.buffer().policy(); })

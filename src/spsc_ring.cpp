@@ -33,6 +33,7 @@ SpscRing::SpscRing(std::size_t item_size, std::size_t capacity, Overflow overflo
       mask_(capacity - 1),
       mirror_(mirror),
       overflow_(overflow),
+      asymmetric_(detail::heavy_barrier_available()),
       buf_(nullptr) {
   if (item_size == 0) throw std::invalid_argument("SpscRing: item_size must be at least 1 byte");
   if (!is_power_of_two(capacity))
@@ -59,10 +60,12 @@ std::size_t SpscRing::size() const noexcept {
 }
 
 RingStats SpscRing::stats() const noexcept {
+  // pushed and popped are positions, not counters: no per-item bookkeeping on the hot paths.
   RingStats s;
-  s.pushed = pushed_.load(std::memory_order_relaxed);
-  s.popped = popped_.load(std::memory_order_relaxed);
   s.dropped = dropped_.load(std::memory_order_relaxed);
+  s.pushed = write_pos_.load(std::memory_order_acquire);
+  const std::uint64_t read = read_state_.load(std::memory_order_acquire) >> 1;
+  s.popped = read > s.dropped ? read - s.dropped : 0;
   s.rejected = rejected_.load(std::memory_order_relaxed);
   return s;
 }
@@ -111,27 +114,7 @@ void SpscRing::mirror_commit(std::uint64_t from, std::size_t count) noexcept {
   }
 }
 
-WriteRegion SpscRing::reserve(std::size_t max_count) noexcept {
-  const std::uint64_t w = write_local_;
-  if (closed_.load(std::memory_order_relaxed)) return {slot(w), 0, w};
-  std::size_t room = static_cast<std::size_t>(capacity_ - (w - read_cache_));
-  if (room < max_count) {
-    read_cache_ = read_state_.load(std::memory_order_acquire) >> 1;
-    room = static_cast<std::size_t>(capacity_ - (w - read_cache_));
-  }
-  const std::size_t contiguous = capacity_ + mirror_ - static_cast<std::size_t>(w & mask_);
-  return {slot(w), std::min({max_count, room, contiguous}), w};
-}
 
-void SpscRing::commit(std::size_t count) noexcept {
-  if (count == 0) return;
-  const std::uint64_t w = write_local_;
-  mirror_commit(w, count);
-  write_local_ = w + count;
-  write_pos_.store(w + count, std::memory_order_release);
-  bump(pushed_, count);
-  notify_consumer();
-}
 
 std::size_t SpscRing::push(const void* items, std::size_t count, Timeout timeout) {
   if (closed()) throw std::logic_error("SpscRing: push after close(); the stream has ended");
@@ -143,9 +126,10 @@ std::size_t SpscRing::push(const void* items, std::size_t count, Timeout timeout
   if (overflow_ != Overflow::block) {
     if (!has_room(count) && !make_room(count)) return 0;
   }
-  const auto deadline = timeout == kForever ? std::chrono::steady_clock::time_point::max()
-                                            : std::chrono::steady_clock::now() + timeout;
   std::size_t done = 0;
+  // The deadline (one clock read) is only worked out once the ring turns out to be full.
+  std::chrono::steady_clock::time_point deadline{};
+  bool deadline_set = false;
   while (done < count) {
     const WriteRegion region = reserve(count - done);
     if (region.count > 0) {
@@ -154,8 +138,12 @@ std::size_t SpscRing::push(const void* items, std::size_t count, Timeout timeout
       done += region.count;
       continue;
     }
-    if (closed()) break;
+    if (closed() || timeout <= Timeout::zero()) break;
     const auto now = std::chrono::steady_clock::now();
+    if (!deadline_set) {
+      deadline = timeout == kForever ? std::chrono::steady_clock::time_point::max() : now + timeout;
+      deadline_set = true;
+    }
     if (now >= deadline) break;
     const Timeout left = deadline == std::chrono::steady_clock::time_point::max()
                              ? kForever
@@ -177,8 +165,7 @@ void SpscRing::close() noexcept {
 
 // ---- consumer -------------------------------------------------------------------------------
 
-std::uint64_t SpscRing::acquire_read_start() noexcept {
-  if (overflow_ != Overflow::drop_oldest) return read_local_;
+std::uint64_t SpscRing::hold_for_read() noexcept {
   // Set the held bit so the producer cannot drop what we are about to read.
   std::uint64_t state = read_state_.load(std::memory_order_acquire);
   while (!read_state_.compare_exchange_weak(state, state | 1u, std::memory_order_acq_rel,
@@ -189,32 +176,7 @@ std::uint64_t SpscRing::acquire_read_start() noexcept {
   return read_local_;
 }
 
-ReadRegion SpscRing::peek(std::size_t max_count) noexcept {
-  const std::uint64_t r = acquire_read_start();
-  std::size_t avail = static_cast<std::size_t>(write_cache_ - r);
-  if (write_cache_ < r || avail < max_count) {
-    write_cache_ = write_pos_.load(std::memory_order_acquire);
-    avail = static_cast<std::size_t>(write_cache_ - r);
-  }
-  const std::size_t contiguous = capacity_ + mirror_ - static_cast<std::size_t>(r & mask_);
-  const std::size_t n = std::min({max_count, avail, contiguous});
-  if (n == 0 && holding_) {  // nothing to hold: give the producer its freedom back
-    holding_ = false;
-    read_state_.store(r << 1, std::memory_order_release);
-  }
-  return {slot(r), n, r};
-}
 
-void SpscRing::release(std::size_t count) noexcept {
-  if (count == 0 && !holding_) return;  // nothing held: the producer may have moved the read position
-  const std::uint64_t r = read_local_ + count;
-  read_local_ = r;
-  holding_ = false;
-  read_state_.store(r << 1, std::memory_order_release);
-  if (count == 0) return;
-  bump(popped_, count);
-  notify_producer();
-}
 
 WaitStatus SpscRing::wait_for_items(std::size_t count, Timeout timeout) noexcept {
   return wait(true, count, timeout);
@@ -246,7 +208,13 @@ WaitStatus SpscRing::wait(bool for_items, std::size_t count, Timeout timeout) no
   WaitStatus status = WaitStatus::timeout;
   for (;;) {
     waiting.store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    // The heavy half of the handshake (see light_barrier): after it, either the other side's
+    // position store is visible to us or our flag is visible to the other side.
+    if (asymmetric_) {
+      detail::heavy_barrier();
+    } else {
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+    }
     const std::uint32_t observed = seq.load(std::memory_order_acquire);
     if (ready()) {
       status = WaitStatus::ready;

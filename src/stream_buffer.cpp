@@ -60,8 +60,8 @@ WaitStatus StreamBuffer::poll(ChunkView* out, std::uint64_t* need) {
 WaitStatus StreamBuffer::next_chunk(ChunkView* out, Timeout timeout) {
   if (holding_)
     throw std::logic_error("StreamBuffer: release the current chunk before asking for the next");
-  const auto start = std::chrono::steady_clock::now();
-  for (;;) {
+  std::chrono::steady_clock::time_point start{};  // read the clock only once we have to wait
+  for (bool first = true;; first = false) {
     std::uint64_t need = 0;
     const WaitStatus status = poll(out, &need);
     if (status == WaitStatus::ready) {
@@ -70,6 +70,8 @@ WaitStatus StreamBuffer::next_chunk(ChunkView* out, Timeout timeout) {
       return status;
     }
     if (status == WaitStatus::closed) return status;
+    if (timeout == Timeout::zero()) return WaitStatus::timeout;
+    if (first) start = std::chrono::steady_clock::now();
     Timeout left = timeout;
     if (timeout != kForever) {
       left = timeout - std::chrono::duration_cast<Timeout>(std::chrono::steady_clock::now() - start);

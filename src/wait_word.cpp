@@ -1,9 +1,11 @@
 #include "wait_word.hpp"
 
+#include <cstdlib>
 #include <thread>
 
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <linux/membarrier.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -36,7 +38,29 @@ void wake_all(std::atomic<std::uint32_t>& word) noexcept {
           nullptr, nullptr, 0);
 }
 
+bool heavy_barrier_available() noexcept {
+  // Registration is once per process; a thread-safe static does it exactly once.
+  static const bool available = [] {
+    // Escape hatch for hosts where membarrier's inter-processor interrupts are slow (some VMs):
+    // MSTAR_NO_MEMBARRIER=1 makes every ring use a full fence per operation instead.
+    const char* off = std::getenv("MSTAR_NO_MEMBARRIER");
+    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+    const long cmds = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+    if (cmds < 0 || !(cmds & MEMBARRIER_CMD_PRIVATE_EXPEDITED)) return false;
+    return syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+  }();
+  return available;
+}
+
+void heavy_barrier() noexcept {
+  if (syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) != 0)
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // unreachable once registered
+}
+
 #else
+
+bool heavy_barrier_available() noexcept { return false; }
+void heavy_barrier() noexcept { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 void wait_on(std::atomic<std::uint32_t>& word, std::uint32_t expected,
              std::chrono::nanoseconds timeout) noexcept {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Literal, Sequence
+from typing import Literal, Sequence
 
 from mstar_rt import _core
 
@@ -41,17 +41,7 @@ class Ring(_core.Ring):
 
 class StreamBuffer(_core.StreamBuffer):
     """A ring plus a chunk policy. Iterating yields chunks until the producer closes the stream,
-    releasing each chunk when the next is requested (or when the loop ends).
+    releasing each chunk when the next is requested (or when the loop is left).
 
     ``StreamBuffer(dtype, capacity, policy, item_shape=(), overflow="block")``.
     """
-
-    def __iter__(self) -> Iterator[_core.Chunk]:
-        while True:
-            chunk = self.next_chunk()
-            if chunk is None:
-                return
-            try:
-                yield chunk
-            finally:
-                chunk.release()

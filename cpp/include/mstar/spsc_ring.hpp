@@ -16,9 +16,12 @@
 //
 // Waiting. wait_for_items()/wait_for_space() first spin (kSpinIterations polls with a CPU pause),
 // then sleep on a futex (Linux) until the other side signals or the timeout passes. The other side
-// only makes a wake-up system call when a sleeper has announced itself (a Dekker handshake through
-// a sequentially consistent fence), so the non-blocking paths never enter the kernel. The waits
-// touch no Python state: bindings call them with the GIL released.
+// only makes a wake-up system call when a sleeper has announced itself, through an asymmetric
+// Dekker handshake: the sleeper sets its flag and issues a process-wide barrier
+// (membarrier(PRIVATE_EXPEDITED)), which lets the fast paths get by with a compiler barrier
+// instead of a full fence per item. Where membarrier is unavailable both sides use a
+// sequentially consistent fence. The non-blocking paths never enter the kernel. The waits touch
+// no Python state: bindings call them with the GIL released.
 //
 // Overflow. The policy says what a push does when the ring is full:
 //   block        push() waits for room (up to its timeout); try_push() returns false.
@@ -50,8 +53,8 @@ enum class WaitStatus : std::uint8_t {
 
 /// Counters, each written by one side only; read them from any thread.
 struct RingStats {
-  std::uint64_t pushed = 0;    ///< items stored
-  std::uint64_t popped = 0;    ///< items released by the consumer
+  std::uint64_t pushed = 0;    ///< items stored (the write position)
+  std::uint64_t popped = 0;    ///< items released by the consumer (read position - dropped)
   std::uint64_t dropped = 0;   ///< items discarded by drop_oldest
   std::uint64_t rejected = 0;  ///< items refused by reject, or by drop_oldest over a held region
 };
@@ -145,7 +148,11 @@ class SpscRing {
 
   std::byte* slot(std::uint64_t pos) const noexcept { return buf_ + (pos & mask_) * item_size_; }
   bool has_room(std::size_t count) noexcept;
-  bool make_room(std::size_t count) noexcept;  // drop_oldest slow path
+  bool make_room(std::size_t count) noexcept;  // reject / drop_oldest slow path
+  bool full_slow_path(std::size_t count) noexcept {
+    return overflow_ != Overflow::block && make_room(count);
+  }
+  void light_barrier() const noexcept;
   void mirror_commit(std::uint64_t from, std::size_t count) noexcept;
   void notify_consumer() noexcept;
   void notify_producer() noexcept;
@@ -154,7 +161,7 @@ class SpscRing {
   static void bump(Counter& c, std::uint64_t n) noexcept {
     c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
   }
-  std::uint64_t acquire_read_start() noexcept;
+  std::uint64_t hold_for_read() noexcept;  // drop_oldest: pin the read position, return it
 
   // Read-only after construction.
   std::size_t item_size_;
@@ -162,12 +169,12 @@ class SpscRing {
   std::uint64_t mask_;
   std::size_t mirror_;
   Overflow overflow_;
+  bool asymmetric_;  // membarrier available: the fast paths may skip the hardware fence
   std::byte* buf_;
 
   // Producer-owned line: its private write index, its cached view of the read position, counters.
   alignas(kLine) std::uint64_t write_local_ = 0;
   std::uint64_t read_cache_ = 0;
-  Counter pushed_{0};
   Counter dropped_{0};
   Counter rejected_{0};
 
@@ -175,7 +182,6 @@ class SpscRing {
   alignas(kLine) std::uint64_t read_local_ = 0;
   std::uint64_t write_cache_ = 0;
   bool holding_ = false;
-  Counter popped_{0};
 
   // Shared: published positions, each on its own line so the sides do not false-share.
   alignas(kLine) std::atomic<std::uint64_t> write_pos_{0};
@@ -194,31 +200,43 @@ class SpscRing {
 
 inline bool SpscRing::has_room(std::size_t count) noexcept {
   if (write_local_ + count - read_cache_ <= capacity_) return true;
-  read_cache_ = read_state_.load(std::memory_order_acquire) >> 1;
-  return write_local_ + count - read_cache_ <= capacity_;
+  // Refresh the cached read position only when it changes the answer: a failed poll must not
+  // dirty the producer's line (the other side reads nothing from it, but the store still costs).
+  const std::uint64_t r = read_state_.load(std::memory_order_acquire) >> 1;
+  if (write_local_ + count - r > capacity_) return false;
+  read_cache_ = r;
+  return true;
+}
+
+inline void SpscRing::light_barrier() const noexcept {
+  // Orders our position store before the load of the other side's "sleeping" flag. With
+  // membarrier the sleeper's heavy barrier supplies the hardware ordering.
+  if (asymmetric_) {
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+  } else {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
 }
 
 inline void SpscRing::notify_consumer() noexcept {
-  // Pairs with the fence in wait(): either the sleeper sees our write position or we see its flag.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  light_barrier();
   if (consumer_waiting_.load(std::memory_order_relaxed) != 0) wake(items_seq_);
 }
 
 inline void SpscRing::notify_producer() noexcept {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  light_barrier();
   if (producer_waiting_.load(std::memory_order_relaxed) != 0) wake(space_seq_);
 }
 
 inline bool SpscRing::try_push(const void* item) noexcept {
   if (closed_.load(std::memory_order_relaxed)) return false;
-  if (!has_room(1) && !make_room(1)) return false;
+  if (!has_room(1) && !full_slow_path(1)) return false;
   const std::uint64_t w = write_local_;
   std::byte* dst = slot(w);
   std::memcpy(dst, item, item_size_);
   if ((w & mask_) < mirror_) std::memcpy(dst + capacity_ * item_size_, item, item_size_);
   write_local_ = w + 1;
   write_pos_.store(w + 1, std::memory_order_release);
-  bump(pushed_, 1);
   notify_consumer();
   return true;
 }
@@ -227,14 +245,13 @@ template <class T>
 inline bool SpscRing::try_push_as(const T& item) noexcept {
   static_assert(std::is_trivially_copyable_v<T>, "ring items are copied as bytes");
   if (sizeof(T) != item_size_ || closed_.load(std::memory_order_relaxed)) return false;
-  if (!has_room(1) && !make_room(1)) return false;
+  if (!has_room(1) && !full_slow_path(1)) return false;
   const std::uint64_t w = write_local_;
   std::byte* dst = slot(w);
   std::memcpy(dst, &item, sizeof(T));
   if ((w & mask_) < mirror_) std::memcpy(dst + capacity_ * sizeof(T), &item, sizeof(T));
   write_local_ = w + 1;
   write_pos_.store(w + 1, std::memory_order_release);
-  bump(pushed_, 1);
   notify_consumer();
   return true;
 }
@@ -249,13 +266,13 @@ inline bool SpscRing::try_pop(void* out) noexcept {
   }
   const std::uint64_t r = read_local_;
   if (r == write_cache_) {
-    write_cache_ = write_pos_.load(std::memory_order_acquire);
-    if (r == write_cache_) return false;
+    const std::uint64_t w = write_pos_.load(std::memory_order_acquire);
+    if (r == w) return false;  // empty: leave the cache untouched (see has_room)
+    write_cache_ = w;
   }
   std::memcpy(out, slot(r), item_size_);
   read_local_ = r + 1;
   read_state_.store((r + 1) << 1, std::memory_order_release);
-  bump(popped_, 1);
   notify_producer();
   return true;
 }
@@ -267,15 +284,69 @@ inline bool SpscRing::try_pop_as(T& out) noexcept {
   if (overflow_ == Overflow::drop_oldest) return try_pop(&out);
   const std::uint64_t r = read_local_;
   if (r == write_cache_) {
-    write_cache_ = write_pos_.load(std::memory_order_acquire);
-    if (r == write_cache_) return false;
+    const std::uint64_t w = write_pos_.load(std::memory_order_acquire);
+    if (r == w) return false;
+    write_cache_ = w;
   }
   std::memcpy(&out, slot(r), sizeof(T));
   read_local_ = r + 1;
   read_state_.store((r + 1) << 1, std::memory_order_release);
-  bump(popped_, 1);
   notify_producer();
   return true;
+}
+
+inline WriteRegion SpscRing::reserve(std::size_t max_count) noexcept {
+  const std::uint64_t w = write_local_;
+  if (closed_.load(std::memory_order_relaxed)) return {slot(w), 0, w};
+  std::size_t room = static_cast<std::size_t>(capacity_ - (w - read_cache_));
+  if (room < max_count) {
+    const std::uint64_t r = read_state_.load(std::memory_order_acquire) >> 1;
+    if (r != read_cache_) {
+      read_cache_ = r;
+      room = static_cast<std::size_t>(capacity_ - (w - r));
+    }
+  }
+  const std::size_t contiguous = capacity_ + mirror_ - static_cast<std::size_t>(w & mask_);
+  std::size_t n = max_count < room ? max_count : room;
+  if (contiguous < n) n = contiguous;
+  return {slot(w), n, w};
+}
+
+inline void SpscRing::commit(std::size_t count) noexcept {
+  if (count == 0) return;
+  const std::uint64_t w = write_local_;
+  if (mirror_ != 0) mirror_commit(w, count);
+  write_local_ = w + count;
+  write_pos_.store(w + count, std::memory_order_release);
+  notify_consumer();
+}
+
+inline ReadRegion SpscRing::peek(std::size_t max_count) noexcept {
+  const std::uint64_t r = overflow_ == Overflow::drop_oldest ? hold_for_read() : read_local_;
+  std::size_t avail = static_cast<std::size_t>(write_cache_ - r);
+  if (write_cache_ < r || avail < max_count) {
+    const std::uint64_t w = write_pos_.load(std::memory_order_acquire);
+    if (w != write_cache_) write_cache_ = w;
+    avail = static_cast<std::size_t>(w - r);
+  }
+  const std::size_t contiguous = capacity_ + mirror_ - static_cast<std::size_t>(r & mask_);
+  std::size_t n = max_count < avail ? max_count : avail;
+  if (contiguous < n) n = contiguous;
+  if (n == 0 && holding_) {  // nothing to hold: give the producer its freedom back
+    holding_ = false;
+    read_state_.store(r << 1, std::memory_order_release);
+  }
+  return {slot(r), n, r};
+}
+
+inline void SpscRing::release(std::size_t count) noexcept {
+  // Without a hold, release(0) must not publish: the producer may have moved the read position.
+  if (count == 0 && !holding_) return;
+  const std::uint64_t r = read_local_ + count;
+  read_local_ = r;
+  holding_ = false;
+  read_state_.store(r << 1, std::memory_order_release);
+  if (count != 0) notify_producer();
 }
 
 }  // namespace mstar
