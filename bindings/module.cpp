@@ -6,12 +6,14 @@
 namespace mstar::py_bind {
 void bind_ring(py::module_& m);
 void bind_stream(py::module_& m);
+void bind_conductor(py::module_& m);
 }  // namespace mstar::py_bind
 
 PYBIND11_MODULE(_core, m) {
   namespace py = pybind11;
-  m.doc() = "mstar_rt C++ core: lock-free rings, chunk policies, stream buffers";
+  m.doc() = "mstar_rt C++ core: lock-free rings, chunk policies, stream buffers, the conductor";
   py::register_exception<mstar::py_bind::StreamClosed>(m, "StreamClosedError", PyExc_RuntimeError);
   mstar::py_bind::bind_ring(m);
   mstar::py_bind::bind_stream(m);
+  mstar::py_bind::bind_conductor(m);
 }

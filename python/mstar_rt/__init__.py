@@ -11,6 +11,19 @@ This package is a typed face over the compiled core ``mstar_rt._core``. The stre
 """
 
 from mstar_rt._core import ChunkPolicy, Chunk, StreamClosedError
+from mstar_rt.graph import (
+    EMIT,
+    DynamicLoop,
+    GraphEdge,
+    GraphError,
+    GraphNode,
+    Loop,
+    Parallel,
+    Sequential,
+    StreamingGraphEdge,
+)
+from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext
+from mstar_rt.runtime import RequestCancelled, RequestFailed, RequestHandle, Runtime, compile_model
 from mstar_rt.streaming import (
     Fixed,
     LeftContext,
@@ -24,6 +37,25 @@ from mstar_rt.streaming import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "EMIT",
+    "DynamicLoop",
+    "GraphEdge",
+    "GraphError",
+    "GraphNode",
+    "Loop",
+    "Model",
+    "NodeSubmodule",
+    "Parallel",
+    "RequestCancelled",
+    "RequestContext",
+    "RequestFailed",
+    "RequestHandle",
+    "Runtime",
+    "Sequential",
+    "StreamWindow",
+    "StreamingGraphEdge",
+    "WorkContext",
+    "compile_model",
     "Chunk",
     "ChunkPolicy",
     "Fixed",

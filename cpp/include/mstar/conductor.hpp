@@ -1,0 +1,136 @@
+// mstar/conductor.hpp — runs requests through a compiled graph (see graph.hpp).
+//
+// The Conductor keeps, per request, the current walk, an activation tree over its sections
+// (sequential position, parallel branches pending, loop counters and stop flags, nested loop
+// indices), the values visible by name (handles into the application's tensor store, with
+// reference counts), accumulated loop outputs, persisted handles and streaming-edge state. It
+// emits work items into per-engine ready queues ordered by deadline, then priority, then request
+// arrival, and engine workers pull batches of one node and walk across requests. It never runs a
+// node and never touches tensor bytes: it routes handles.
+//
+// Threading: every method is safe from any thread (one internal mutex; next_batch waits on a
+// condition variable without holding it). The handles a call stops referencing are returned in
+// `released`: the caller frees them from its store.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mstar/graph.hpp"
+
+namespace mstar {
+
+using RequestId = std::uint64_t;
+
+struct NamedHandle {
+  NameId name = 0;
+  Handle handle = 0;
+};
+
+struct SubmitOptions {
+  /// Absolute steady-clock deadline in ns since its epoch; INT64_MAX = none. Earlier goes first.
+  std::int64_t deadline_ns = INT64_MAX;
+  /// Higher goes first among equal deadlines; then the request submitted first.
+  std::int32_t priority = 0;
+};
+
+/// One execution of one node for one request, as handed to an engine worker.
+struct WorkItem {
+  std::uint64_t id = 0;
+  RequestId request = 0;
+  NodeId node = 0;
+  WalkId walk = 0;
+  std::uint32_t iteration = 0;  ///< of the innermost enclosing loop (0 outside loops)
+  /// Input k of the node is handles[offsets[k] .. offsets[k+1]); list_input[k] says whether it is
+  /// a list (an accumulated loop output or a stream window) rather than one value.
+  std::vector<Handle> handles;
+  std::vector<std::uint32_t> offsets;
+  std::vector<std::uint8_t> list_input;
+  bool windowed = false;  ///< a stream consumer's window: `chunk` says which items
+  Chunk chunk;
+};
+
+/// What an engine reports for one work item.
+struct Completion {
+  std::uint64_t item = 0;
+  std::vector<Handle> outputs;     ///< aligned with NodeSpec::outputs; 0 = not produced
+  std::vector<NameId> stop_loops;  ///< DynamicLoops (by name) to stop for this item's request
+};
+
+struct Emit {
+  RequestId request = 0;
+  NodeId node = 0;
+  NameId name = 0;
+  Handle handle = 0;  ///< valid until the caller frees the handles released by the same call
+};
+
+/// Everything a call changed that the caller has to act on.
+struct Outcome {
+  std::vector<Emit> emits;                ///< in completion order
+  std::vector<RequestId> walks_done;      ///< ask the model for the next walk (or finish)
+  std::vector<std::pair<RequestId, std::string>> failed;  ///< ended with this error
+  std::vector<Handle> released;           ///< free these from the tensor store, after the emits
+};
+
+struct TimelineEvent {
+  NodeId node = 0;
+  WalkId walk = 0;
+  std::uint32_t iteration = 0;
+  std::uint32_t batch_size = 0;
+  std::int64_t queued_ns = 0, started_ns = 0, finished_ns = 0;  ///< steady clock
+};
+
+class Conductor {
+ public:
+  /// Throws std::invalid_argument when the IR refers to unknown names, nodes, sections or engines.
+  explicit Conductor(GraphSpec graph);
+  ~Conductor();
+  Conductor(const Conductor&) = delete;
+  Conductor& operator=(const Conductor&) = delete;
+
+  const GraphSpec& graph() const noexcept;
+
+  /// Starts `walk` for a new request whose inputs stay visible in every walk. Returns its id.
+  RequestId submit(WalkId walk, const std::vector<NamedHandle>& inputs, SubmitOptions options,
+                   Outcome* out);
+  /// After a walks_done report: run the next walk (persisted names and inputs remain visible).
+  void start_walk(RequestId request, WalkId walk, Outcome* out);
+  /// After a walks_done report: the request is complete; frees everything it holds.
+  void finish(RequestId request, Outcome* out);
+  /// At any moment: drops queued work and frees everything; in-flight items are ignored when they
+  /// complete. Returns false if the request is unknown or already over.
+  bool cancel(RequestId request, Outcome* out);
+  /// Ends a request with an error (e.g. the model's state machine raised).
+  void fail(RequestId request, const std::string& message, Outcome* out);
+
+  /// Waits up to `timeout` for work on `engine`; returns up to `max_batch` items of one node and
+  /// walk, the most urgent first. Empty on timeout or after shutdown().
+  std::vector<const WorkItem*> next_batch(EngineId engine, std::size_t max_batch,
+                                          std::chrono::nanoseconds timeout);
+  /// Reports finished items (any subset of batches). Items of cancelled requests are ignored.
+  void complete(const std::vector<Completion>& done, Outcome* out);
+  /// Reports that items failed: their requests end with `message` (other requests go on).
+  void fail_items(const std::vector<std::uint64_t>& items, const std::string& message, Outcome* out);
+  /// Wakes every waiting next_batch; later calls return at once.
+  void shutdown();
+
+  /// Single values currently visible to the request by name (after a walk: persisted + inputs).
+  std::vector<NamedHandle> values(RequestId request) const;
+  /// The request's per-node-execution timeline (kept until forget()).
+  std::vector<TimelineEvent> timeline(RequestId request) const;
+  void forget(RequestId request);
+
+  std::size_t live_requests() const;
+  std::size_t live_handles() const;   ///< handles with a nonzero reference count
+  std::size_t queued_items() const;
+  std::size_t inflight_items() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mstar

@@ -1,0 +1,72 @@
+// mstar/graph.hpp — the compiled graph IR: what the Conductor runs.
+//
+// A model is (G, W): nodes (one component's forward pass each, run by an engine) and named walks,
+// each a tree of sections over those nodes. The Python DSL validates a model and compiles it into
+// this plain form; names (the data flowing between nodes) become small integer ids. The
+// Conductor trusts the shape of the IR (Conductor::Conductor checks ids and throws on nonsense).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mstar/chunk_policy.hpp"
+
+namespace mstar {
+
+using NameId = std::uint32_t;
+using NodeId = std::uint32_t;
+using WalkId = std::uint32_t;
+using EngineId = std::uint32_t;
+/// A value held by the embedding application's tensor store; 0 means "no value".
+using Handle = std::uint64_t;
+
+struct NodeSpec {
+  std::string name;
+  EngineId engine = 0;
+  std::uint32_t max_batch = 1;   ///< the most work items of this node one batch may hold
+  std::vector<NameId> inputs;    ///< in the order the node receives them
+  std::vector<NameId> outputs;   ///< in the order the node reports them
+};
+
+enum class SectionKind : std::uint8_t { node, sequential, parallel, loop };
+
+struct SectionSpec {
+  SectionKind kind = SectionKind::node;
+  NodeId node = 0;                      ///< kind == node
+  std::vector<std::uint32_t> children;  ///< section indices (sequential, parallel; loop: one body)
+  std::uint32_t max_iters = 1;          ///< loop
+  bool dynamic = false;                 ///< loop: a DynamicLoop a node may stop per request
+  NameId loop_name = 0;                 ///< dynamic loop: the name check_stop uses
+  std::vector<NameId> outputs;          ///< loop: names visible after it with their last value
+  std::vector<NameId> accumulated;      ///< loop: names visible after it as every iteration's value
+  std::vector<NameId> scoped;           ///< loop: names made inside the body and dropped after it
+};
+
+/// A streaming edge: each execution of `producer` appends its output `name` as one item; the
+/// consumer node runs on every window the policy makes of those items, reading them as `name`.
+struct StreamSpec {
+  NodeId producer = 0;
+  NameId name = 0;
+  NodeId consumer = 0;
+  ChunkPolicy policy = ChunkPolicy::fixed(1);
+  std::uint32_t producer_scope = 0;  ///< section whose end ends the stream (innermost loop or node)
+};
+
+struct WalkSpec {
+  std::string name;
+  std::uint32_t root = 0;  ///< index into sections
+  std::vector<SectionSpec> sections;
+  std::vector<std::pair<NodeId, NameId>> emits;  ///< (node, output) pairs streamed to the caller
+  std::vector<NameId> persist;                   ///< names kept for the next walk
+  std::vector<StreamSpec> streams;
+};
+
+struct GraphSpec {
+  std::vector<std::string> names;    ///< NameId -> name
+  std::vector<std::string> engines;  ///< EngineId -> engine name
+  std::vector<NodeSpec> nodes;
+  std::vector<WalkSpec> walks;
+};
+
+}  // namespace mstar

@@ -1,0 +1,98 @@
+"""Model and NodeSubmodule: what a model author writes; the runtime does the rest."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from mstar_rt.graph import GraphNode, SectionLike
+
+
+@dataclass
+class RequestContext:
+    """One request as nodes and the state machine see it."""
+
+    id: int
+    inputs: Mapping[str, Any]
+    walk: str = ""
+    state: dict = field(default_factory=dict)  # free for the model's own bookkeeping
+
+
+@dataclass(frozen=True)
+class StreamWindow:
+    """What a stream consumer receives for its streamed input: the window's items (stream
+    positions ``begin`` .. ``end``), of which ``items[new_begin - begin:]`` are new."""
+
+    items: list
+    begin: int
+    new_begin: int
+    end: int
+    last: bool
+
+    @property
+    def new_items(self) -> list:
+        return self.items[self.new_begin - self.begin:]
+
+
+@dataclass(frozen=True)
+class WorkContext:
+    """Per-execution facts a submodule may want besides the inputs."""
+
+    request: RequestContext
+    iteration: int  # of the innermost enclosing loop
+
+
+class NodeSubmodule(abc.ABC):
+    """The module behind one node. Override :meth:`forward`; the rest has sensible defaults.
+
+    A batch holds executions of this node for several requests (never two of one request).
+    """
+
+    #: The most executions one forward() may take; the engine never exceeds it.
+    max_batch: int = 1
+
+    def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> Any:
+        """Turns one execution's named inputs into whatever forward() takes per item."""
+        return inputs
+
+    @abc.abstractmethod
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        """Runs a batch; returns, per item, the node's outputs by name."""
+
+    def check_stop(self, batch: list[Any], outputs: list[Mapping[str, Any]]) -> list[Iterable[str]]:
+        """Per item, the names of the DynamicLoops to stop (at the next iteration boundary)."""
+        return [() for _ in batch]
+
+    def split_batch(self, batch: list[Any]) -> list[list[int]]:
+        """Groups of item indices that may run in one forward(); refuse batching by splitting."""
+        return [list(range(len(batch)))]
+
+    def cleanup(self, request: RequestContext) -> None:
+        """Called once when a request ends (finished, failed or cancelled)."""
+
+
+class Model:
+    """A model is (G, W) plus a state machine over walks.
+
+    Subclasses set :attr:`nodes`, :attr:`walks`, :attr:`inputs` and :attr:`submodules`, may map
+    nodes to engines, and may override :meth:`initial_walk` and :meth:`next_walk`.
+    """
+
+    nodes: Sequence[GraphNode] = ()
+    walks: Mapping[str, SectionLike] = {}
+    #: Names a request brings; they stay visible in every walk of the request.
+    inputs: Sequence[str] = ()
+    #: node name -> submodule that runs it.
+    submodules: Mapping[str, NodeSubmodule] = {}
+    #: node name -> engine name (default "default"); each engine gets its own worker.
+    engines: Mapping[str, str] = {}
+
+    def initial_walk(self, request: RequestContext) -> str:
+        """The first walk of a request (default: the first walk declared)."""
+        return next(iter(self.walks))
+
+    def next_walk(self, request: RequestContext, finished_walk: str,
+                  persisted: Mapping[str, Any]) -> Optional[str]:
+        """The walk after ``finished_walk``, or None when the request is done (default: done)."""
+        return None

@@ -1,0 +1,338 @@
+"""In-process Runtime: one worker thread per engine, fed by the C++ Conductor."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from typing import Any, Iterator, Mapping, Optional
+
+from mstar_rt import _core
+from mstar_rt.compiler import CompiledGraph, compile_graph
+from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext
+from mstar_rt.store import TensorStore
+
+_NO_DEADLINE = 2**63 - 1
+
+
+class RequestFailed(RuntimeError):
+    """A node (or the model's state machine) raised while serving the request."""
+
+
+class RequestCancelled(RuntimeError):
+    """The request was cancelled before it finished."""
+
+
+def compile_model(model: Model) -> CompiledGraph:
+    """Validates the model's graph and walks (GraphError on problems) and builds the IR."""
+    missing = [n.name for n in model.nodes if n.name not in model.submodules]
+    if missing:
+        raise ValueError(f"model {type(model).__name__} has no submodule for nodes {missing}; "
+                         "map every node name to a NodeSubmodule in `submodules`")
+    return compile_graph(model.nodes, model.walks, model.inputs, model.engines,
+                         {n: max(1, int(getattr(s, "max_batch", 1)))
+                          for n, s in model.submodules.items()})
+
+
+class RequestHandle:
+    """A submitted request: iterate it for EMIT outputs as ``(name, value)``, or wait for
+    :meth:`result`; :meth:`cancel` stops it; :meth:`stats` / :meth:`chrome_trace` time it."""
+
+    def __init__(self, runtime: "Runtime", ctx: RequestContext) -> None:
+        self._runtime = runtime
+        self.context = ctx
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._emitted: dict[str, list] = {}
+        self._timeline: list[tuple] = []
+
+    @property
+    def id(self) -> int:
+        return self.context.id
+
+    # -- called by the runtime --
+    def _emit(self, name: str, value: Any) -> None:
+        self._emitted.setdefault(name, []).append(value)
+        self._events.put((name, value))
+
+    def _end(self, error: Optional[BaseException], timeline: list[tuple]) -> None:
+        if self._done.is_set():
+            return
+        self._error = error
+        self._timeline = timeline
+        self._done.set()
+        self._events.put(None)
+
+    # -- public --
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        while True:
+            event = self._events.get()
+            if event is None:
+                self._events.put(None)  # later iterations end at once too
+                if self._error is not None:
+                    raise self._error
+                return
+            yield event
+
+    def result(self, timeout: Optional[float] = None) -> dict[str, list]:
+        """Waits for the end; returns every EMIT output by name, in order. Raises
+        RequestFailed / RequestCancelled, or TimeoutError."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._emitted
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> bool:
+        """Stops the request now; its queued work is dropped and its memory freed."""
+        return self._runtime._cancel(self)
+
+    def stats(self) -> list[dict]:
+        """One record per node execution: node, walk, iteration, batch size, and the queued,
+        started and finished times in seconds (monotonic clock)."""
+        timeline = self._timeline if self.done else self._runtime._timeline(self.id)
+        names = self._runtime._node_names
+        walks = self._runtime._walk_names
+        return [dict(node=names[n], walk=walks[w], iteration=it, batch_size=b,
+                     queued=q / 1e9, started=s / 1e9, finished=f / 1e9)
+                for n, w, it, b, q, s, f in timeline]
+
+    def chrome_trace(self) -> dict:
+        """The timeline as Chrome trace JSON (open it in Perfetto or chrome://tracing)."""
+        events = []
+        for rec in self.stats():
+            events.append(dict(name=rec["node"], cat=rec["walk"], ph="X", pid=self.id,
+                               tid=self._runtime._engine_of_node.get(rec["node"], "default"),
+                               ts=rec["started"] * 1e6,
+                               dur=(rec["finished"] - rec["started"]) * 1e6,
+                               args=dict(iteration=rec["iteration"], batch_size=rec["batch_size"],
+                                         queued_us=(rec["started"] - rec["queued"]) * 1e6)))
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+
+class Runtime:
+    """Serves a :class:`Model` in this process.
+
+    ``Runtime(model)`` compiles the model, creates the C++ Conductor and starts one worker thread
+    per engine; ``submit(inputs)`` returns a :class:`RequestHandle`; ``close()`` stops and joins
+    every thread. Use it as a context manager.
+    """
+
+    def __init__(self, model: Model, poll_s: float = 0.05) -> None:
+        self.model = model
+        self.graph = compile_model(model)
+        g = self.graph
+        self.conductor = _core.Conductor(g.names, g.engines, g.nodes, g.walks)
+        self.store = TensorStore()
+        self._poll_s = poll_s
+        self._node_names = list(g.node_ids)
+        self._walk_names = list(g.walk_ids)
+        self._name_of = list(g.names)
+        self._submodules: list[NodeSubmodule] = [model.submodules[n] for n in self._node_names]
+        self._outputs = [tuple(g.name_ids[x] for x in outs) for outs in g.node_outputs]
+        self._loop_ids = g.name_ids
+        self._engine_of_node = {n: model.engines.get(n, "default") for n in self._node_names}
+        self._requests: dict[int, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._workers = []
+        for engine_id, engine in enumerate(g.engines):
+            max_batch = max(n[2] for n in g.nodes if n[1] == engine_id)
+            t = threading.Thread(target=self._worker, args=(engine_id, max_batch),
+                                 name=f"mstar-engine-{engine}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
+               priority: int = 0) -> RequestHandle:
+        """Starts a request. ``deadline`` is seconds from now (earlier deadlines run first);
+        ``priority`` breaks ties (higher first); then the earlier request goes first."""
+        if self._closed:
+            raise RuntimeError("submit: the runtime is closed")
+        unknown = set(inputs) - set(self.model.inputs)
+        missing = set(self.model.inputs) - set(inputs)
+        if unknown or missing:
+            raise ValueError(f"submit: inputs {sorted(unknown)} are not declared by the model and "
+                             f"{sorted(missing)} are missing; the model takes {list(self.model.inputs)}")
+        ctx = RequestContext(id=0, inputs=dict(inputs))
+        walk = self.model.initial_walk(ctx)
+        if walk not in self.graph.walk_ids:
+            raise ValueError(f"initial_walk returned '{walk}', which is not a walk of the model")
+        ctx.walk = walk
+        handles = [(self.graph.name_ids[k], self.store.put(v)) for k, v in inputs.items()]
+        deadline_ns = _NO_DEADLINE if deadline is None else time.monotonic_ns() + int(deadline * 1e9)
+        with self._lock:  # the handle must be known before a worker can report on the request
+            rid, outcome = self.conductor.submit(self.graph.walk_ids[walk], handles, deadline_ns,
+                                                 priority)
+            ctx.id = rid
+            handle = RequestHandle(self, ctx)
+            self._requests[rid] = handle
+        self._handle(outcome)
+        return handle
+
+    def _cancel(self, handle: RequestHandle) -> bool:
+        ok, outcome = self.conductor.cancel(handle.id)
+        if ok:
+            self._end(handle.id, RequestCancelled(f"request {handle.id} was cancelled"))
+        self._handle(outcome)
+        return ok
+
+    def _timeline(self, rid: int) -> list:
+        return self.conductor.timeline(rid)
+
+    def _end(self, rid: int, error: Optional[BaseException]) -> None:
+        with self._lock:
+            handle = self._requests.pop(rid, None)
+        if handle is None:
+            return
+        timeline = self.conductor.timeline(rid)
+        self.conductor.forget(rid)
+        for sub in self._submodules:
+            try:
+                sub.cleanup(handle.context)
+            except Exception:  # a cleanup failure must not take the runtime down
+                pass
+        handle._end(error, timeline)
+
+    # ---- outcomes ------------------------------------------------------------------------------
+
+    def _handle(self, outcome: tuple) -> None:
+        emits, walks_done, failed, released = outcome
+        store = self.store
+        if emits:
+            with self._lock:
+                requests = self._requests
+                for rid, _node, name, h in emits:
+                    handle = requests.get(rid)
+                    if handle is not None:
+                        handle._emit(self._name_of[name], store.get(h))
+        for rid, message in failed:
+            self._end(rid, RequestFailed(message))
+        for rid in walks_done:
+            self._next_walk(rid)
+        if released:
+            store.drop(released)
+
+    def _next_walk(self, rid: int) -> None:
+        with self._lock:
+            handle = self._requests.get(rid)
+        if handle is None:
+            return
+        ctx = handle.context
+        try:
+            persisted = {self._name_of[n]: self.store.get(h) for n, h in self.conductor.values(rid)}
+            walk = self.model.next_walk(ctx, ctx.walk, persisted)
+            if walk is not None and walk not in self.graph.walk_ids:
+                raise ValueError(f"next_walk returned '{walk}', which is not a walk of the model")
+        except Exception as e:
+            self._handle(self.conductor.fail(rid, f"next_walk after '{ctx.walk}' raised "
+                                                  f"{type(e).__name__}: {e}"))
+            return
+        if walk is None:
+            outcome = self.conductor.finish(rid)
+            self._end(rid, None)
+        else:
+            ctx.walk = walk
+            outcome = self.conductor.start_walk(rid, self.graph.walk_ids[walk])
+        self._handle(outcome)
+
+    # ---- engine workers ------------------------------------------------------------------------
+
+    def _worker(self, engine: int, max_batch: int) -> None:
+        conductor = self.conductor
+        while not self._closed:
+            batch = conductor.next_batch(engine, max_batch, self._poll_s)
+            if batch is None:
+                continue
+            node, walk, items = batch
+            try:
+                completions = self._run(node, items)
+            except Exception as e:  # isolate: retry one by one so only the culprit fails
+                completions = []
+                for item in items:
+                    try:
+                        completions += self._run(node, [item])
+                    except Exception as e1:
+                        self._handle(conductor.fail_items(
+                            [item[0]], f"{type(e1).__name__}: {e1}"))
+                del e
+            if completions:
+                self._handle(conductor.complete(completions))
+
+    def _run(self, node: int, items: list) -> list:
+        sub = self._submodules[node]
+        input_names = self.graph.node_inputs[node]
+        get = self.store.get
+        prepared = []
+        with self._lock:
+            requests = self._requests
+            contexts = [requests.get(item[1]) for item in items]
+        for item, handle in zip(items, contexts):
+            _id, _rid, iteration, inputs, chunk = item
+            values = {}
+            for name, spec in zip(input_names, inputs):
+                if isinstance(spec, list):
+                    vals = [get(h) for h in spec]
+                    values[name] = vals if chunk is None else StreamWindow(vals, *chunk)
+                else:
+                    values[name] = get(spec)
+            ctx = handle.context if handle is not None else RequestContext(_rid, {})
+            prepared.append(sub.prepare_inputs(WorkContext(ctx, iteration), values))
+        outputs: list = [None] * len(items)
+        for group in sub.split_batch(prepared):
+            result = sub.forward([prepared[i] for i in group])
+            if len(result) != len(group):
+                raise RuntimeError(f"{type(sub).__name__}.forward returned {len(result)} results "
+                                   f"for a batch of {len(group)}")
+            for i, r in zip(group, result):
+                outputs[i] = r
+        stops = sub.check_stop(prepared, outputs)
+        out_names = self.graph.node_outputs[node]
+        put = self.store.put
+        completions = []
+        for item, out, stop in zip(items, outputs, stops):
+            unknown = set(out) - set(out_names)
+            if unknown:
+                raise RuntimeError(f"node '{self._node_names[node]}' returned outputs "
+                                   f"{sorted(unknown)} it does not declare ({list(out_names)})")
+            handles = [put(out[n]) if n in out else 0 for n in out_names]
+            completions.append((item[0], handles, [self._loop_ids[s] for s in stop]))
+        return completions
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancels what is still running, stops the workers and joins them."""
+        if self._closed:
+            return
+        for handle in list(self._requests.values()):
+            handle.cancel()
+        self._closed = True
+        self.conductor.shutdown()
+        for t in self._workers:
+            t.join()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def live(self) -> dict[str, int]:
+        """What is still held: requests, handles in the Conductor and values in the store."""
+        return dict(requests=self.conductor.live_requests, handles=self.conductor.live_handles,
+                    stored=len(self.store), queued=self.conductor.queued_items,
+                    inflight=self.conductor.inflight_items)

@@ -1,0 +1,635 @@
+// Conductor: walks requests through the compiled graph and feeds engine ready queues.
+#include "mstar/conductor.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "conductor_state.hpp"
+
+namespace mstar {
+
+using detail::Activation;
+using detail::Item;
+using detail::Request;
+using detail::Slot;
+using detail::StreamState;
+
+namespace {
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+struct Conductor::Impl {
+  GraphSpec g;
+  std::vector<detail::WalkIndex> index;  // by walk
+
+  mutable std::mutex mu;
+  std::vector<detail::EngineQueue> engines;
+  std::unordered_map<RequestId, std::unique_ptr<Request>> requests;
+  std::unordered_map<RequestId, std::vector<TimelineEvent>> finished_timelines;
+  std::unordered_map<std::uint64_t, std::unique_ptr<Item>> items;  // queued and in flight
+  std::unordered_map<Handle, std::uint32_t> refs;
+  std::vector<Activation*> free_acts;  // reused: no allocation per loop iteration once warm
+  RequestId next_request = 1;
+  std::uint64_t next_item = 1;
+  bool stopping = false;
+  std::size_t inflight = 0;
+
+  explicit Impl(GraphSpec graph) : g(std::move(graph)), engines(g.engines.size()) { validate_and_index(); }
+
+  ~Impl() {
+    for (Activation* a : free_acts) delete a;
+    for (auto& [id, r] : requests)
+      for (Activation* a : r->live) delete a;
+  }
+
+  // ---- IR checks ------------------------------------------------------------------------------
+
+  void validate_and_index() {
+    auto bad = [](const std::string& what) { throw std::invalid_argument("graph IR: " + what); };
+    const std::size_t n_names = g.names.size();
+    if (g.engines.empty()) bad("no engines");
+    for (const NodeSpec& n : g.nodes) {
+      if (n.engine >= g.engines.size()) bad("node '" + n.name + "' uses an unknown engine");
+      if (n.max_batch == 0) bad("node '" + n.name + "' has max_batch 0");
+      for (NameId x : n.inputs)
+        if (x >= n_names) bad("node '" + n.name + "' reads an unknown name id");
+      for (NameId x : n.outputs)
+        if (x >= n_names) bad("node '" + n.name + "' writes an unknown name id");
+    }
+    for (const WalkSpec& w : g.walks) {
+      detail::WalkIndex ix;
+      ix.node_section.assign(g.nodes.size(), -1);
+      ix.emit_names.resize(g.nodes.size());
+      ix.produces_streams.resize(g.nodes.size());
+      ix.consumes_stream.assign(g.nodes.size(), -1);
+      ix.ends_streams.resize(w.sections.size());
+      ix.persist.assign(n_names, 0);
+      if (w.root >= w.sections.size()) bad("walk '" + w.name + "' has no root section");
+      for (std::uint32_t s = 0; s < w.sections.size(); ++s) {
+        const SectionSpec& sec = w.sections[s];
+        for (std::uint32_t c : sec.children)
+          if (c >= w.sections.size()) bad("walk '" + w.name + "' refers to an unknown section");
+        if (sec.kind == SectionKind::node) {
+          if (sec.node >= g.nodes.size()) bad("walk '" + w.name + "' runs an unknown node");
+          if (ix.node_section[sec.node] != -1)
+            bad("node '" + g.nodes[sec.node].name + "' appears twice in walk '" + w.name + "'");
+          ix.node_section[sec.node] = static_cast<int>(s);
+        }
+        if (sec.kind == SectionKind::loop && (sec.children.size() != 1 || sec.max_iters == 0))
+          bad("walk '" + w.name + "' has a loop without exactly one body or with max_iters 0");
+      }
+      for (auto [node, name] : w.emits) {
+        if (node >= g.nodes.size() || name >= n_names) bad("walk '" + w.name + "' emits nonsense");
+        ix.emit_names[node].push_back(name);
+      }
+      for (NameId p : w.persist) {
+        if (p >= n_names) bad("walk '" + w.name + "' persists an unknown name");
+        ix.persist[p] = 1;
+      }
+      for (std::size_t k = 0; k < w.streams.size(); ++k) {
+        const StreamSpec& st = w.streams[k];
+        if (st.producer >= g.nodes.size() || st.consumer >= g.nodes.size() ||
+            st.producer_scope >= w.sections.size() || st.name >= n_names)
+          bad("walk '" + w.name + "' has a malformed streaming edge");
+        if (ix.consumes_stream[st.consumer] != -1)
+          bad("node '" + g.nodes[st.consumer].name + "' consumes two streams in one walk");
+        ix.produces_streams[st.producer].push_back(static_cast<int>(k));
+        ix.consumes_stream[st.consumer] = static_cast<int>(k);
+        ix.ends_streams[st.producer_scope].push_back(static_cast<int>(k));
+      }
+      index.push_back(std::move(ix));
+    }
+  }
+
+  // ---- handles --------------------------------------------------------------------------------
+
+  void retain(Handle h) {
+    if (h != 0) ++refs[h];
+  }
+  void release(Handle h, Outcome* out) {
+    if (h == 0) return;
+    auto it = refs.find(h);
+    if (it == refs.end()) return;
+    if (--it->second == 0) {
+      refs.erase(it);
+      out->released.push_back(h);
+    }
+  }
+  void clear_slot(Slot& s, Outcome* out) {
+    if (!s.present) return;
+    if (s.list) {
+      for (Handle h : s.many) release(h, out);
+      s.many.clear();
+    } else {
+      release(s.single, out);
+    }
+    s.present = s.list = false;
+    s.single = 0;
+  }
+  void set_single(Request& r, NameId name, Handle h, Outcome* out) {
+    retain(h);  // before clearing: the new value may equal the old one
+    clear_slot(r.env[name], out);
+    Slot& s = r.env[name];
+    s.present = true;
+    s.single = h;
+  }
+
+  // ---- activations ----------------------------------------------------------------------------
+
+  Activation* new_act(Request& r, std::uint32_t section, Activation* parent) {
+    Activation* a;
+    if (free_acts.empty()) {
+      a = new Activation();
+    } else {
+      a = free_acts.back();
+      free_acts.pop_back();
+    }
+    a->section = section;
+    a->parent = parent;
+    a->index = 0;
+    a->acc.clear();
+    r.live.insert(a);
+    return a;
+  }
+  void drop_act(Request& r, Activation* a, Outcome* out) {
+    for (auto& list : a->acc)
+      for (Handle h : list) release(h, out);
+    a->acc.clear();
+    r.live.erase(a);
+    free_acts.push_back(a);
+  }
+
+  const WalkSpec& walk_of(const Request& r) const { return g.walks[r.walk]; }
+  const SectionSpec& sec(const Request& r, std::uint32_t s) const { return g.walks[r.walk].sections[s]; }
+
+  void start(Request& r, Activation* a, Outcome* out) {
+    const SectionSpec& s = sec(r, a->section);
+    switch (s.kind) {
+      case SectionKind::node: {
+        const int st = index[r.walk].consumes_stream[s.node];
+        if (st >= 0) {  // a stream consumer: its windows run as they come; it ends with the stream
+          r.streams[static_cast<std::size_t>(st)].consumer = a;
+          pump(r, static_cast<std::size_t>(st), out);
+        } else {
+          dispatch(r, s.node, a, -1, nullptr, out);
+        }
+        return;
+      }
+      case SectionKind::sequential:
+        if (s.children.empty()) return done(r, a, out);
+        return start(r, new_act(r, s.children[0], a), out);
+      case SectionKind::parallel:
+        if (s.children.empty()) return done(r, a, out);
+        a->index = static_cast<std::uint32_t>(s.children.size());
+        for (std::uint32_t c : std::vector<std::uint32_t>(s.children)) {
+          if (r.state != Request::State::running) return;  // a branch failed the request
+          start(r, new_act(r, c, a), out);
+        }
+        return;
+      case SectionKind::loop:
+        if (s.dynamic) r.stop[s.loop_name] = 0;
+        a->acc.assign(s.accumulated.size(), {});
+        return start(r, new_act(r, s.children[0], a), out);
+    }
+  }
+
+  void done(Request& r, Activation* a, Outcome* out) {
+    for (int st : index[r.walk].ends_streams[a->section]) {
+      StreamState& ss = r.streams[static_cast<std::size_t>(st)];
+      ss.ended = true;
+      pump(r, static_cast<std::size_t>(st), out);
+      if (r.state != Request::State::running) return;
+    }
+    Activation* parent = a->parent;
+    if (parent == nullptr) {
+      drop_act(r, a, out);
+      return walk_done(r, out);
+    }
+    drop_act(r, a, out);
+    const SectionSpec& p = sec(r, parent->section);
+    switch (p.kind) {
+      case SectionKind::sequential:
+        if (++parent->index < p.children.size())
+          return start(r, new_act(r, p.children[parent->index], parent), out);
+        return done(r, parent, out);
+      case SectionKind::parallel:
+        if (--parent->index == 0) return done(r, parent, out);
+        return;
+      case SectionKind::loop: {
+        for (std::size_t k = 0; k < p.accumulated.size(); ++k) {
+          const Slot& v = r.env[p.accumulated[k]];
+          if (v.present && !v.list) {
+            retain(v.single);
+            parent->acc[k].push_back(v.single);
+          }
+        }
+        ++parent->index;
+        const bool stopped = p.dynamic && r.stop[p.loop_name];
+        if (!stopped && parent->index < p.max_iters)
+          return start(r, new_act(r, p.children[0], parent), out);
+        end_loop(r, parent, p, out);
+        return done(r, parent, out);
+      }
+      case SectionKind::node:
+        return;  // nodes have no children
+    }
+  }
+
+  void end_loop(Request& r, Activation* loop, const SectionSpec& p, Outcome* out) {
+    for (NameId n : p.scoped) clear_slot(r.env[n], out);
+    for (std::size_t k = 0; k < p.accumulated.size(); ++k) {
+      Slot& s = r.env[p.accumulated[k]];
+      clear_slot(s, out);
+      s.present = s.list = true;
+      s.many = std::move(loop->acc[k]);  // the loop's references move into the slot
+      loop->acc[k].clear();
+    }
+  }
+
+  // ---- work items -----------------------------------------------------------------------------
+
+  std::uint32_t innermost_iteration(const Request& r, const Activation* a) const {
+    for (const Activation* p = a ? a->parent : nullptr; p != nullptr; p = p->parent)
+      if (sec(r, p->section).kind == SectionKind::loop) return p->index;
+    return 0;
+  }
+
+  void dispatch(Request& r, NodeId node, Activation* act, int stream, const Chunk* chunk,
+                Outcome* out) {
+    const NodeSpec& n = g.nodes[node];
+    auto item = std::make_unique<Item>();
+    item->id = next_item++;
+    item->request = r.id;
+    item->node = node;
+    item->walk = r.walk;
+    item->req = &r;
+    item->act = act;
+    item->stream = stream;
+    item->iteration = innermost_iteration(r, act);
+    item->offsets.reserve(n.inputs.size() + 1);
+    item->offsets.push_back(0);
+    const StreamState* ss = stream >= 0 ? &r.streams[static_cast<std::size_t>(stream)] : nullptr;
+    for (NameId in : n.inputs) {
+      if (ss != nullptr && in == ss->spec->name) {
+        for (std::uint64_t p = chunk->begin; p < chunk->end; ++p)
+          item->handles.push_back(ss->items[static_cast<std::size_t>(p - ss->base)]);
+        item->list_input.push_back(1);
+      } else {
+        const Slot& s = r.env[in];
+        if (!s.present) {
+          return fail_request(r,
+                              "node '" + n.name + "' in walk '" + walk_of(r).name + "' reads '" +
+                                  g.names[in] + "', which has no value at this point",
+                              out);
+        }
+        if (s.list) {
+          item->handles.insert(item->handles.end(), s.many.begin(), s.many.end());
+        } else {
+          item->handles.push_back(s.single);
+        }
+        item->list_input.push_back(s.list ? 1 : 0);
+      }
+      item->offsets.push_back(static_cast<std::uint32_t>(item->handles.size()));
+    }
+    if (chunk != nullptr) {
+      item->windowed = true;
+      item->chunk = *chunk;
+    }
+    for (Handle h : item->handles) retain(h);
+    item->queued_ns = now_ns();
+    Item* raw = item.get();
+    items.emplace(raw->id, std::move(item));
+    r.queued.insert(raw);
+    auto& q = engines[n.engine];
+    q.ready.insert(raw);
+    q.cv.notify_one();
+  }
+
+  void pump(Request& r, std::size_t st, Outcome* out) {
+    StreamState& s = r.streams[st];
+    if (s.inflight || r.state != Request::State::running) return;
+    Chunk chunk;
+    switch (s.cursor.next(s.base, s.written, s.ended, &chunk)) {
+      case ChunkCursor::Next::ready:
+        s.inflight = true;
+        return dispatch(r, s.spec->consumer, nullptr, static_cast<int>(st), &chunk, out);
+      case ChunkCursor::Next::finished:
+        if (s.consumer != nullptr) {
+          Activation* a = s.consumer;
+          s.consumer = nullptr;
+          done(r, a, out);
+        }
+        return;
+      case ChunkCursor::Next::wait:
+        return;
+    }
+  }
+
+  // ---- request lifecycle ----------------------------------------------------------------------
+
+  void begin_walk(Request& r, WalkId w, Outcome* out) {
+    if (w >= g.walks.size()) throw std::invalid_argument("unknown walk id " + std::to_string(w));
+    r.walk = w;
+    r.state = Request::State::running;
+    r.streams.clear();
+    r.streams.reserve(g.walks[w].streams.size());
+    for (const StreamSpec& spec : g.walks[w].streams) r.streams.emplace_back(spec);
+    start(r, new_act(r, g.walks[w].root, nullptr), out);
+  }
+
+  void clear_streams(Request& r, Outcome* out) {
+    for (StreamState& s : r.streams)
+      for (Handle h : s.items) release(h, out);
+    r.streams.clear();
+  }
+
+  void walk_done(Request& r, Outcome* out) {
+    const auto& persist = index[r.walk].persist;
+    for (NameId n = 0; n < r.env.size(); ++n)
+      if (!persist[n] && !r.is_input[n]) clear_slot(r.env[n], out);
+    clear_streams(r, out);
+    r.state = Request::State::between_walks;
+    out->walks_done.push_back(r.id);
+  }
+
+  /// Frees everything the request holds; it disappears once its in-flight items are back.
+  void end_request(Request& r, Outcome* out) {
+    r.state = Request::State::over;
+    for (Item* it : r.queued) {
+      engines[g.nodes[it->node].engine].ready.erase(it);
+      for (Handle h : it->handles) release(h, out);
+      items.erase(it->id);
+    }
+    r.queued.clear();
+    for (Activation* a : std::vector<Activation*>(r.live.begin(), r.live.end())) drop_act(r, a, out);
+    clear_streams(r, out);
+    for (Slot& s : r.env) clear_slot(s, out);
+    finished_timelines[r.id] = std::move(r.timeline);
+  }
+
+  /// Erases a request that is over once no engine holds its items. Called last by each public
+  /// entry point, never in the middle of walking (callers up the stack still hold `r`).
+  void reap(RequestId id) {
+    auto it = requests.find(id);
+    if (it != requests.end() && it->second->state == Request::State::over && it->second->inflight == 0)
+      requests.erase(it);
+  }
+
+  void fail_request(Request& r, const std::string& message, Outcome* out) {
+    if (r.state == Request::State::over) return;
+    out->failed.emplace_back(r.id, message);
+    end_request(r, out);
+  }
+
+  Request* find(RequestId id) {
+    auto it = requests.find(id);
+    return it == requests.end() ? nullptr : it->second.get();
+  }
+
+  // ---- completion -----------------------------------------------------------------------------
+
+  void complete_one(const Completion& c, std::int64_t t, Outcome* out) {
+    auto it = items.find(c.item);
+    if (it == items.end()) throw std::invalid_argument("complete: unknown work item " + std::to_string(c.item));
+    std::unique_ptr<Item> item = std::move(it->second);
+    items.erase(it);
+    Request& r = *item->req;
+    --r.inflight;
+    --inflight;
+    const NodeSpec& n = g.nodes[item->node];
+    for (Handle h : c.outputs) retain(h);  // balanced below: unreferenced outputs are released
+    for (Handle h : item->handles) release(h, out);
+    if (r.state == Request::State::running) {
+      if (c.outputs.size() != n.outputs.size()) {
+        fail_request(r, "node '" + n.name + "' returned " + std::to_string(c.outputs.size()) +
+                            " outputs, expected " + std::to_string(n.outputs.size()), out);
+      } else {
+        r.timeline.push_back({item->node, item->walk, item->iteration, item->batch_size,
+                              item->queued_ns, item->started_ns, t});
+        apply_outputs(r, *item, c, out);
+      }
+    }
+    for (Handle h : c.outputs) release(h, out);
+    reap(r.id);
+  }
+
+  void apply_outputs(Request& r, const Item& item, const Completion& c, Outcome* out) {
+    const NodeSpec& n = g.nodes[item.node];
+    const auto& ix = index[r.walk];
+    for (std::size_t k = 0; k < n.outputs.size(); ++k) {
+      const Handle h = c.outputs[k];
+      if (h == 0) continue;
+      const NameId name = n.outputs[k];
+      const auto& emits = ix.emit_names[item.node];
+      if (std::find(emits.begin(), emits.end(), name) != emits.end())
+        out->emits.push_back({r.id, item.node, name, h});
+      for (int st : ix.produces_streams[item.node]) {
+        StreamState& s = r.streams[static_cast<std::size_t>(st)];
+        if (s.spec->name != name) continue;
+        retain(h);
+        s.items.push_back(h);
+        ++s.written;
+      }
+      set_single(r, name, h, out);
+    }
+    for (NameId loop : c.stop_loops)
+      if (loop < r.stop.size()) r.stop[loop] = 1;
+    for (int st : ix.produces_streams[item.node]) pump(r, static_cast<std::size_t>(st), out);
+    if (r.state != Request::State::running) return;
+    if (item.stream >= 0) {
+      StreamState& s = r.streams[static_cast<std::size_t>(item.stream)];
+      const std::uint64_t keep = s.cursor.advance(item.chunk);
+      while (s.base < keep && !s.items.empty()) {
+        release(s.items.front(), out);
+        s.items.pop_front();
+        ++s.base;
+      }
+      s.inflight = false;
+      pump(r, static_cast<std::size_t>(item.stream), out);
+    } else {
+      done(r, item.act, out);
+    }
+  }
+};
+
+// ---- public API ---------------------------------------------------------------------------------
+
+Conductor::Conductor(GraphSpec graph) : impl_(std::make_unique<Impl>(std::move(graph))) {}
+Conductor::~Conductor() = default;
+
+const GraphSpec& Conductor::graph() const noexcept { return impl_->g; }
+
+RequestId Conductor::submit(WalkId walk, const std::vector<NamedHandle>& inputs,
+                            SubmitOptions options, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  if (walk >= m.g.walks.size()) throw std::invalid_argument("submit: unknown walk id " + std::to_string(walk));
+  auto r = std::make_unique<Request>();
+  r->id = m.next_request++;
+  r->seq = r->id;
+  r->options = options;
+  r->env.resize(m.g.names.size());
+  r->is_input.assign(m.g.names.size(), 0);
+  r->stop.assign(m.g.names.size(), 0);
+  for (const NamedHandle& in : inputs) {
+    if (in.name >= m.g.names.size()) throw std::invalid_argument("submit: unknown input name id");
+    m.set_single(*r, in.name, in.handle, out);
+    r->is_input[in.name] = 1;
+  }
+  const RequestId id = r->id;
+  Request& ref = *r;
+  m.requests.emplace(id, std::move(r));
+  m.begin_walk(ref, walk, out);
+  m.reap(id);
+  return id;
+}
+
+void Conductor::start_walk(RequestId id, WalkId walk, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Request* r = impl_->find(id);
+  if (r == nullptr || r->state != Request::State::between_walks)
+    throw std::logic_error("start_walk: request " + std::to_string(id) + " is not between walks");
+  impl_->begin_walk(*r, walk, out);
+  impl_->reap(id);
+}
+
+void Conductor::finish(RequestId id, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Request* r = impl_->find(id);
+  if (r == nullptr || r->state == Request::State::over) return;
+  impl_->end_request(*r, out);
+  impl_->reap(id);
+}
+
+bool Conductor::cancel(RequestId id, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Request* r = impl_->find(id);
+  if (r == nullptr || r->state == Request::State::over) return false;
+  impl_->end_request(*r, out);
+  impl_->reap(id);
+  return true;
+}
+
+void Conductor::fail(RequestId id, const std::string& message, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Request* r = impl_->find(id);
+  if (r == nullptr) return;
+  impl_->fail_request(*r, message, out);
+  impl_->reap(id);
+}
+
+std::vector<const WorkItem*> Conductor::next_batch(EngineId engine, std::size_t max_batch,
+                                                   std::chrono::nanoseconds timeout) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  if (engine >= m.engines.size()) throw std::invalid_argument("next_batch: unknown engine id");
+  auto& q = m.engines[engine];
+  std::vector<const WorkItem*> batch;
+  // wait_for(max) would overflow the clock arithmetic; an hour is "forever" for a worker loop.
+  timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
+  if (!q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); })) return batch;
+  if (m.stopping || q.ready.empty()) return batch;
+  Item* first = *q.ready.begin();
+  const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
+                                                  m.g.nodes[first->node].max_batch);
+  const std::int64_t t = now_ns();
+  for (auto it = q.ready.begin(); it != q.ready.end() && batch.size() < limit;) {
+    Item* item = *it;
+    if (item->node != first->node || item->walk != first->walk) {
+      ++it;
+      continue;
+    }
+    it = q.ready.erase(it);
+    item->req->queued.erase(item);
+    ++item->req->inflight;
+    ++m.inflight;
+    item->started_ns = t;
+    batch.push_back(item);
+  }
+  for (const WorkItem* w : batch)
+    static_cast<Item*>(const_cast<WorkItem*>(w))->batch_size = static_cast<std::uint32_t>(batch.size());
+  return batch;
+}
+
+void Conductor::complete(const std::vector<Completion>& done, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const std::int64_t t = now_ns();
+  for (const Completion& c : done) impl_->complete_one(c, t, out);
+}
+
+void Conductor::fail_items(const std::vector<std::uint64_t>& ids, const std::string& message,
+                           Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  for (std::uint64_t id : ids) {
+    auto it = m.items.find(id);
+    if (it == m.items.end()) continue;
+    std::unique_ptr<Item> item = std::move(it->second);
+    m.items.erase(it);
+    Request& r = *item->req;
+    --r.inflight;
+    --m.inflight;
+    for (Handle h : item->handles) m.release(h, out);
+    m.fail_request(r, "node '" + m.g.nodes[item->node].name + "' in walk '" +
+                          m.g.walks[item->walk].name + "' failed: " + message, out);
+    m.reap(r.id);
+  }
+}
+
+void Conductor::shutdown() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->stopping = true;
+  for (auto& q : impl_->engines) q.cv.notify_all();
+}
+
+std::vector<NamedHandle> Conductor::values(RequestId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<NamedHandle> out;
+  auto it = impl_->requests.find(id);
+  if (it == impl_->requests.end()) return out;
+  const auto& env = it->second->env;
+  for (NameId n = 0; n < env.size(); ++n)
+    if (env[n].present && !env[n].list) out.push_back({n, env[n].single});
+  return out;
+}
+
+std::vector<TimelineEvent> Conductor::timeline(RequestId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->requests.find(id);
+  if (it != impl_->requests.end() && it->second->state != Request::State::over) return it->second->timeline;
+  auto f = impl_->finished_timelines.find(id);
+  return f == impl_->finished_timelines.end() ? std::vector<TimelineEvent>{} : f->second;
+}
+
+void Conductor::forget(RequestId id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->finished_timelines.erase(id);
+}
+
+std::size_t Conductor::live_requests() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->requests.size();
+}
+std::size_t Conductor::live_handles() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->refs.size();
+}
+std::size_t Conductor::queued_items() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::size_t n = 0;
+  for (const auto& q : impl_->engines) n += q.ready.size();
+  return n;
+}
+std::size_t Conductor::inflight_items() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->inflight;
+}
+
+}  // namespace mstar
