@@ -77,37 +77,191 @@ GraphSpec build_spec(std::vector<std::string> names, std::vector<std::string> en
   return g;
 }
 
-py::tuple to_python(const Outcome& o) {
-  py::list emits, done, failed;
-  for (const Emit& e : o.emits) emits.append(py::make_tuple(e.request, e.node, e.name, e.handle));
-  for (RequestId r : o.walks_done) done.append(r);
-  for (const auto& [r, msg] : o.failed) failed.append(py::make_tuple(r, msg));
-  return py::make_tuple(emits, done, failed, py::cast(o.released));
-}
-
-/// One batch for Python: (node, walk, [(item, request, iteration, inputs, chunk)]), where each
-/// input is a handle or a list of handles and chunk is (begin, new_begin, end, last) or None.
-py::object batch_to_python(const std::vector<const WorkItem*>& batch) {
-  if (batch.empty()) return py::none();
-  py::list items;
-  for (const WorkItem* w : batch) {
-    py::list inputs;
-    for (std::size_t k = 0; k + 1 < w->offsets.size(); ++k) {
-      if (w->list_input[k]) {
-        py::list l;
-        for (std::uint32_t i = w->offsets[k]; i < w->offsets[k + 1]; ++i) l.append(w->handles[i]);
-        inputs.append(l);
-      } else {
-        inputs.append(w->handles[w->offsets[k]]);
-      }
+/// The Python face of a Conductor: the C++ Conductor routes handles; this wrapper holds the
+/// values behind them (the tensor store) and converts at the boundary, so a batch crosses into
+/// Python as values, not handles, and no per-item Python bookkeeping is needed.
+class PyConductor {
+ public:
+  explicit PyConductor(GraphSpec g) : c_(std::make_shared<Conductor>(std::move(g))) {
+    for (const std::string& n : c_->graph().names) names_.push_back(py::str(n));
+    for (const NodeSpec& n : c_->graph().nodes) {
+      std::vector<py::str> outs;
+      for (NameId o : n.outputs) outs.push_back(names_[o]);
+      outputs_.push_back(std::move(outs));
     }
-    py::object chunk = py::none();
-    if (w->windowed)
-      chunk = py::make_tuple(w->chunk.begin, w->chunk.new_begin, w->chunk.end, w->chunk.last);
-    items.append(py::make_tuple(w->id, w->request, w->iteration, inputs, chunk));
   }
-  return py::make_tuple(batch.front()->node, batch.front()->walk, items);
-}
+
+  const ConductorPtr& conductor() const { return c_; }
+
+  // The store: handle h is slot h - 1; freed slots are reused (the Conductor never sees a handle
+  // again once it has released it), so storing a value allocates nothing once warm.
+  Handle put(py::handle value) {
+    std::size_t slot;
+    if (free_.empty()) {
+      slot = store_.size();
+      store_.emplace_back();
+    } else {
+      slot = free_.back();
+      free_.pop_back();
+    }
+    store_[slot] = py::reinterpret_borrow<py::object>(value);
+    ++stored_;
+    return static_cast<Handle>(slot) + 1;
+  }
+  void drop(Handle h) {
+    const std::size_t slot = static_cast<std::size_t>(h - 1);
+    if (h == 0 || slot >= store_.size() || !store_[slot]) return;  // e.g. a NoopEngine handle
+    store_[slot] = py::object();
+    free_.push_back(slot);
+    --stored_;
+  }
+
+  /// (emits [(request, name, value)], walks_done [request], failed [(request, message)])
+  py::tuple outcome(const Outcome& o) {
+    py::list emits, done, failed;
+    for (const Emit& e : o.emits) emits.append(py::make_tuple(e.request, names_[e.name], value(e.handle)));
+    for (RequestId r : o.walks_done) done.append(r);
+    for (const auto& [r, msg] : o.failed) failed.append(py::make_tuple(r, msg));
+    for (Handle h : o.released) drop(h);  // after the emits took their values
+    return py::make_tuple(emits, done, failed);
+  }
+
+  py::tuple submit(WalkId walk, const py::dict& inputs, std::int64_t deadline_ns, std::int32_t priority) {
+    std::vector<NamedHandle> in;
+    for (auto [k, v] : inputs) in.push_back({k.cast<NameId>(), put(v)});
+    Outcome out;
+    RequestId id;
+    try {
+      id = c_->submit(walk, in, {deadline_ns, priority}, &out);
+    } catch (...) {
+      for (const NamedHandle& nh : in) drop(nh.handle);
+      throw;
+    }
+    return py::make_tuple(id, outcome(out));
+  }
+
+  /// (node, walk, [(item, request, iteration, {input: value | [values]}, chunk | None)])
+  py::object next_batch(EngineId engine, std::size_t max_batch, double timeout_s) {
+    std::vector<const WorkItem*> batch;
+    {
+      py::gil_scoped_release nogil;
+      batch = c_->next_batch(engine, max_batch, to_timeout(timeout_s));
+    }
+    if (batch.empty()) return py::none();
+    const NodeSpec& node = c_->graph().nodes[batch.front()->node];
+    py::list items;
+    for (const WorkItem* w : batch) {
+      py::dict inputs;
+      for (std::size_t k = 0; k < node.inputs.size(); ++k) {
+        const py::str& name = names_[node.inputs[k]];
+        if (w->list_input[k]) {
+          py::list l;
+          for (std::uint32_t i = w->offsets[k]; i < w->offsets[k + 1]; ++i) l.append(value(w->handles[i]));
+          inputs[name] = l;
+        } else {
+          inputs[name] = value(w->handles[w->offsets[k]]);
+        }
+      }
+      py::object chunk = py::none();
+      if (w->windowed)
+        chunk = py::make_tuple(w->chunk.begin, w->chunk.new_begin, w->chunk.end, w->chunk.last);
+      items.append(py::make_tuple(w->id, w->request, w->iteration, inputs, chunk));
+    }
+    return py::make_tuple(batch.front()->node, batch.front()->walk, items);
+  }
+
+  /// outputs[i] is item i's {output name: value}; stops[i] its DynamicLoop name ids (or None).
+  py::tuple complete(NodeId node, const std::vector<std::uint64_t>& ids, const py::list& outputs,
+                     const py::object& stops) {
+    if (node >= outputs_.size()) throw py::value_error("complete: unknown node id");
+    if (outputs.size() != ids.size())
+      throw py::value_error("complete: " + std::to_string(outputs.size()) + " results for " +
+                            std::to_string(ids.size()) + " items");
+    const auto& names = outputs_[node];
+    std::vector<Completion> done(ids.size());
+    std::vector<Handle> created;
+    try {
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        done[i].item = ids[i];
+        py::handle out = outputs[i];
+        if (!PyDict_Check(out.ptr()))
+          throw py::type_error("node '" + c_->graph().nodes[node].name + "' returned a " +
+                               std::string(Py_TYPE(out.ptr())->tp_name) +
+                               " for an item; return one dict of outputs per item");
+        std::size_t found = 0;
+        done[i].outputs.resize(names.size(), 0);
+        for (std::size_t k = 0; k < names.size(); ++k) {
+          PyObject* v = PyDict_GetItemWithError(out.ptr(), names[k].ptr());
+          if (v == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            continue;
+          }
+          ++found;
+          done[i].outputs[k] = put(v);
+          created.push_back(done[i].outputs[k]);
+        }
+        if (found != static_cast<std::size_t>(PyDict_Size(out.ptr())))
+          throw py::value_error("node '" + c_->graph().nodes[node].name + "' returned outputs " +
+                                py::str(py::reinterpret_borrow<py::dict>(out).attr("keys")()).cast<std::string>() +
+                                " but declares " + py::str(py::cast(names)).cast<std::string>());
+        if (!stops.is_none()) done[i].stop_loops = stops.cast<py::list>()[i].cast<std::vector<NameId>>();
+      }
+    } catch (...) {
+      for (Handle h : created) drop(h);
+      throw;
+    }
+    Outcome out;
+    c_->complete(done, &out);
+    return outcome(out);
+  }
+
+  py::tuple fail_items(const std::vector<std::uint64_t>& ids, const std::string& msg) {
+    Outcome out;
+    c_->fail_items(ids, msg, &out);
+    return outcome(out);
+  }
+  py::tuple start_walk(RequestId r, WalkId w) {
+    Outcome out;
+    c_->start_walk(r, w, &out);
+    return outcome(out);
+  }
+  py::tuple finish(RequestId r) {
+    Outcome out;
+    c_->finish(r, &out);
+    return outcome(out);
+  }
+  py::tuple cancel(RequestId r) {
+    Outcome out;
+    const bool ok = c_->cancel(r, &out);
+    return py::make_tuple(ok, outcome(out));
+  }
+  py::tuple fail(RequestId r, const std::string& msg) {
+    Outcome out;
+    c_->fail(r, msg, &out);
+    return outcome(out);
+  }
+  py::dict values(RequestId r) {
+    py::dict d;
+    for (const NamedHandle& nh : c_->values(r)) d[names_[nh.name]] = value(nh.handle);
+    return d;
+  }
+  std::size_t stored() const { return stored_; }
+
+ private:
+  py::object value(Handle h) const {
+    const std::size_t slot = static_cast<std::size_t>(h - 1);
+    if (h == 0 || slot >= store_.size() || !store_[slot])
+      throw std::logic_error("tensor store: handle " + std::to_string(h) + " is gone");
+    return store_[slot];
+  }
+
+  ConductorPtr c_;
+  std::vector<py::str> names_;
+  std::vector<std::vector<py::str>> outputs_;
+  std::vector<py::object> store_;  // touched only with the GIL held
+  std::vector<std::size_t> free_;
+  std::size_t stored_ = 0;
+};
 
 /// A C++ engine whose nodes do nothing: completes each item with fresh handles for every output
 /// and finishes a request when its walk ends. Measures the Conductor without Python in the loop.
@@ -173,94 +327,47 @@ class NoopEngine {
 }  // namespace
 
 void bind_conductor(py::module_& m) {
-  py::class_<Conductor, ConductorPtr>(m, "Conductor", R"doc(
-Runs requests through a compiled walk graph (built by mstar_rt.compile_model). Engine workers
-pull batches with next_batch() (GIL released) and report complete(); every call that changes
-state returns an outcome (emits, walks_done, failed, released handles).)doc")
+  py::class_<PyConductor>(m, "Conductor", R"doc(
+Runs requests through a compiled walk graph (see mstar_rt.compile_model) and holds the values
+its handles stand for. Engine workers pull batches with next_batch() (GIL released while
+waiting) and report complete(); each call that changes state returns its outcome
+(emits [(request, name, value)], walks_done [request], failed [(request, message)]).)doc")
       .def(py::init([](std::vector<std::string> names, std::vector<std::string> engines,
                        const py::list& nodes, const py::list& walks) {
-             return std::make_shared<Conductor>(build_spec(std::move(names), std::move(engines), nodes, walks));
+             return std::make_unique<PyConductor>(build_spec(std::move(names), std::move(engines), nodes, walks));
            }),
            py::arg("names"), py::arg("engines"), py::arg("nodes"), py::arg("walks"))
-      .def("submit", [](Conductor& c, WalkId walk, const std::vector<std::pair<NameId, Handle>>& inputs,
-                        std::int64_t deadline_ns, std::int32_t priority) {
-             std::vector<NamedHandle> in;
-             for (auto [n, h] : inputs) in.push_back({n, h});
-             Outcome out;
-             const RequestId id = c.submit(walk, in, {deadline_ns, priority}, &out);
-             return py::make_tuple(id, to_python(out));
-           }, py::arg("walk"), py::arg("inputs"), py::arg("deadline_ns") = INT64_MAX,
-           py::arg("priority") = 0)
-      .def("start_walk", [](Conductor& c, RequestId r, WalkId w) {
-             Outcome out;
-             c.start_walk(r, w, &out);
-             return to_python(out);
-           })
-      .def("finish", [](Conductor& c, RequestId r) {
-             Outcome out;
-             c.finish(r, &out);
-             return to_python(out);
-           })
-      .def("cancel", [](Conductor& c, RequestId r) {
-             Outcome out;
-             const bool ok = c.cancel(r, &out);
-             return py::make_tuple(ok, to_python(out));
-           })
-      .def("fail", [](Conductor& c, RequestId r, const std::string& msg) {
-             Outcome out;
-             c.fail(r, msg, &out);
-             return to_python(out);
-           })
-      .def("next_batch", [](Conductor& c, EngineId e, std::size_t max_batch, double timeout_s) {
-             std::vector<const WorkItem*> batch;
-             {
-               py::gil_scoped_release nogil;
-               batch = c.next_batch(e, max_batch, to_timeout(timeout_s));
-             }
-             return batch_to_python(batch);
-           }, py::arg("engine"), py::arg("max_batch"), py::arg("timeout"))
-      .def("complete", [](Conductor& c, const py::list& done) {
-             std::vector<Completion> cs;
-             cs.reserve(done.size());
-             for (py::handle d : done) {
-               auto t = d.cast<py::tuple>();
-               Completion comp;
-               comp.item = t[0].cast<std::uint64_t>();
-               comp.outputs = t[1].cast<std::vector<Handle>>();
-               comp.stop_loops = t[2].cast<std::vector<NameId>>();
-               cs.push_back(std::move(comp));
-             }
-             Outcome out;
-             c.complete(cs, &out);
-             return to_python(out);
-           })
-      .def("fail_items", [](Conductor& c, const std::vector<std::uint64_t>& ids, const std::string& msg) {
-             Outcome out;
-             c.fail_items(ids, msg, &out);
-             return to_python(out);
-           })
-      .def("shutdown", &Conductor::shutdown)
-      .def("values", [](Conductor& c, RequestId r) {
-             std::vector<std::pair<NameId, Handle>> v;
-             for (const NamedHandle& nh : c.values(r)) v.emplace_back(nh.name, nh.handle);
-             return v;
-           })
-      .def("timeline", [](Conductor& c, RequestId r) {
+      .def("submit", &PyConductor::submit, py::arg("walk"), py::arg("inputs"),
+           py::arg("deadline_ns") = INT64_MAX, py::arg("priority") = 0)
+      .def("start_walk", &PyConductor::start_walk)
+      .def("finish", &PyConductor::finish)
+      .def("cancel", &PyConductor::cancel)
+      .def("fail", &PyConductor::fail)
+      .def("next_batch", &PyConductor::next_batch, py::arg("engine"), py::arg("max_batch"),
+           py::arg("timeout"))
+      .def("complete", &PyConductor::complete, py::arg("node"), py::arg("items"),
+           py::arg("outputs"), py::arg("stops") = py::none())
+      .def("fail_items", &PyConductor::fail_items)
+      .def("shutdown", [](PyConductor& c) { c.conductor()->shutdown(); })
+      .def("values", &PyConductor::values)
+      .def("timeline", [](PyConductor& c, RequestId r) {
              py::list out;
-             for (const TimelineEvent& e : c.timeline(r))
+             for (const TimelineEvent& e : c.conductor()->timeline(r))
                out.append(py::make_tuple(e.node, e.walk, e.iteration, e.batch_size, e.queued_ns,
                                          e.started_ns, e.finished_ns));
              return out;
            })
-      .def("forget", &Conductor::forget)
-      .def_property_readonly("live_requests", &Conductor::live_requests)
-      .def_property_readonly("live_handles", &Conductor::live_handles)
-      .def_property_readonly("queued_items", &Conductor::queued_items)
-      .def_property_readonly("inflight_items", &Conductor::inflight_items);
+      .def("forget", [](PyConductor& c, RequestId r) { c.conductor()->forget(r); })
+      .def_property_readonly("live_requests", [](PyConductor& c) { return c.conductor()->live_requests(); })
+      .def_property_readonly("live_handles", [](PyConductor& c) { return c.conductor()->live_handles(); })
+      .def_property_readonly("queued_items", [](PyConductor& c) { return c.conductor()->queued_items(); })
+      .def_property_readonly("inflight_items", [](PyConductor& c) { return c.conductor()->inflight_items(); })
+      .def_property_readonly("stored", &PyConductor::stored);
 
   py::class_<NoopEngine>(m, "NoopEngine", "A C++ engine whose nodes do nothing (for benchmarks).")
-      .def(py::init<ConductorPtr, EngineId, std::size_t>(), py::arg("conductor"), py::arg("engine"),
-           py::arg("max_batch"))
+      .def(py::init([](PyConductor& c, EngineId e, std::size_t max_batch) {
+             return std::make_unique<NoopEngine>(c.conductor(), e, max_batch);
+           }), py::arg("conductor"), py::arg("engine"), py::arg("max_batch"))
       .def("stop", &NoopEngine::stop, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("finished", &NoopEngine::finished)
       .def("wait_finished", [](NoopEngine& e, std::uint64_t n, double timeout_s) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "conductor_state.hpp"
+#include "handle_counts.hpp"
 
 namespace mstar {
 
@@ -33,11 +34,14 @@ struct Conductor::Impl {
   std::vector<detail::EngineQueue> engines;
   std::unordered_map<RequestId, std::unique_ptr<Request>> requests;
   std::unordered_map<RequestId, std::vector<TimelineEvent>> finished_timelines;
-  std::unordered_map<std::uint64_t, std::unique_ptr<Item>> items;  // queued and in flight
-  std::unordered_map<Handle, std::uint32_t> refs;
+  // Work items live in reused slots; an item id is (generation << 32 | slot), so a stale or
+  // made-up id is recognised without a hash lookup.
+  std::vector<std::unique_ptr<Item>> slots;
+  std::vector<std::uint32_t> free_slots;
+  std::uint32_t generation = 1;
+  detail::HandleCounts refs;
   std::vector<Activation*> free_acts;  // reused: no allocation per loop iteration once warm
   RequestId next_request = 1;
-  std::uint64_t next_item = 1;
   bool stopping = false;
   std::size_t inflight = 0;
 
@@ -110,17 +114,45 @@ struct Conductor::Impl {
 
   // ---- handles --------------------------------------------------------------------------------
 
-  void retain(Handle h) {
-    if (h != 0) ++refs[h];
-  }
+  void retain(Handle h) { refs.retain(h); }
   void release(Handle h, Outcome* out) {
-    if (h == 0) return;
-    auto it = refs.find(h);
-    if (it == refs.end()) return;
-    if (--it->second == 0) {
-      refs.erase(it);
-      out->released.push_back(h);
+    if (refs.release(h)) out->released.push_back(h);
+  }
+
+  // ---- work item slots ------------------------------------------------------------------------
+
+  Item* new_item() {
+    std::uint32_t slot;
+    if (free_slots.empty()) {
+      slot = static_cast<std::uint32_t>(slots.size());
+      slots.push_back(std::make_unique<Item>());
+    } else {
+      slot = free_slots.back();
+      free_slots.pop_back();
     }
+    Item* item = slots[slot].get();
+    item->id = (static_cast<std::uint64_t>(generation++) << 32) | slot;
+    if (generation == 0) generation = 1;
+    item->in_use = true;
+    item->handles.clear();
+    item->offsets.clear();
+    item->list_input.clear();
+    item->windowed = false;
+    item->chunk = Chunk{};
+    item->act = nullptr;
+    item->stream = -1;
+    item->batch_size = 0;
+    return item;
+  }
+  Item* find_item(std::uint64_t id) {
+    const std::uint64_t slot = id & 0xffffffffu;
+    if (slot >= slots.size()) return nullptr;
+    Item* item = slots[slot].get();
+    return item->in_use && item->id == id ? item : nullptr;
+  }
+  void free_item(Item* item) {
+    item->in_use = false;
+    free_slots.push_back(static_cast<std::uint32_t>(item->id & 0xffffffffu));
   }
   void clear_slot(Slot& s, Outcome* out) {
     if (!s.present) return;
@@ -264,8 +296,7 @@ struct Conductor::Impl {
   void dispatch(Request& r, NodeId node, Activation* act, int stream, const Chunk* chunk,
                 Outcome* out) {
     const NodeSpec& n = g.nodes[node];
-    auto item = std::make_unique<Item>();
-    item->id = next_item++;
+    Item* item = new_item();
     item->request = r.id;
     item->node = node;
     item->walk = r.walk;
@@ -284,6 +315,7 @@ struct Conductor::Impl {
       } else {
         const Slot& s = r.env[in];
         if (!s.present) {
+          free_item(item);
           return fail_request(r,
                               "node '" + n.name + "' in walk '" + walk_of(r).name + "' reads '" +
                                   g.names[in] + "', which has no value at this point",
@@ -304,11 +336,9 @@ struct Conductor::Impl {
     }
     for (Handle h : item->handles) retain(h);
     item->queued_ns = now_ns();
-    Item* raw = item.get();
-    items.emplace(raw->id, std::move(item));
-    r.queued.insert(raw);
+    ++r.queued;
     auto& q = engines[n.engine];
-    q.ready.insert(raw);
+    q.insert(item);
     q.cv.notify_one();
   }
 
@@ -362,12 +392,18 @@ struct Conductor::Impl {
   /// Frees everything the request holds; it disappears once its in-flight items are back.
   void end_request(Request& r, Outcome* out) {
     r.state = Request::State::over;
-    for (Item* it : r.queued) {
-      engines[g.nodes[it->node].engine].ready.erase(it);
-      for (Handle h : it->handles) release(h, out);
-      items.erase(it->id);
+    if (r.queued != 0) {  // cancellation is rare: a scan of the ready queues is fine
+      for (auto& q : engines) {
+        auto keep = std::remove_if(q.ready.begin(), q.ready.end(), [&](Item* it) {
+          if (it->req != &r) return false;
+          for (Handle h : it->handles) release(h, out);
+          free_item(it);
+          return true;
+        });
+        q.ready.erase(keep, q.ready.end());
+      }
+      r.queued = 0;
     }
-    r.queued.clear();
     for (Activation* a : std::vector<Activation*>(r.live.begin(), r.live.end())) drop_act(r, a, out);
     clear_streams(r, out);
     for (Slot& s : r.env) clear_slot(s, out);
@@ -396,10 +432,16 @@ struct Conductor::Impl {
   // ---- completion -----------------------------------------------------------------------------
 
   void complete_one(const Completion& c, std::int64_t t, Outcome* out) {
-    auto it = items.find(c.item);
-    if (it == items.end()) throw std::invalid_argument("complete: unknown work item " + std::to_string(c.item));
-    std::unique_ptr<Item> item = std::move(it->second);
-    items.erase(it);
+    Item* item = find_item(c.item);
+    if (item == nullptr || item->batch_size == 0)
+      throw std::invalid_argument("complete: work item " + std::to_string(c.item) +
+                                  " is not in flight (unknown, queued, or already reported)");
+    // Released at the end of this function: the walk below reads the item.
+    struct FreeOnExit {
+      Impl* m;
+      Item* it;
+      ~FreeOnExit() { m->free_item(it); }
+    } guard{this, item};
     Request& r = *item->req;
     --r.inflight;
     --inflight;
@@ -536,23 +578,25 @@ std::vector<const WorkItem*> Conductor::next_batch(EngineId engine, std::size_t 
   timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
   if (!q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); })) return batch;
   if (m.stopping || q.ready.empty()) return batch;
-  Item* first = *q.ready.begin();
+  Item* first = q.ready.front();
   const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
                                                   m.g.nodes[first->node].max_batch);
   const std::int64_t t = now_ns();
-  for (auto it = q.ready.begin(); it != q.ready.end() && batch.size() < limit;) {
-    Item* item = *it;
-    if (item->node != first->node || item->walk != first->walk) {
-      ++it;
-      continue;
+  batch.reserve(limit);
+  std::size_t kept = 0;  // compact the queue in place while taking the batch out of it
+  for (std::size_t i = 0; i < q.ready.size(); ++i) {
+    Item* item = q.ready[i];
+    if (batch.size() < limit && item->node == first->node && item->walk == first->walk) {
+      --item->req->queued;
+      ++item->req->inflight;
+      ++m.inflight;
+      item->started_ns = t;
+      batch.push_back(item);
+    } else {
+      q.ready[kept++] = item;
     }
-    it = q.ready.erase(it);
-    item->req->queued.erase(item);
-    ++item->req->inflight;
-    ++m.inflight;
-    item->started_ns = t;
-    batch.push_back(item);
   }
+  q.ready.resize(kept);
   for (const WorkItem* w : batch)
     static_cast<Item*>(const_cast<WorkItem*>(w))->batch_size = static_cast<std::uint32_t>(batch.size());
   return batch;
@@ -569,16 +613,16 @@ void Conductor::fail_items(const std::vector<std::uint64_t>& ids, const std::str
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto& m = *impl_;
   for (std::uint64_t id : ids) {
-    auto it = m.items.find(id);
-    if (it == m.items.end()) continue;
-    std::unique_ptr<Item> item = std::move(it->second);
-    m.items.erase(it);
+    Item* item = m.find_item(id);
+    if (item == nullptr || item->batch_size == 0) continue;  // unknown or not in flight
     Request& r = *item->req;
     --r.inflight;
     --m.inflight;
     for (Handle h : item->handles) m.release(h, out);
-    m.fail_request(r, "node '" + m.g.nodes[item->node].name + "' in walk '" +
-                          m.g.walks[item->walk].name + "' failed: " + message, out);
+    const std::string where = "node '" + m.g.nodes[item->node].name + "' in walk '" +
+                              m.g.walks[item->walk].name + "' failed: ";
+    m.free_item(item);
+    m.fail_request(r, where + message, out);
     m.reap(r.id);
   }
 }

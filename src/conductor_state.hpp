@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
-#include <set>
+#include <algorithm>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -46,6 +46,7 @@ struct StreamState {
 };
 
 struct Item : WorkItem {
+  bool in_use = false;
   Request* req = nullptr;
   Activation* act = nullptr;  // the node activation (nullptr for stream windows)
   int stream = -1;            // window of this stream
@@ -64,7 +65,7 @@ struct Request {
   std::vector<std::uint8_t> stop;        // by loop NameId
   std::unordered_set<Activation*> live;  // activations of the current walk
   std::vector<StreamState> streams;      // of the current walk
-  std::unordered_set<Item*> queued;
+  std::size_t queued = 0;                // items in ready queues
   std::size_t inflight = 0;
   std::vector<TimelineEvent> timeline;
 };
@@ -81,9 +82,14 @@ struct ItemOrder {
   }
 };
 
+/// A ready queue kept sorted by ItemOrder in a vector: inserts land at the back in the common
+/// case (same deadline and priority, newer request), and nothing is allocated once it has grown.
 struct EngineQueue {
-  std::set<Item*, ItemOrder> ready;
+  std::vector<Item*> ready;
   std::condition_variable cv;
+  void insert(Item* item) {
+    ready.insert(std::upper_bound(ready.begin(), ready.end(), item, ItemOrder{}), item);
+  }
 };
 
 /// Per-walk lookups computed once from the IR.

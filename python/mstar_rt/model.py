@@ -35,12 +35,18 @@ class StreamWindow:
         return self.items[self.new_begin - self.begin:]
 
 
-@dataclass(frozen=True)
 class WorkContext:
-    """Per-execution facts a submodule may want besides the inputs."""
+    """Per-execution facts a submodule may want besides the inputs: the request and the
+    iteration of the innermost enclosing loop (0 outside loops)."""
 
-    request: RequestContext
-    iteration: int  # of the innermost enclosing loop
+    __slots__ = ("request", "iteration")  # made once per node execution: keep it cheap
+
+    def __init__(self, request: RequestContext, iteration: int) -> None:
+        self.request = request
+        self.iteration = iteration
+
+    def __repr__(self) -> str:
+        return f"WorkContext(request={self.request.id}, iteration={self.iteration})"
 
 
 class NodeSubmodule(abc.ABC):

@@ -10,8 +10,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 from mstar_rt import _core
 from mstar_rt.compiler import CompiledGraph, compile_graph
+from mstar_rt.graph import StreamingGraphEdge
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext
-from mstar_rt.store import TensorStore
 
 _NO_DEADLINE = 2**63 - 1
 
@@ -33,6 +33,18 @@ def compile_model(model: Model) -> CompiledGraph:
     return compile_graph(model.nodes, model.walks, model.inputs, model.engines,
                          {n: max(1, int(getattr(s, "max_batch", 1)))
                           for n, s in model.submodules.items()})
+
+
+class _Hooks:
+    """Which optional NodeSubmodule hooks a submodule overrides: the defaults are skipped."""
+
+    __slots__ = ("prepare", "split", "stop")
+
+    def __init__(self, sub: NodeSubmodule) -> None:
+        cls = type(sub)
+        self.prepare = cls.prepare_inputs is not NodeSubmodule.prepare_inputs
+        self.split = cls.split_batch is not NodeSubmodule.split_batch
+        self.stop = cls.check_stop is not NodeSubmodule.check_stop
 
 
 class RequestHandle:
@@ -132,16 +144,22 @@ class Runtime:
         self.model = model
         self.graph = compile_model(model)
         g = self.graph
+        # The Conductor routes handles; its Python face holds the values (the tensor store).
         self.conductor = _core.Conductor(g.names, g.engines, g.nodes, g.walks)
-        self.store = TensorStore()
         self._poll_s = poll_s
         self._node_names = list(g.node_ids)
         self._walk_names = list(g.walk_ids)
         self._name_of = list(g.names)
         self._submodules: list[NodeSubmodule] = [model.submodules[n] for n in self._node_names]
-        self._outputs = [tuple(g.name_ids[x] for x in outs) for outs in g.node_outputs]
         self._loop_ids = g.name_ids
         self._engine_of_node = {n: model.engines.get(n, "default") for n in self._node_names}
+        self._hooks = [_Hooks(sub) for sub in self._submodules]
+        # node -> the input name its stream windows arrive under (None if it consumes no stream)
+        self._stream_input: list = [None] * len(self._node_names)
+        for n in model.nodes:
+            for out in n.outputs:
+                if isinstance(out, StreamingGraphEdge):
+                    self._stream_input[g.node_ids[out.to]] = out.name
         self._requests: dict[int, RequestHandle] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -171,10 +189,10 @@ class Runtime:
         if walk not in self.graph.walk_ids:
             raise ValueError(f"initial_walk returned '{walk}', which is not a walk of the model")
         ctx.walk = walk
-        handles = [(self.graph.name_ids[k], self.store.put(v)) for k, v in inputs.items()]
+        values = {self.graph.name_ids[k]: v for k, v in inputs.items()}
         deadline_ns = _NO_DEADLINE if deadline is None else time.monotonic_ns() + int(deadline * 1e9)
         with self._lock:  # the handle must be known before a worker can report on the request
-            rid, outcome = self.conductor.submit(self.graph.walk_ids[walk], handles, deadline_ns,
+            rid, outcome = self.conductor.submit(self.graph.walk_ids[walk], values, deadline_ns,
                                                  priority)
             ctx.id = rid
             handle = RequestHandle(self, ctx)
@@ -209,21 +227,18 @@ class Runtime:
     # ---- outcomes ------------------------------------------------------------------------------
 
     def _handle(self, outcome: tuple) -> None:
-        emits, walks_done, failed, released = outcome
-        store = self.store
+        emits, walks_done, failed = outcome
         if emits:
             with self._lock:
                 requests = self._requests
-                for rid, _node, name, h in emits:
+                for rid, name, value in emits:
                     handle = requests.get(rid)
                     if handle is not None:
-                        handle._emit(self._name_of[name], store.get(h))
+                        handle._emit(name, value)
         for rid, message in failed:
             self._end(rid, RequestFailed(message))
         for rid in walks_done:
             self._next_walk(rid)
-        if released:
-            store.drop(released)
 
     def _next_walk(self, rid: int) -> None:
         with self._lock:
@@ -232,7 +247,7 @@ class Runtime:
             return
         ctx = handle.context
         try:
-            persisted = {self._name_of[n]: self.store.get(h) for n, h in self.conductor.values(rid)}
+            persisted = self.conductor.values(rid)
             walk = self.model.next_walk(ctx, ctx.walk, persisted)
             if walk is not None and walk not in self.graph.walk_ids:
                 raise ValueError(f"next_walk returned '{walk}', which is not a walk of the model")
@@ -256,60 +271,66 @@ class Runtime:
             batch = conductor.next_batch(engine, max_batch, self._poll_s)
             if batch is None:
                 continue
-            node, walk, items = batch
+            node, _walk, items = batch
             try:
-                completions = self._run(node, items)
-            except Exception as e:  # isolate: retry one by one so only the culprit fails
-                completions = []
+                self._handle(self._run(node, items))
+            except Exception:  # isolate: retry one by one so only the culprit's request fails
                 for item in items:
                     try:
-                        completions += self._run(node, [item])
-                    except Exception as e1:
-                        self._handle(conductor.fail_items(
-                            [item[0]], f"{type(e1).__name__}: {e1}"))
-                del e
-            if completions:
-                self._handle(conductor.complete(completions))
+                        self._handle(self._run(node, [item]))
+                    except Exception as e:
+                        self._handle(conductor.fail_items([item[0]], f"{type(e).__name__}: {e}"))
 
-    def _run(self, node: int, items: list) -> list:
+    def _run(self, node: int, items: list) -> tuple:
+        """Runs one batch and reports it; returns the Conductor's outcome."""
         sub = self._submodules[node]
-        input_names = self.graph.node_inputs[node]
-        get = self.store.get
+        hooks = self._hooks[node]
+        if hooks.prepare or any(item[4] is not None for item in items):
+            prepared = self._prepare(node, items, hooks.prepare)
+        else:
+            prepared = [item[3] for item in items]
+        if hooks.split:
+            outputs: list = [None] * len(items)
+            for group in sub.split_batch(prepared):
+                result = sub.forward([prepared[i] for i in group])
+                if len(result) != len(group):
+                    raise RuntimeError(f"{type(sub).__name__}.forward returned {len(result)} "
+                                       f"results for a batch of {len(group)}")
+                for i, r in zip(group, result):
+                    outputs[i] = r
+        else:
+            outputs = sub.forward(prepared)
+            if len(outputs) != len(items):
+                raise RuntimeError(f"{type(sub).__name__}.forward returned {len(outputs)} results "
+                                   f"for a batch of {len(items)}")
+        stops = None
+        if hooks.stop:
+            stops = [[self._loop_id(s) for s in stop] for stop in sub.check_stop(prepared, outputs)]
+        return self.conductor.complete(node, [item[0] for item in items], list(outputs), stops)
+
+    def _prepare(self, node: int, items: list, call_prepare: bool) -> list:
+        sub = self._submodules[node]
+        stream_input = self._stream_input[node]
+        if call_prepare:
+            get = self._requests.get  # dict.get is atomic under the GIL
+            contexts = [get(item[1]) for item in items]
         prepared = []
-        with self._lock:
-            requests = self._requests
-            contexts = [requests.get(item[1]) for item in items]
-        for item, handle in zip(items, contexts):
-            _id, _rid, iteration, inputs, chunk = item
-            values = {}
-            for name, spec in zip(input_names, inputs):
-                if isinstance(spec, list):
-                    vals = [get(h) for h in spec]
-                    values[name] = vals if chunk is None else StreamWindow(vals, *chunk)
-                else:
-                    values[name] = get(spec)
-            ctx = handle.context if handle is not None else RequestContext(_rid, {})
-            prepared.append(sub.prepare_inputs(WorkContext(ctx, iteration), values))
-        outputs: list = [None] * len(items)
-        for group in sub.split_batch(prepared):
-            result = sub.forward([prepared[i] for i in group])
-            if len(result) != len(group):
-                raise RuntimeError(f"{type(sub).__name__}.forward returned {len(result)} results "
-                                   f"for a batch of {len(group)}")
-            for i, r in zip(group, result):
-                outputs[i] = r
-        stops = sub.check_stop(prepared, outputs)
-        out_names = self.graph.node_outputs[node]
-        put = self.store.put
-        completions = []
-        for item, out, stop in zip(items, outputs, stops):
-            unknown = set(out) - set(out_names)
-            if unknown:
-                raise RuntimeError(f"node '{self._node_names[node]}' returned outputs "
-                                   f"{sorted(unknown)} it does not declare ({list(out_names)})")
-            handles = [put(out[n]) if n in out else 0 for n in out_names]
-            completions.append((item[0], handles, [self._loop_ids[s] for s in stop]))
-        return completions
+        for n, (_id, rid, iteration, values, chunk) in enumerate(items):
+            if chunk is not None:
+                values[stream_input] = StreamWindow(values[stream_input], *chunk)
+            if call_prepare:
+                handle = contexts[n]
+                ctx = handle.context if handle is not None else RequestContext(rid, {})
+                values = sub.prepare_inputs(WorkContext(ctx, iteration), values)
+            prepared.append(values)
+        return prepared
+
+    def _loop_id(self, name: str) -> int:
+        try:
+            return self._loop_ids[name]
+        except KeyError:
+            raise RuntimeError(f"check_stop named loop '{name}', which is not a DynamicLoop of "
+                               "the model") from None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -334,5 +355,5 @@ class Runtime:
     def live(self) -> dict[str, int]:
         """What is still held: requests, handles in the Conductor and values in the store."""
         return dict(requests=self.conductor.live_requests, handles=self.conductor.live_handles,
-                    stored=len(self.store), queued=self.conductor.queued_items,
+                    stored=self.conductor.stored, queued=self.conductor.queued_items,
                     inflight=self.conductor.inflight_items)

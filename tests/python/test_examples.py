@@ -3,12 +3,13 @@
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, *args: str) -> str:
-    result = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
+    result = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, cwd=tempfile.gettempdir(),
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
@@ -23,3 +24,12 @@ def test_voice_stream_demo_plays_every_sample():
 def test_robot_action_stream_executes_actions_in_order():
     out = _run("examples/robot/action_stream.py", "--seconds", "0.6")
     assert "actions" in out and "lateness p50" in out
+
+
+def test_concepts_toy_speech_streams_audio_while_decoding():
+    out = _run("examples/concepts/toy_speech.py")
+    lines = out.splitlines()
+    first_audio = next(i for i, line in enumerate(lines) if line.startswith("audio chunk"))
+    last_token = max(i for i, line in enumerate(lines) if line.startswith("token"))
+    assert first_audio < last_token  # audio arrives before decoding has finished
+    assert "800 samples in all" in out

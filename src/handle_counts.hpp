@@ -1,0 +1,90 @@
+// Reference counts per handle in an open-addressing table: no allocation per handle once the
+// table has grown to the working set (the Conductor's dispatch path must not allocate).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "mstar/graph.hpp"
+
+namespace mstar::detail {
+
+class HandleCounts {
+ public:
+  HandleCounts() : slots_(64) {}
+
+  void retain(Handle h) {
+    if (h == 0) return;
+    if ((used_ + 1) * 2 > slots_.size()) grow();
+    Slot& s = find_or_insert(h);
+    ++s.count;
+  }
+
+  /// Returns true when the count reached zero (the handle is gone).
+  bool release(Handle h) {
+    if (h == 0) return false;
+    Slot* s = find(h);
+    if (s == nullptr) return false;
+    if (--s->count != 0) return false;
+    s->key = kTomb;
+    --live_;
+    return true;
+  }
+
+  std::size_t size() const noexcept { return live_; }
+
+ private:
+  static constexpr Handle kEmpty = 0;
+  static constexpr Handle kTomb = ~Handle{0};
+  struct Slot {
+    Handle key = kEmpty;
+    std::uint32_t count = 0;
+  };
+
+  std::size_t mask() const noexcept { return slots_.size() - 1; }
+  static std::size_t hash(Handle h) noexcept { return static_cast<std::size_t>(h * 0x9E3779B97F4A7C15ull >> 17); }
+
+  Slot* find(Handle h) {
+    for (std::size_t i = hash(h) & mask();; i = (i + 1) & mask()) {
+      if (slots_[i].key == h) return &slots_[i];
+      if (slots_[i].key == kEmpty) return nullptr;
+    }
+  }
+
+  Slot& find_or_insert(Handle h) {
+    Slot* tomb = nullptr;
+    for (std::size_t i = hash(h) & mask();; i = (i + 1) & mask()) {
+      Slot& s = slots_[i];
+      if (s.key == h) return s;
+      if (s.key == kTomb && tomb == nullptr) tomb = &s;
+      if (s.key == kEmpty) {
+        Slot& dst = tomb != nullptr ? *tomb : s;
+        if (tomb == nullptr) ++used_;
+        dst.key = h;
+        dst.count = 0;
+        ++live_;
+        return dst;
+      }
+    }
+  }
+
+  void grow() {
+    std::vector<Slot> old;
+    old.swap(slots_);
+    // Tombstones are dropped on rehash; double only if live handles need it.
+    slots_.assign(live_ * 4 > old.size() ? old.size() * 2 : old.size(), Slot{});
+    used_ = live_ = 0;
+    for (const Slot& s : old) {
+      if (s.key == kEmpty || s.key == kTomb) continue;
+      Slot& d = find_or_insert(s.key);
+      d.count = s.count;
+    }
+  }
+
+  std::vector<Slot> slots_;
+  std::size_t used_ = 0;  // non-empty slots (live + tombstones)
+  std::size_t live_ = 0;
+};
+
+}  // namespace mstar::detail
