@@ -227,8 +227,8 @@ class PyConductor {
   }
   py::tuple finish(RequestId r) {
     Outcome out;
-    c_->finish(r, &out);
-    return outcome(out);
+    const bool ended = c_->finish(r, &out);
+    return py::make_tuple(ended, outcome(out));
   }
   py::tuple cancel(RequestId r) {
     Outcome out;

@@ -29,6 +29,7 @@ std::int64_t now_ns() {
 struct Conductor::Impl {
   GraphSpec g;
   std::vector<detail::WalkIndex> index;  // by walk
+  std::vector<std::uint8_t> persisted_anywhere;  // name -> some walk persists it
 
   mutable std::mutex mu;
   std::vector<detail::EngineQueue> engines;
@@ -58,6 +59,7 @@ struct Conductor::Impl {
   void validate_and_index() {
     auto bad = [](const std::string& what) { throw std::invalid_argument("graph IR: " + what); };
     const std::size_t n_names = g.names.size();
+    persisted_anywhere.assign(n_names, 0);
     if (g.engines.empty()) bad("no engines");
     for (const NodeSpec& n : g.nodes) {
       if (n.engine >= g.engines.size()) bad("node '" + n.name + "' uses an unknown engine");
@@ -96,6 +98,8 @@ struct Conductor::Impl {
       for (NameId p : w.persist) {
         if (p >= n_names) bad("walk '" + w.name + "' persists an unknown name");
         ix.persist[p] = 1;
+        persisted_anywhere.resize(n_names, 0);
+        persisted_anywhere[p] = 1;
       }
       for (std::size_t k = 0; k < w.streams.size(); ++k) {
         const StreamSpec& st = w.streams[k];
@@ -228,7 +232,18 @@ struct Conductor::Impl {
       case SectionKind::loop:
         if (s.dynamic) r.stop[s.loop_name] = 0;
         a->acc.assign(s.accumulated.size(), {});
+        begin_iteration(r, a, s);
         return start(r, new_act(r, s.children[0], a), out);
+    }
+  }
+
+  /// Notes each accumulated name's value as an iteration starts: only a value the iteration
+  /// itself produced (a different handle) is accumulated at its end.
+  void begin_iteration(Request& r, Activation* loop, const SectionSpec& s) {
+    loop->acc_before.resize(s.accumulated.size());
+    for (std::size_t k = 0; k < s.accumulated.size(); ++k) {
+      const Slot& v = r.env[s.accumulated[k]];
+      loop->acc_before[k] = v.present && !v.list ? v.single : 0;
     }
   }
 
@@ -257,15 +272,17 @@ struct Conductor::Impl {
       case SectionKind::loop: {
         for (std::size_t k = 0; k < p.accumulated.size(); ++k) {
           const Slot& v = r.env[p.accumulated[k]];
-          if (v.present && !v.list) {
+          if (v.present && !v.list && v.single != parent->acc_before[k]) {
             retain(v.single);
             parent->acc[k].push_back(v.single);
           }
         }
         ++parent->index;
         const bool stopped = p.dynamic && r.stop[p.loop_name];
-        if (!stopped && parent->index < p.max_iters)
+        if (!stopped && parent->index < p.max_iters) {
+          begin_iteration(r, parent, p);
           return start(r, new_act(r, p.children[0], parent), out);
+        }
         end_loop(r, parent, p, out);
         return done(r, parent, out);
       }
@@ -342,16 +359,27 @@ struct Conductor::Impl {
     q.cv.notify_one();
   }
 
+  /// Windows go out once the walk has reached the consumer (its place in the walk says when it
+  /// may run: put it in a Parallel with the producer to stream while the producer runs).
   void pump(Request& r, std::size_t st, Outcome* out) {
     StreamState& s = r.streams[st];
-    if (s.inflight || r.state != Request::State::running) return;
+    if (s.inflight || s.consumer == nullptr || r.state != Request::State::running) return;
     Chunk chunk;
     switch (s.cursor.next(s.base, s.written, s.ended, &chunk)) {
       case ChunkCursor::Next::ready:
-        s.inflight = true;
+        s.inflight = s.any_sent = true;
+        s.last_sent = chunk.last;
         return dispatch(r, s.spec->consumer, nullptr, static_cast<int>(st), &chunk, out);
       case ChunkCursor::Next::finished:
-        if (s.consumer != nullptr) {
+        if (s.any_sent && !s.last_sent) {
+          // The stream ended right after a full window: tell the consumer with an empty last one.
+          chunk.begin = chunk.new_begin = chunk.end = s.written;
+          chunk.index = s.cursor.index();
+          chunk.last = true;
+          s.inflight = s.last_sent = true;
+          return dispatch(r, s.spec->consumer, nullptr, static_cast<int>(st), &chunk, out);
+        }
+        {
           Activation* a = s.consumer;
           s.consumer = nullptr;
           done(r, a, out);
@@ -381,7 +409,7 @@ struct Conductor::Impl {
   }
 
   void walk_done(Request& r, Outcome* out) {
-    const auto& persist = index[r.walk].persist;
+    const auto& persist = persisted_anywhere;  // the compiler lets any later walk read them
     for (NameId n = 0; n < r.env.size(); ++n)
       if (!persist[n] && !r.is_input[n]) clear_slot(r.env[n], out);
     clear_streams(r, out);
@@ -542,12 +570,13 @@ void Conductor::start_walk(RequestId id, WalkId walk, Outcome* out) {
   impl_->reap(id);
 }
 
-void Conductor::finish(RequestId id, Outcome* out) {
+bool Conductor::finish(RequestId id, Outcome* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Request* r = impl_->find(id);
-  if (r == nullptr || r->state == Request::State::over) return;
+  if (r == nullptr || r->state == Request::State::over) return false;
   impl_->end_request(*r, out);
   impl_->reap(id);
+  return true;
 }
 
 bool Conductor::cancel(RequestId id, Outcome* out) {

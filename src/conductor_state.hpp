@@ -29,6 +29,7 @@ struct Activation {
   Activation* parent = nullptr;
   std::uint32_t index = 0;                 // sequential: child; parallel: pending; loop: iteration
   std::vector<std::vector<Handle>> acc;    // loop: retained values per accumulated name
+  std::vector<Handle> acc_before;          // loop: each accumulated name's value as the iteration began
 };
 
 struct Request;
@@ -41,6 +42,8 @@ struct StreamState {
   std::uint64_t written = 0;
   bool ended = false;
   bool inflight = false;       // a window is with an engine: windows run one at a time, in order
+  bool any_sent = false;       // some window was dispatched
+  bool last_sent = false;      // the window marked last was dispatched
   Activation* consumer = nullptr;  // the consumer's activation, once the walk has reached it
   ChunkCursor cursor;
 };

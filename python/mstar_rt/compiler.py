@@ -72,6 +72,42 @@ def _loop_levels(section: SectionLike, loop: int = 0, counter: list[int] | None 
     return out
 
 
+def _paths(section: SectionLike, prefix: tuple = ()) -> dict[str, tuple]:
+    """node -> its path from the root: ((section id, kind, child index), ...)."""
+    if isinstance(section, str):
+        return {section: prefix}
+    out: dict[str, tuple] = {}
+    if isinstance(section, Loop):
+        return _paths(section.section, prefix + ((id(section), "loop", 0),))
+    kind = "sequential" if isinstance(section, Sequential) else "parallel"
+    parts = section.parts if isinstance(section, Sequential) else section.branches  # type: ignore[union-attr]
+    for i, p in enumerate(parts):
+        out.update(_paths(p, prefix + ((id(section), kind, i),)))
+    return out
+
+
+def _check_stream_placement(walk: str, producer: str, consumer: str, root: SectionLike) -> None:
+    """A consumer's windows can only run once the walk reaches it, and it ends with the stream:
+    it must not come before its producer, nor sit inside the loop that feeds it."""
+    paths = _paths(root)
+    a, b = paths[producer], paths[consumer]
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    loops = [step[0] for step in a if step[1] == "loop"]
+    if loops and any(step[0] == loops[-1] for step in b):
+        raise GraphError(f"node '{consumer}' consumes the stream of '{producer}' inside the same "
+                         f"Loop in walk '{walk}', but the stream ends only when that loop does; "
+                         f"place '{consumer}' after the loop or in a Parallel with it")
+    if common < min(len(a), len(b)):
+        section_id, kind, i_prod = a[common]
+        i_cons = b[common][2]
+        if kind == "sequential" and i_cons < i_prod:
+            raise GraphError(f"node '{consumer}' consumes the stream of '{producer}' but runs "
+                             f"before it in walk '{walk}' and would wait forever; move it after "
+                             f"'{producer}' or put both in a Parallel")
+
+
 class _WalkCompiler:
     def __init__(self, walk: str, root: SectionLike, graph: Mapping[str, GraphNode],
                  inputs: Sequence[str], persisted: set[str], names: _Names,
@@ -123,7 +159,10 @@ class _WalkCompiler:
                                          "a node reads at most one stream")
                     self.stream_input[out.to] = out.name
                     self.streams.append((n, out.name, out.to, out.chunk_policy))
+                    _check_stream_placement(walk, n, out.to, root)
         self.scope_of: dict[str, int] = {}  # producer node -> section that ends its stream
+        self.accumulated: set[str] = set()  # names some loop compiled so far accumulates
+        self.kept_inside: dict[str, str] = {}  # name made inside a loop and dropped after it
         self.available0 = set(inputs) | persisted
         self.root = self._compile(root, set(self.available0), [], "walk")[0]
 
@@ -185,8 +224,16 @@ class _WalkCompiler:
             entry.update(dynamic=True, loop_name=self.names(s.name))
         child, _ = self._compile(s.section, available, loops + [index], label)
         entry["children"] = [child]
+        for name in s.accumulated_outputs:  # inner loops are compiled by now
+            if name in self.accumulated:
+                raise GraphError(f"{label} in walk '{self.walk}' accumulates '{name}', which an "
+                                 "inner Loop already accumulates; nested accumulation is not "
+                                 "supported: accumulate it in one of the two loops")
+        self.accumulated |= set(s.accumulated_outputs)
         kept = set(s.outputs) | set(s.accumulated_outputs) | (inside & self.persisted)
         scoped = inside - kept
+        for name in scoped:
+            self.kept_inside.setdefault(name, label)
         entry["scoped"] = sorted(self.names(n) for n in scoped)
         return index, (available - scoped) | kept
 
@@ -200,6 +247,11 @@ class _WalkCompiler:
         for x in node.inputs:
             if x == self.stream_input.get(name) or x in available:
                 continue
+            if x in self.kept_inside:
+                raise GraphError(
+                    f"node '{name}' in walk '{self.walk}' reads '{x}', which is made inside a "
+                    f"{self.kept_inside[x]} and stays there; list '{x}' in that loop's outputs or "
+                    "accumulated_outputs")
             p = self.producer.get(x)
             if p is not None and p != name:
                 raise GraphError(

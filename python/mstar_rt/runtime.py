@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import traceback
 import queue
 import threading
 import time
@@ -10,7 +11,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from mstar_rt import _core
 from mstar_rt.compiler import CompiledGraph, compile_graph
-from mstar_rt.graph import StreamingGraphEdge
+from mstar_rt.graph import GraphError, GraphNode, StreamingGraphEdge
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext
 
 _NO_DEADLINE = 2**63 - 1
@@ -26,6 +27,9 @@ class RequestCancelled(RuntimeError):
 
 def compile_model(model: Model) -> CompiledGraph:
     """Validates the model's graph and walks (GraphError on problems) and builds the IR."""
+    for n in model.nodes:
+        if not isinstance(n, GraphNode):
+            raise GraphError(f"{n!r} in {type(model).__name__}.nodes is not a GraphNode")
     missing = [n.name for n in model.nodes if n.name not in model.submodules]
     if missing:
         raise ValueError(f"model {type(model).__name__} has no submodule for nodes {missing}; "
@@ -154,6 +158,8 @@ class Runtime:
         self._loop_ids = g.name_ids
         self._engine_of_node = {n: model.engines.get(n, "default") for n in self._node_names}
         self._hooks = [_Hooks(sub) for sub in self._submodules]
+        # One submodule may serve several nodes (one LM for prefill and decode): clean it up once.
+        self._unique_submodules = list({id(s): s for s in self._submodules}.values())
         # node -> the input name its stream windows arrive under (None if it consumes no stream)
         self._stream_input: list = [None] * len(self._node_names)
         for n in model.nodes:
@@ -217,7 +223,7 @@ class Runtime:
             return
         timeline = self.conductor.timeline(rid)
         self.conductor.forget(rid)
-        for sub in self._submodules:
+        for sub in self._unique_submodules:
             try:
                 sub.cleanup(handle.context)
             except Exception:  # a cleanup failure must not take the runtime down
@@ -227,6 +233,7 @@ class Runtime:
     # ---- outcomes ------------------------------------------------------------------------------
 
     def _handle(self, outcome: tuple) -> None:
+        """Acts on a Conductor outcome. Never raises: one request's trouble stays its own."""
         emits, walks_done, failed = outcome
         if emits:
             with self._lock:
@@ -256,11 +263,18 @@ class Runtime:
                                                   f"{type(e).__name__}: {e}"))
             return
         if walk is None:
-            outcome = self.conductor.finish(rid)
-            self._end(rid, None)
-        else:
-            ctx.walk = walk
+            ended, outcome = self.conductor.finish(rid)
+            if ended:  # else it was cancelled meanwhile, and cancel() ended the handle
+                self._end(rid, None)
+            self._handle(outcome)
+            return
+        ctx.walk = walk
+        try:
             outcome = self.conductor.start_walk(rid, self.graph.walk_ids[walk])
+        except RuntimeError:
+            if rid in self._requests:  # not a cancellation race: a real error
+                raise
+            return
         self._handle(outcome)
 
     # ---- engine workers ------------------------------------------------------------------------
@@ -273,13 +287,19 @@ class Runtime:
                 continue
             node, _walk, items = batch
             try:
-                self._handle(self._run(node, items))
+                outcomes = [self._run(node, items)]
             except Exception:  # isolate: retry one by one so only the culprit's request fails
+                outcomes = []
                 for item in items:
                     try:
-                        self._handle(self._run(node, [item]))
+                        outcomes.append(self._run(node, [item]))
                     except Exception as e:
-                        self._handle(conductor.fail_items([item[0]], f"{type(e).__name__}: {e}"))
+                        outcomes.append(conductor.fail_items([item[0]], f"{type(e).__name__}: {e}"))
+            for outcome in outcomes:
+                try:
+                    self._handle(outcome)
+                except Exception:  # a bug in the runtime itself: keep the worker alive
+                    traceback.print_exc()
 
     def _run(self, node: int, items: list) -> tuple:
         """Runs one batch and reports it; returns the Conductor's outcome."""

@@ -98,8 +98,9 @@ class Conductor {
                    Outcome* out);
   /// After a walks_done report: run the next walk (persisted names and inputs remain visible).
   void start_walk(RequestId request, WalkId walk, Outcome* out);
-  /// After a walks_done report: the request is complete; frees everything it holds.
-  void finish(RequestId request, Outcome* out);
+  /// After a walks_done report: the request is complete; frees everything it holds. Returns
+  /// false if the request was already over (e.g. cancelled meanwhile).
+  bool finish(RequestId request, Outcome* out);
   /// At any moment: drops queued work and frees everything; in-flight items are ignored when they
   /// complete. Returns false if the request is unknown or already over.
   bool cancel(RequestId request, Outcome* out);
