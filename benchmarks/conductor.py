@@ -8,7 +8,9 @@ Three walks of no-op nodes — (a) a 10-node chain, (b) one node in a Loop of 10
   * with C++ no-op nodes (mstar_rt._core.NoopEngine: the Conductor alone, no Python per node),
   * with Python no-op nodes through mstar_rt.Runtime (worker thread, tensor store, batching),
   * with the same walks written as a straightforward asyncio program (a task per request, an
-    engine task batching whatever is queued, futures for results), in the same run.
+    engine batching whatever is queued, futures for results), in the same run — once with the
+    nodes called on the event loop itself, once with them on an engine thread (what a real model
+    needs, so a forward pass does not stall the loop).
 Every node does nothing, so time per node execution is pure runtime overhead. Ours and asyncio
 alternate; figures are medians. Also times a cold start: a fresh interpreter that imports the
 package (and torch, when installed), builds a Runtime for a no-op model and serves one request.
@@ -104,7 +106,7 @@ def run_cpp(make, nodes_per_request: int, concurrent: int, rounds: int) -> float
     g = m.compile_model(model)
     conductor = m._core.Conductor(g.names, g.engines, g.nodes, g.walks)
     engine = m._core.NoopEngine(conductor, 0, 64)
-    inputs = [(g.name_ids[model.inputs[0]], 1)]
+    inputs = {g.name_ids[model.inputs[0]]: 1}
     # The C++ no-op node cannot stop a DynamicLoop, so it runs max_iters: count what ran.
     per_request = nodes_per_request if make is not dynamic_model else 10 * DYN_STEPS
     try:
@@ -167,6 +169,62 @@ class AsyncEngine:
                     fut.set_result(out)
 
 
+class ThreadedAsyncEngine(AsyncEngine):
+    """The same, but nodes run on an engine thread, as they must once they are real models (a
+    forward pass on the event loop would stall every other request): calls cross to the thread
+    through a queue and come back with call_soon_threadsafe, one hop per batch each way."""
+
+    def __init__(self) -> None:
+        import queue as _queue
+        import threading as _threading
+        self.loop = asyncio.get_running_loop()
+        self.inbox: _queue.SimpleQueue = _queue.SimpleQueue()
+        self.thread = _threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    async def call(self, fn, value):
+        fut = self.loop.create_future()
+        self.inbox.put((fn, value, fut))
+        return await fut
+
+    def _serve(self) -> None:
+        import queue as _queue
+        while True:
+            first = self.inbox.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < 64:
+                try:
+                    nxt = self.inbox.get_nowait()
+                except _queue.Empty:
+                    break
+                if nxt is None:
+                    self.inbox.put(None)
+                    break
+                batch.append(nxt)
+            by_fn: dict = {}
+            for fn, value, fut in batch:
+                by_fn.setdefault(fn, []).append((value, fut))
+            results = []
+            for fn, items in by_fn.items():
+                outs = fn([v for v, _ in items])
+                results += [(fut, out) for (_, fut), out in zip(items, outs)]
+            self.loop.call_soon_threadsafe(_resolve, results)
+
+    async def run(self) -> None:  # the engine lives on its thread; nothing to do on the loop
+        await asyncio.Event().wait()
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.thread.join()
+
+
+def _resolve(results) -> None:
+    for fut, out in results:
+        fut.set_result(out)
+
+
 def _noop(batch):
     return [{"x": 0} for _ in batch]
 
@@ -190,9 +248,10 @@ async def _request(engine: AsyncEngine, walk: str) -> int:
     return ran
 
 
-def run_asyncio(walk: str, nodes_per_request: int, concurrent: int, rounds: int) -> float:
+def run_asyncio(walk: str, nodes_per_request: int, concurrent: int, rounds: int,
+                threaded: bool = False) -> float:
     async def main() -> float:
-        engine = AsyncEngine()
+        engine = ThreadedAsyncEngine() if threaded else AsyncEngine()
         worker = asyncio.create_task(engine.run())
         t0 = time.perf_counter()
         for _ in range(rounds):
@@ -200,6 +259,8 @@ def run_asyncio(walk: str, nodes_per_request: int, concurrent: int, rounds: int)
             assert all(r == nodes_per_request for r in ran)
         elapsed = time.perf_counter() - t0
         worker.cancel()
+        if threaded:
+            engine.stop()
         return elapsed
     elapsed = asyncio.run(main())
     return elapsed * 1e6 / (rounds * concurrent * nodes_per_request)
@@ -262,18 +323,20 @@ def main() -> int:
     rounds = {1: 4 if args.quick else 10, 16: 2 if args.quick else 5}
     cells = [(w, c) for w in WALKS for c in (1, 16)]
     samples: dict = {}
-    bar = tqdm(total=len(cells) * reps * 3, desc="conductor") if tqdm else None
+    bar = tqdm(total=len(cells) * reps * 4, desc="conductor") if tqdm else None
     for rep in range(reps):
         for walk, conc in cells:
             make, per = WALKS[walk]
-            order = ["cpp", "py", "asyncio"] if rep % 2 == 0 else ["asyncio", "py", "cpp"]
+            order = ["cpp", "py", "asyncio", "asyncio_threaded"]
+            if rep % 2:
+                order.reverse()
             for kind in order:
                 if kind == "cpp":
                     us = run_cpp(make, per, conc, rounds[conc] * 4)
                 elif kind == "py":
                     us = run_python(make, per, conc, rounds[conc])
                 else:
-                    us = run_asyncio(walk, per, conc, rounds[conc])
+                    us = run_asyncio(walk, per, conc, rounds[conc], kind == "asyncio_threaded")
                 samples.setdefault(f"{walk}_{conc}req_{kind}", []).append(us)
                 if bar:
                     bar.update(1)
@@ -285,7 +348,7 @@ def main() -> int:
 
     figures = {f"us_per_node_{k}": round(v, 3) for k, v in med.items()}
     # Headline figures: the mean over the three walks at 16 concurrent requests.
-    for kind in ("cpp", "py", "asyncio"):
+    for kind in ("cpp", "py", "asyncio", "asyncio_threaded"):
         figures[f"us_per_node_{kind}_16req"] = round(statistics.mean(
             med[f"{w}_16req_{kind}"] for w in WALKS), 3)
         figures[f"us_per_node_{kind}_1req"] = round(statistics.mean(
@@ -299,12 +362,15 @@ def main() -> int:
                                           / figures["us_per_node_py_1req"], 3),
         "cpp_nodes_16req_vs_asyncio": round(figures["us_per_node_asyncio_16req"]
                                             / figures["us_per_node_cpp_16req"], 3),
+        "py_nodes_16req_vs_asyncio_threaded": round(figures["us_per_node_asyncio_threaded_16req"]
+                                                    / figures["us_per_node_py_16req"], 3),
     }
     print(f"\n{'walk':<12}{'requests':>9}{'C++ nodes':>12}{'Py nodes':>11}{'asyncio':>10}"
-          f"{'asyncio/py':>12}   (µs of overhead per node execution, medians of {reps})")
+          f"{'asyncio+thr':>13}{'asyncio/py':>12}{'thr/py':>8}"
+          f"   (µs of overhead per node execution, medians of {reps})")
     for walk, conc in cells:
-        c, p, a = (med[f"{walk}_{conc}req_{k}"] for k in ("cpp", "py", "asyncio"))
-        print(f"{walk:<12}{conc:>9}{c:>12.2f}{p:>11.2f}{a:>10.2f}{a / p:>12.2f}")
+        c, p, a, t = (med[f"{walk}_{conc}req_{k}"] for k in ("cpp", "py", "asyncio", "asyncio_threaded"))
+        print(f"{walk:<12}{conc:>9}{c:>12.2f}{p:>11.2f}{a:>10.2f}{t:>13.2f}{a / p:>12.2f}{t / p:>8.2f}")
     print(f"\ncold start (fresh process: import{' torch +' if cold[0][1] else ''} mstar_rt, build, "
           f"first request): {cold_s:.2f} s")
     for k, v in ratios.items():
@@ -321,11 +387,12 @@ def main() -> int:
         fig, ax = plt.subplots(figsize=(8, 4))
         labels = [f"{w}\n{c} req" for w, c in cells]
         xs = range(len(cells))
-        for i, (kind, color) in enumerate([("cpp", "tab:green"), ("py", "tab:blue"),
-                                           ("asyncio", "tab:red")]):
-            ax.bar([x + (i - 1) * 0.27 for x in xs], [med[f"{w}_{c}req_{kind}"] for w, c in cells],
-                   0.27, label={"cpp": "C++ nodes", "py": "Python nodes", "asyncio": "asyncio"}[kind],
-                   color=color)
+        kinds = [("cpp", "tab:green", "C++ nodes"), ("py", "tab:blue", "Python nodes"),
+                 ("asyncio", "tab:red", "asyncio, nodes on the loop"),
+                 ("asyncio_threaded", "tab:orange", "asyncio, nodes on a thread")]
+        for i, (kind, color, label) in enumerate(kinds):
+            ax.bar([x + (i - 1.5) * 0.2 for x in xs], [med[f"{w}_{c}req_{kind}"] for w, c in cells],
+                   0.2, label=label, color=color)
         ax.set_xticks(list(xs))
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_ylabel("µs overhead per node execution")

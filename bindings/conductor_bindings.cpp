@@ -222,7 +222,7 @@ class PyConductor {
   }
   py::tuple start_walk(RequestId r, WalkId w) {
     Outcome out;
-    c_->start_walk(r, w, &out);
+    c_->start_walk(r, w, &out);  // false: cancelled meanwhile, and the outcome is empty
     return outcome(out);
   }
   py::tuple finish(RequestId r) {

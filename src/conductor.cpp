@@ -78,10 +78,22 @@ struct Conductor::Impl {
       ix.ends_streams.resize(w.sections.size());
       ix.persist.assign(n_names, 0);
       if (w.root >= w.sections.size()) bad("walk '" + w.name + "' has no root section");
+      std::vector<std::uint8_t> has_parent(w.sections.size(), 0);
       for (std::uint32_t s = 0; s < w.sections.size(); ++s) {
         const SectionSpec& sec = w.sections[s];
-        for (std::uint32_t c : sec.children)
-          if (c >= w.sections.size()) bad("walk '" + w.name + "' refers to an unknown section");
+        for (std::uint32_t c : sec.children) {
+          // A tree: the root has no parent and every other section at most one, so a cycle
+          // could only be one the root never reaches (and it is never run).
+          if (c >= w.sections.size() || c == w.root || has_parent[c])
+            bad("walk '" + w.name + "' sections do not form a tree");
+          has_parent[c] = 1;
+        }
+        if (sec.kind == SectionKind::loop) {
+          if (sec.dynamic && sec.loop_name >= n_names) bad("walk '" + w.name + "' has a loop with an unknown name id");
+          for (const auto* ids : {&sec.outputs, &sec.accumulated, &sec.scoped})
+            for (NameId x : *ids)
+              if (x >= n_names) bad("walk '" + w.name + "' has a loop listing an unknown name id");
+        }
         if (sec.kind == SectionKind::node) {
           if (sec.node >= g.nodes.size()) bad("walk '" + w.name + "' runs an unknown node");
           if (ix.node_section[sec.node] != -1)
@@ -104,8 +116,10 @@ struct Conductor::Impl {
       for (std::size_t k = 0; k < w.streams.size(); ++k) {
         const StreamSpec& st = w.streams[k];
         if (st.producer >= g.nodes.size() || st.consumer >= g.nodes.size() ||
-            st.producer_scope >= w.sections.size() || st.name >= n_names)
-          bad("walk '" + w.name + "' has a malformed streaming edge");
+            st.producer_scope >= w.sections.size() || st.name >= n_names ||
+            ix.node_section[st.producer] < 0 || ix.node_section[st.consumer] < 0)
+          bad("walk '" + w.name + "' has a malformed streaming edge (unknown ids, or a producer or "
+              "consumer the walk does not run)");
         if (ix.consumes_stream[st.consumer] != -1)
           bad("node '" + g.nodes[st.consumer].name + "' consumes two streams in one walk");
         ix.produces_streams[st.producer].push_back(static_cast<int>(k));
@@ -205,8 +219,23 @@ struct Conductor::Impl {
   const WalkSpec& walk_of(const Request& r) const { return g.walks[r.walk]; }
   const SectionSpec& sec(const Request& r, std::uint32_t s) const { return g.walks[r.walk].sections[s]; }
 
+  /// A stream's producer scope starting again (an outer loop's next iteration) starts a fresh
+  /// stream: positions, windows and the end-of-stream flag begin anew.
+  void restart_streams(Request& r, std::uint32_t section, Outcome* out) {
+    for (int st : index[r.walk].ends_streams[section]) {
+      StreamState& s = r.streams[static_cast<std::size_t>(st)];
+      if (s.written == 0 && !s.ended) continue;  // first use: nothing to reset
+      for (Handle h : s.items) release(h, out);
+      s.items.clear();
+      s.base = s.written = 0;
+      s.ended = s.inflight = s.any_sent = s.last_sent = false;
+      s.cursor.reset();
+    }
+  }
+
   void start(Request& r, Activation* a, Outcome* out) {
     const SectionSpec& s = sec(r, a->section);
+    restart_streams(r, a->section, out);
     switch (s.kind) {
       case SectionKind::node: {
         const int st = index[r.walk].consumes_stream[s.node];
@@ -320,7 +349,8 @@ struct Conductor::Impl {
     item->req = &r;
     item->act = act;
     item->stream = stream;
-    item->iteration = innermost_iteration(r, act);
+    item->iteration = innermost_iteration(
+        r, act != nullptr ? act : r.streams[static_cast<std::size_t>(stream)].consumer);
     item->offsets.reserve(n.inputs.size() + 1);
     item->offsets.push_back(0);
     const StreamState* ss = stream >= 0 ? &r.streams[static_cast<std::size_t>(stream)] : nullptr;
@@ -474,6 +504,8 @@ struct Conductor::Impl {
     --r.inflight;
     --inflight;
     const NodeSpec& n = g.nodes[item->node];
+    for (Handle h : c.outputs)
+      if (h == kReservedHandle) throw std::invalid_argument("complete: handle ~0 is reserved");
     for (Handle h : c.outputs) retain(h);  // balanced below: unreferenced outputs are released
     for (Handle h : item->handles) release(h, out);
     if (r.state == Request::State::running) {
@@ -548,8 +580,11 @@ RequestId Conductor::submit(WalkId walk, const std::vector<NamedHandle>& inputs,
   r->env.resize(m.g.names.size());
   r->is_input.assign(m.g.names.size(), 0);
   r->stop.assign(m.g.names.size(), 0);
-  for (const NamedHandle& in : inputs) {
+  for (const NamedHandle& in : inputs) {  // check everything before taking any reference
     if (in.name >= m.g.names.size()) throw std::invalid_argument("submit: unknown input name id");
+    if (in.handle == kReservedHandle) throw std::invalid_argument("submit: handle ~0 is reserved");
+  }
+  for (const NamedHandle& in : inputs) {
     m.set_single(*r, in.name, in.handle, out);
     r->is_input[in.name] = 1;
   }
@@ -561,13 +596,15 @@ RequestId Conductor::submit(WalkId walk, const std::vector<NamedHandle>& inputs,
   return id;
 }
 
-void Conductor::start_walk(RequestId id, WalkId walk, Outcome* out) {
+bool Conductor::start_walk(RequestId id, WalkId walk, Outcome* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Request* r = impl_->find(id);
-  if (r == nullptr || r->state != Request::State::between_walks)
-    throw std::logic_error("start_walk: request " + std::to_string(id) + " is not between walks");
+  if (r == nullptr || r->state == Request::State::over) return false;  // cancelled meanwhile
+  if (r->state != Request::State::between_walks)
+    throw std::logic_error("start_walk: request " + std::to_string(id) + " is still in a walk");
   impl_->begin_walk(*r, walk, out);
   impl_->reap(id);
+  return true;
 }
 
 bool Conductor::finish(RequestId id, Outcome* out) {

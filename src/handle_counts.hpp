@@ -36,7 +36,7 @@ class HandleCounts {
 
  private:
   static constexpr Handle kEmpty = 0;
-  static constexpr Handle kTomb = ~Handle{0};
+  static constexpr Handle kTomb = kReservedHandle;  // why ~0 is reserved (graph.hpp)
   struct Slot {
     Handle key = kEmpty;
     std::uint32_t count = 0;

@@ -60,11 +60,15 @@ struct Completion {
   std::vector<NameId> stop_loops;  ///< DynamicLoops (by name) to stop for this item's request
 };
 
+/// An output streamed to the caller. Its handle may be among the same call's `released`, and a
+/// later call (from another thread) may release it too: read the value before freeing `released`
+/// and before another call can run — the Python bindings do both while holding the GIL; a
+/// multi-threaded C++ embedder serialises each call with the handling of its Outcome.
 struct Emit {
   RequestId request = 0;
   NodeId node = 0;
   NameId name = 0;
-  Handle handle = 0;  ///< valid until the caller frees the handles released by the same call
+  Handle handle = 0;
 };
 
 /// Everything a call changed that the caller has to act on.
@@ -97,7 +101,8 @@ class Conductor {
   RequestId submit(WalkId walk, const std::vector<NamedHandle>& inputs, SubmitOptions options,
                    Outcome* out);
   /// After a walks_done report: run the next walk (persisted names and inputs remain visible).
-  void start_walk(RequestId request, WalkId walk, Outcome* out);
+  /// Returns false if the request was cancelled or failed meanwhile.
+  bool start_walk(RequestId request, WalkId walk, Outcome* out);
   /// After a walks_done report: the request is complete; frees everything it holds. Returns
   /// false if the request was already over (e.g. cancelled meanwhile).
   bool finish(RequestId request, Outcome* out);

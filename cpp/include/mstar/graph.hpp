@@ -18,8 +18,10 @@ using NameId = std::uint32_t;
 using NodeId = std::uint32_t;
 using WalkId = std::uint32_t;
 using EngineId = std::uint32_t;
-/// A value held by the embedding application's tensor store; 0 means "no value".
+/// A value held by the embedding application's tensor store; 0 means "no value" and ~0 is
+/// reserved (the Conductor uses it internally).
 using Handle = std::uint64_t;
+inline constexpr Handle kReservedHandle = ~Handle{0};
 
 struct NodeSpec {
   std::string name;
