@@ -1,0 +1,245 @@
+// Conductor tests: streaming edges (chunk policies, the flushed tail, dynamic loops that stop
+// early, windows on a chunk boundary, a producer loop inside an outer loop). The shared IR builders
+// and the fake application are in conductor_test_app.hpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "conductor_test_app.hpp"
+
+namespace {
+
+using namespace conductor_test;
+
+// ---- streaming edges ----------------------------------------------------------------------------
+
+std::vector<long> window_values(long first, const Chunk& ch) {
+  std::vector<long> v;
+  for (std::uint64_t p = ch.begin; p < ch.end; ++p) v.push_back(first + static_cast<long>(p));
+  return v;
+}
+
+struct StreamCase {
+  ChunkPolicy policy;
+  bool consumer_in_parallel;  // Parallel(Loop(P), C) or Sequential(Loop(P), C)
+  std::uint32_t items;        // iterations the producer runs
+  bool dynamic;               // a DynamicLoop stopped after `items` iterations (max 20)
+  std::vector<Chunk> expected;
+};
+
+Chunk chunk(std::uint64_t b, std::uint64_t nb, std::uint64_t e, std::uint64_t i, bool last) {
+  Chunk c;
+  c.begin = b;
+  c.new_begin = nb;
+  c.end = e;
+  c.index = i;
+  c.last = last;
+  return c;
+}
+
+void run_stream_case(const StreamCase& sc) {
+  IR ir;
+  ir.node("init", "e0", {"x"}, {"h"}, 4);
+  ir.node("P", "e0", {"h"}, {"h", "s"}, 4);
+  ir.node("C", "e1", {"x", "s"}, {"o"}, 4);
+  WalkB w(ir, "main");
+  const std::uint32_t loop = sc.dynamic ? w.dynamic_loop("gen", w.node("P"), 20, {"h"}, {}, {"s"})
+                                        : w.loop(w.node("P"), sc.items, {"h"}, {}, {"s"});
+  const std::uint32_t c = w.node("C");
+  const std::uint32_t body = sc.consumer_in_parallel ? w.par({loop, c}) : w.seq({loop, c});
+  w.stream("P", "s", "C", sc.policy, loop).emit("C", "o");
+  const WalkId main = w.build(w.seq({w.node("init"), body}));
+  App app(ir.g);
+  const NameId gen = ir.name("gen");
+  app.fns[ir.node_id("init")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
+    out[0] = in[0][0];
+    return true;
+  };
+  app.fns[ir.node_id("P")] = [&](const WorkItem& it, const auto& in, auto& out, auto& stop) {
+    out[0] = in[0][0] + 1;
+    out[1] = in[0][0] + 1;  // stream position p carries x + 1 + p
+    if (sc.dynamic && it.iteration + 1 == sc.items) stop.push_back(gen);
+    return true;
+  };
+  app.fns[ir.node_id("C")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
+    long s = 0;
+    for (long v : in[1]) s += v;
+    out[0] = s;
+    return true;
+  };
+  // Two requests with different inputs, interleaved by the engines.
+  const long xs[2] = {1000, 5000};
+  RequestId rs[2];
+  for (int k = 0; k < 2; ++k) rs[k] = app.submit(main, {{ir.name("x"), xs[k]}});
+  app.drain();
+  for (int k = 0; k < 2; ++k) {
+    SCOPED_TRACE("request " + std::to_string(k));
+    const auto windows = app.items_of(ir.node_id("C"), rs[k]);
+    ASSERT_EQ(windows.size(), sc.expected.size());
+    std::vector<long> sums;
+    for (std::size_t i = 0; i < windows.size(); ++i) {
+      const WorkItem& it = windows[i];
+      const Chunk& want = sc.expected[i];
+      SCOPED_TRACE("window " + std::to_string(i));
+      EXPECT_TRUE(it.windowed);
+      EXPECT_EQ(it.chunk.begin, want.begin);
+      EXPECT_EQ(it.chunk.new_begin, want.new_begin);
+      EXPECT_EQ(it.chunk.end, want.end);
+      EXPECT_EQ(it.chunk.index, want.index);
+      EXPECT_EQ(it.chunk.last, want.last);
+      EXPECT_EQ(it.list_input, (std::vector<std::uint8_t>{0, 1}));
+      EXPECT_EQ(it.offsets, (std::vector<std::uint32_t>{0, 1, static_cast<std::uint32_t>(1 + want.size())}));
+      const auto want_vals = window_values(xs[k] + 1, want);
+      long sum = 0;
+      for (long v : want_vals) sum += v;
+      sums.push_back(sum);
+    }
+    EXPECT_EQ(app.emitted(rs[k], ir.name("o")), sums);
+    EXPECT_EQ(app.items_of(ir.node_id("P"), rs[k]).size(), sc.items);
+    EXPECT_TRUE(app.finished.count(rs[k]));
+  }
+  for (const WorkItem& it : app.items_of(ir.node_id("C")))
+    EXPECT_EQ(it.handles.size(), 1 + it.chunk.size());
+  // Windows go out only once the walk reaches the consumer: after the loop, when it follows it.
+  if (!sc.consumer_in_parallel) {
+    for (int k = 0; k < 2; ++k) {
+      std::size_t last_p = 0, first_c = SIZE_MAX;
+      for (std::size_t i = 0; i < app.seen.size(); ++i) {
+        if (app.seen[i].request != rs[k]) continue;
+        if (app.seen[i].node == ir.node_id("P")) last_p = i;
+        if (app.seen[i].node == ir.node_id("C")) first_c = std::min(first_c, i);
+      }
+      EXPECT_LT(last_p, first_c);
+    }
+  }
+  app.expect_all_released();
+}
+
+TEST(Conductor, StreamSlidingWindowChunksIncludingTheFlushedTail) {
+  // SlidingWindow(4, 2) over 9 items: the worked table in chunk_policy.hpp.
+  const std::vector<Chunk> want = {chunk(0, 0, 4, 0, false), chunk(2, 4, 6, 1, false),
+                                   chunk(4, 6, 8, 2, false), chunk(6, 8, 9, 3, true)};
+  for (bool parallel : {true, false}) {
+    SCOPED_TRACE(parallel ? "consumer in parallel" : "consumer after the loop");
+    run_stream_case({ChunkPolicy::sliding_window(4, 2), parallel, 9, false, want});
+  }
+}
+
+TEST(Conductor, StreamFixedChunksIncludingTheFlushedTail) {
+  const std::vector<Chunk> want = {chunk(0, 0, 3, 0, false), chunk(3, 3, 6, 1, false),
+                                   chunk(6, 6, 7, 2, true)};
+  for (bool parallel : {true, false}) {
+    SCOPED_TRACE(parallel ? "consumer in parallel" : "consumer after the loop");
+    run_stream_case({ChunkPolicy::fixed(3), parallel, 7, false, want});
+  }
+}
+
+TEST(Conductor, StreamEndsWhenADynamicLoopStopsEarly) {
+  // Stopped after 5 of 20 iterations: SlidingWindow(4, 2) flushes [2, 5) as the last window.
+  const std::vector<Chunk> want = {chunk(0, 0, 4, 0, false), chunk(2, 4, 5, 1, true)};
+  for (bool parallel : {true, false}) {
+    SCOPED_TRACE(parallel ? "consumer in parallel" : "consumer after the loop");
+    run_stream_case({ChunkPolicy::sliding_window(4, 2), parallel, 5, true, want});
+  }
+  // Stopped after 1 item: one short window.
+  run_stream_case({ChunkPolicy::sliding_window(4, 2), true, 1, true, {chunk(0, 0, 1, 0, true)}});
+}
+
+TEST(Conductor, StreamEndingOnAChunkBoundaryEndsWithOneLastWindow) {
+  // Fixed(3) over 6 items. With the consumer in a Parallel and run eagerly, [3,6) is cut before
+  // the loop ends (not last), so the end of stream sends an empty last window [6,6). With the
+  // consumer after the loop, [3,6) is cut after the end and is itself the last window.
+  for (bool parallel : {true, false}) {
+    SCOPED_TRACE(parallel ? "consumer in parallel" : "consumer after the loop");
+    IR ir;
+    ir.node("P", "e0", {"h"}, {"h", "s"});
+    ir.node("C", "e1", {"s"}, {"o"});
+    WalkB w(ir, "main");
+    const std::uint32_t loop = w.loop(w.node("P"), 6, {"h"}, {}, {"s"});
+    w.stream("P", "s", "C", ChunkPolicy::fixed(3), loop).emit("C", "o");
+    const WalkId main = w.build(parallel ? w.par({loop, w.node("C")}) : w.seq({loop, w.node("C")}));
+    App app(ir.g);
+    app.fns[ir.node_id("C")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
+      out[0] = static_cast<long>(in[0].size());
+      return true;
+    };
+    const RequestId r = app.submit(main, {{ir.name("h"), 0}});
+    while (app.step(1) + app.step(0) > 0) {
+    }
+    const auto windows = app.items_of(ir.node_id("C"), r);
+    std::vector<Chunk> want = {chunk(0, 0, 3, 0, false), chunk(3, 3, 6, 1, !parallel)};
+    if (parallel) want.push_back(chunk(6, 6, 6, 2, true));
+    ASSERT_EQ(windows.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE(windows[i].windowed);
+      EXPECT_EQ(windows[i].chunk.begin, want[i].begin) << i;
+      EXPECT_EQ(windows[i].chunk.new_begin, want[i].new_begin) << i;
+      EXPECT_EQ(windows[i].chunk.end, want[i].end) << i;
+      EXPECT_EQ(windows[i].chunk.index, want[i].index) << i;
+      EXPECT_EQ(windows[i].chunk.last, want[i].last) << i;
+      EXPECT_EQ(windows[i].offsets,
+                (std::vector<std::uint32_t>{0, static_cast<std::uint32_t>(want[i].size())}));
+    }
+    EXPECT_EQ(app.emitted(r, ir.name("o")), parallel ? (std::vector<long>{3, 3, 0}) : (std::vector<long>{3, 3}));
+    EXPECT_TRUE(app.finished.count(r));
+    app.expect_all_released();
+  }
+}
+
+// Was a bug: a streaming edge whose producer loop sits inside an outer loop, the consumer in a Parallel
+// with that inner loop (the Python compiler accepts this placement). producer_scope is the inner
+// loop, so the stream ends when the inner loop ends -- but StreamState (items, base, written,
+// ended, cursor, any_sent/last_sent, consumer) lives per walk and is never reset when the inner
+// loop starts again. In the outer loop's second iteration the consumer starts against the already
+// finished stream and ends at once: the new items are never delivered (they sit in the stream
+// until the walk ends), and the windows it does get report iteration 0. Fix: reset the streams
+// whose producer_scope is a loop when that loop starts (Impl::start, SectionKind::loop; the ring's
+// leftover items released, cursor.reset(), ended/any_sent/last_sent/inflight cleared), and give
+// window items the consumer activation's iteration (innermost_iteration(r, s.consumer)).
+TEST(Conductor, StreamInsideAnOuterLoopRestartsEachIteration) {
+  IR ir;
+  ir.node("init", "e0", {"x"}, {"h"});
+  ir.node("P", "e0", {"h"}, {"h", "s"});
+  ir.node("C", "e1", {"s"}, {"o"});
+  WalkB w(ir, "main");
+  const std::uint32_t inner = w.loop(w.node("P"), 3, {"h"}, {}, {"s"});
+  const std::uint32_t outer = w.loop(w.par({inner, w.node("C")}), 2, {"h"}, {}, {"o", "s"});
+  w.stream("P", "s", "C", ChunkPolicy::fixed(2), inner).emit("C", "o");
+  const WalkId main = w.build(w.seq({w.node("init"), outer}));
+  App app(ir.g);
+  app.fns[ir.node_id("init")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
+    out[0] = in[0][0];
+    return true;
+  };
+  app.fns[ir.node_id("P")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
+    out[0] = in[0][0] + 1;
+    out[1] = in[0][0] + 1;
+    return true;
+  };
+  app.fns[ir.node_id("C")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
+    long s = 0;
+    for (long v : in[0]) s += v;
+    out[0] = s;
+    return true;
+  };
+  const RequestId r = app.submit(main, {{ir.name("x"), 0}});
+  app.drain();
+  // Each outer iteration streams 3 items (values 1,2,3 then 4,5,6) as Fixed(2): [0,2) [2,3).
+  const auto windows = app.items_of(ir.node_id("C"), r);
+  ASSERT_EQ(windows.size(), 4u);
+  const std::uint64_t begins[] = {0, 2, 0, 2}, ends[] = {2, 3, 2, 3};
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(windows[i].chunk.begin, begins[i]) << i;
+    EXPECT_EQ(windows[i].chunk.end, ends[i]) << i;
+    EXPECT_EQ(windows[i].chunk.last, i % 2 == 1) << i;
+    EXPECT_EQ(windows[i].iteration, i / 2) << "the consumer runs in outer iteration " << i / 2;
+  }
+  EXPECT_EQ(app.emitted(r, ir.name("o")), (std::vector<long>{1 + 2, 3, 4 + 5, 6}));
+  EXPECT_TRUE(app.finished.count(r));
+  app.expect_all_released();
+}
+
+}  // namespace
