@@ -7,6 +7,7 @@ namespace mstar::py_bind {
 void bind_ring(py::module_& m);
 void bind_stream(py::module_& m);
 void bind_conductor(py::module_& m);
+void bind_control(py::module_& m);
 }  // namespace mstar::py_bind
 
 PYBIND11_MODULE(_core, m) {
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_core, m) {
   mstar::py_bind::bind_ring(m);
   mstar::py_bind::bind_stream(m);
   mstar::py_bind::bind_conductor(m);
+  mstar::py_bind::bind_control(m);
 }

@@ -11,6 +11,7 @@ This package is a typed face over the compiled core ``mstar_rt._core``. The stre
 """
 
 from mstar_rt._core import ChunkPolicy, Chunk, StreamClosedError
+from mstar_rt.control import ActionChunkBuffer, ControlLoop, LatencyTracker, SimulatedClock, TickInfo
 from mstar_rt.graph import (
     EMIT,
     DynamicLoop,
@@ -37,6 +38,11 @@ from mstar_rt.streaming import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActionChunkBuffer",
+    "ControlLoop",
+    "LatencyTracker",
+    "SimulatedClock",
+    "TickInfo",
     "EMIT",
     "DynamicLoop",
     "GraphEdge",
