@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(g++ libgtest-dev libboost-dev python3-venv)
+# libegl1 + Mesa: MuJoCo's offscreen renderer (MUJOCO_GL=egl) without a display.
+APT_PACKAGES=(g++ libgtest-dev libboost-dev python3-venv libegl1 libegl-mesa0 libgl1-mesa-dri)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -24,6 +25,8 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 echo "== pip: build tools and test dependencies"
 "${PIP[@]}" "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib
+echo "== pip: model and robot dependencies (torch pinned to the CPU build for this machine)"
+"${PIP[@]}" "torch==2.13.0" safetensors mujoco opencv-python-headless
 echo "== pip: building mstar_rt"
 # No build isolation: the build tools above are reused, so rebuilds are incremental and offline.
 "${PIP[@]}" --no-build-isolation .
