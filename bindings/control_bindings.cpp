@@ -180,10 +180,12 @@ schedule 'linear' | 'exp' | 'ones' | 'zeros' and execution_horizon s).)doc")
            }, py::arg("tick"), py::arg("out"))
       .def("remaining", [](PyActionBuffer& b, std::uint64_t tick) {
              const auto& o = b.buffer.options();
-             FloatArray out({static_cast<py::ssize_t>(o.horizon), static_cast<py::ssize_t>(o.action_dim)});
-             const std::size_t n = b.buffer.remaining(tick, out.mutable_data(), o.horizon);
-             return out[py::slice(0, static_cast<py::ssize_t>(n), 1)];
-           }, py::arg("tick"))
+             std::vector<float> tmp(o.horizon * o.action_dim);
+             const std::size_t n = b.buffer.remaining(tick, tmp.data(), o.horizon);
+             FloatArray out({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(o.action_dim)});
+             std::memcpy(out.mutable_data(), tmp.data(), n * o.action_dim * sizeof(float));
+             return out;
+           }, py::arg("tick"), "The actions the plan still holds from `tick` on, shape (n, action_dim).")
       .def("rtc_weight", [](PyActionBuffer& b, std::size_t k, std::size_t d) { return b.buffer.rtc_weight(k, d); })
       .def_property_readonly("stats", [](PyActionBuffer& b) { return stats_dict(b.buffer.stats()); })
       .def_property_readonly("horizon", [](PyActionBuffer& b) { return b.buffer.options().horizon; })

@@ -156,3 +156,12 @@ def test_a_callback_error_stops_the_loop_and_propagates():
 def test_a_loop_needs_something_to_run():
     with pytest.raises(ValueError, match="callback"):
         mstar_rt.ControlLoop(100.0)
+
+
+def test_remaining_returns_the_plans_future_actions():
+    buf = mstar_rt.ActionChunkBuffer(horizon=4, action_dim=2)
+    buf.publish(np.arange(8, dtype=np.float32).reshape(4, 2), obs_tick=0)
+    buf.pop(0)
+    left = buf.remaining(1)
+    assert left.shape == (3, 2)
+    assert left[:, 0].tolist() == [2.0, 4.0, 6.0]
