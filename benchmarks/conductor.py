@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import mstar_rt as m  # noqa: E402
 from mstar_rt import DynamicLoop, GraphNode, Loop, Sequential  # noqa: E402
+
+from bench_common import machine  # noqa: E402  (benchmarks/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "conductor.json"
@@ -300,18 +301,6 @@ def cold_start() -> tuple[float, bool]:
 
 
 # ---- main -----------------------------------------------------------------------------------------
-
-def machine() -> str:
-    u = platform.uname()
-    model = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{u.system} {u.release} {u.machine}; {model}; nproc={os.cpu_count()}"
 
 
 def main() -> int:

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -49,6 +48,8 @@ from torch import nn  # noqa: E402
 
 import mstar_rt as m  # noqa: E402
 
+from bench_common import machine  # noqa: E402  (benchmarks/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "control_loop.json"
 RATES = (100, 500)
@@ -63,19 +64,6 @@ try:
     from tqdm import tqdm
 except ImportError:
     tqdm = None
-
-
-def machine() -> str:
-    model = platform.processor() or "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    u = platform.uname()
-    return f"{u.system} {u.release} {u.machine}; {model}; nproc={os.cpu_count()}"
 
 
 # ---- the inference workload -----------------------------------------------------------------------

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import shutil
 import statistics
@@ -39,6 +38,8 @@ from typing import Callable
 # numpy's OpenBLAS starts worker threads that spin on these 2-vCPU machines and steal the very
 # cores the two Python threads are measured on; neither side does linear algebra.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from bench_common import machine  # noqa: E402  (benchmarks/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = ROOT / "build" / "bench"
@@ -87,19 +88,6 @@ class Progress:
 
 
 # ---- machine ------------------------------------------------------------------------------------
-
-
-def machine() -> str:
-    model = platform.processor() or "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    u = platform.uname()
-    return f"{u.system} {u.release} {u.machine}; {model}; nproc={os.cpu_count()}"
 
 
 # ---- C++ part -----------------------------------------------------------------------------------

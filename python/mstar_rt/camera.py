@@ -7,6 +7,7 @@ policy always reads the newest frame and a slow reader never stalls the camera.
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import math
@@ -36,7 +37,7 @@ class Frame(NamedTuple):
     index: int  # 0-based count of frames the source grabbed, dropped ones included
 
 
-class FrameSource:
+class FrameSource(abc.ABC):
     """Base: a grab thread fills a drop-oldest Ring of (H, W, 3) uint8 frames; latest() reads.
 
     The Ring is single-producer / single-consumer: only the grab thread writes it, and latest()
@@ -71,9 +72,9 @@ class FrameSource:
     def _setup(self) -> None:
         """Acquire thread-bound resources before the first grab."""
 
+    @abc.abstractmethod
     def _grab(self, out: np.ndarray) -> bool:
         """Write the next RGB frame into `out` (H, W, 3 uint8, writable); False ends the stream."""
-        raise NotImplementedError
 
     def _teardown(self) -> None:
         """Release what _setup() or __init__ acquired; runs once."""
