@@ -1,4 +1,4 @@
-"""Tiny numeric models and helpers for the walk-graph tests (test_graph_validation, test_runtime).
+"""Tiny numeric models and helpers for the walk-graph tests (test_graph_validation, test_runtime_*).
 
 Every node is a small pure function of its inputs, so every result can be checked exactly.
 Everything that waits takes a timeout, so a bug fails a test instead of hanging the suite.

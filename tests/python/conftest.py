@@ -1,0 +1,25 @@
+"""Fixtures shared by the runtime tests (test_runtime_*.py)."""
+
+import pytest
+
+from mstar_rt import Runtime
+
+from walk_models import close_within, engine_threads, open_all_gates
+
+
+@pytest.fixture
+def serve():
+    """``serve(model)`` starts a Runtime that is closed (gates opened first) after the test, which
+    then checks that no engine thread survived."""
+    made = []
+
+    def make(model, **kw):
+        rt = Runtime(model, **kw)
+        made.append(rt)
+        return rt
+
+    yield make
+    open_all_gates()
+    for rt in made:
+        close_within(rt)
+    assert engine_threads() == []
