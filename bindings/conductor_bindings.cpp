@@ -142,10 +142,11 @@ class PyConductor {
 
   /// (node, walk, [(item, request, iteration, {input: value | [values]}, chunk | None)])
   py::object next_batch(EngineId engine, std::size_t max_batch, double timeout_s) {
-    std::vector<const WorkItem*> batch;
+    // One vector per worker thread, reused: workers wait here concurrently without the GIL.
+    static thread_local std::vector<const WorkItem*> batch;
     {
       py::gil_scoped_release nogil;
-      batch = c_->next_batch(engine, max_batch, to_timeout(timeout_s));
+      c_->next_batch(engine, max_batch, to_timeout(timeout_s), &batch);
     }
     if (batch.empty()) return py::none();
     const NodeSpec& node = c_->graph().nodes[batch.front()->node];
@@ -285,9 +286,10 @@ class NoopEngine {
  private:
   void run() {
     std::vector<Completion> done;
+    std::vector<const WorkItem*> batch;
     Outcome out;
     while (!stopping_) {
-      const auto batch = conductor_->next_batch(engine_, max_batch_, std::chrono::milliseconds(20));
+      conductor_->next_batch(engine_, max_batch_, std::chrono::milliseconds(20), &batch);
       if (batch.empty()) continue;
       done.clear();
       for (const WorkItem* w : batch) {

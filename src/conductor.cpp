@@ -635,20 +635,27 @@ void Conductor::fail(RequestId id, const std::string& message, Outcome* out) {
 
 std::vector<const WorkItem*> Conductor::next_batch(EngineId engine, std::size_t max_batch,
                                                    std::chrono::nanoseconds timeout) {
+  std::vector<const WorkItem*> batch;
+  next_batch(engine, max_batch, timeout, &batch);
+  return batch;
+}
+
+void Conductor::next_batch(EngineId engine, std::size_t max_batch, std::chrono::nanoseconds timeout,
+                           std::vector<const WorkItem*>* out) {
   std::unique_lock<std::mutex> lock(impl_->mu);
   auto& m = *impl_;
   if (engine >= m.engines.size()) throw std::invalid_argument("next_batch: unknown engine id");
   auto& q = m.engines[engine];
-  std::vector<const WorkItem*> batch;
+  std::vector<const WorkItem*>& batch = *out;
+  batch.clear();
   // wait_for(max) would overflow the clock arithmetic; an hour is "forever" for a worker loop.
   timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
-  if (!q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); })) return batch;
-  if (m.stopping || q.ready.empty()) return batch;
+  if (!q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); })) return;
+  if (m.stopping || q.ready.empty()) return;
   Item* first = q.ready.front();
   const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
                                                   m.g.nodes[first->node].max_batch);
   const std::int64_t t = now_ns();
-  batch.reserve(limit);
   std::size_t kept = 0;  // compact the queue in place while taking the batch out of it
   for (std::size_t i = 0; i < q.ready.size(); ++i) {
     Item* item = q.ready[i];
@@ -665,7 +672,6 @@ std::vector<const WorkItem*> Conductor::next_batch(EngineId engine, std::size_t 
   q.ready.resize(kept);
   for (const WorkItem* w : batch)
     static_cast<Item*>(const_cast<WorkItem*>(w))->batch_size = static_cast<std::uint32_t>(batch.size());
-  return batch;
 }
 
 void Conductor::complete(const std::vector<Completion>& done, Outcome* out) {

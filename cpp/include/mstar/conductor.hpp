@@ -116,6 +116,10 @@ class Conductor {
   /// walk, the most urgent first. Empty on timeout or after shutdown().
   std::vector<const WorkItem*> next_batch(EngineId engine, std::size_t max_batch,
                                           std::chrono::nanoseconds timeout);
+  /// The same into `batch` (cleared first): a worker that reuses its vector allocates nothing
+  /// per batch once warm.
+  void next_batch(EngineId engine, std::size_t max_batch, std::chrono::nanoseconds timeout,
+                  std::vector<const WorkItem*>* batch);
   /// Reports finished items (any subset of batches). Items of cancelled requests are ignored.
   void complete(const std::vector<Completion>& done, Outcome* out);
   /// Reports that items failed: their requests end with `message` (other requests go on).
