@@ -93,6 +93,14 @@ class Model:
     submodules: Mapping[str, NodeSubmodule] = {}
     #: node name -> engine name (default "default"); each engine gets its own worker.
     engines: Mapping[str, str] = {}
+    #: engine name -> Engine object (e.g. a KVCacheEngine); unnamed engines are stateless.
+    engine_specs: Mapping[str, Any] = {}
+    #: Values for declared inputs a request may leave out.
+    input_defaults: Mapping[str, Any] = {}
+
+    def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
+        """Raises ValueError (naming what to fix) for inputs the model cannot serve; called by
+        ``submit`` before the request starts, so bad input never reaches an engine."""
 
     def initial_walk(self, request: RequestContext) -> str:
         """The first walk of a request (default: the first walk declared)."""

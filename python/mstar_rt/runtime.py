@@ -11,6 +11,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from mstar_rt import _core
 from mstar_rt.compiler import CompiledGraph, compile_graph
+from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.graph import GraphError, GraphNode, StreamingGraphEdge
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext
 
@@ -140,11 +141,13 @@ class Runtime:
     """Serves a :class:`Model` in this process.
 
     ``Runtime(model)`` compiles the model, creates the C++ Conductor and starts one worker thread
-    per engine; ``submit(inputs)`` returns a :class:`RequestHandle`; ``close()`` stops and joins
+    per engine (``engines`` maps engine names to :class:`Engine` objects, overriding the
+    model's ``engine_specs``; an engine named by neither is a :class:`StatelessEngine`); ``submit(inputs)`` returns a :class:`RequestHandle`; ``close()`` stops and joins
     every thread. Use it as a context manager.
     """
 
-    def __init__(self, model: Model, poll_s: float = 0.05) -> None:
+    def __init__(self, model: Model, poll_s: float = 0.05,
+                 engines: Optional[Mapping[str, Engine]] = None) -> None:
         self.model = model
         self.graph = compile_model(model)
         g = self.graph
@@ -169,11 +172,21 @@ class Runtime:
         self._requests: dict[int, RequestHandle] = {}
         self._lock = threading.Lock()
         self._closed = False
+        specs = {**model.engine_specs, **(engines or {})}
+        unknown = set(specs) - set(g.engines)
+        if unknown:
+            raise ValueError(f"engines {sorted(unknown)} serve no node; the model's engines are "
+                             f"{list(g.engines)} (map nodes to engines in Model.engines)")
+        self.engines: dict[str, Engine] = {}
+        for engine_id, name in enumerate(g.engines):
+            engine = specs.get(name) or StatelessEngine()
+            engine.attach(self, engine_id, name,
+                          [i for i, n in enumerate(g.nodes) if n[1] == engine_id])
+            self.engines[name] = engine
         self._workers = []
-        for engine_id, engine in enumerate(g.engines):
-            max_batch = max(n[2] for n in g.nodes if n[1] == engine_id)
-            t = threading.Thread(target=self._worker, args=(engine_id, max_batch),
-                                 name=f"mstar-engine-{engine}", daemon=True)
+        for engine in self.engines.values():
+            t = threading.Thread(target=engine.serve, name=f"mstar-engine-{engine.name}",
+                                 daemon=True)
             t.start()
             self._workers.append(t)
 
@@ -185,11 +198,13 @@ class Runtime:
         ``priority`` breaks ties (higher first); then the earlier request goes first."""
         if self._closed:
             raise RuntimeError("submit: the runtime is closed")
+        inputs = {**self.model.input_defaults, **inputs}
         unknown = set(inputs) - set(self.model.inputs)
         missing = set(self.model.inputs) - set(inputs)
         if unknown or missing:
             raise ValueError(f"submit: inputs {sorted(unknown)} are not declared by the model and "
                              f"{sorted(missing)} are missing; the model takes {list(self.model.inputs)}")
+        self.model.validate_inputs(inputs)
         ctx = RequestContext(id=0, inputs=dict(inputs))
         walk = self.model.initial_walk(ctx)
         if walk not in self.graph.walk_ids:
@@ -223,6 +238,11 @@ class Runtime:
             return
         timeline = self.conductor.timeline(rid)
         self.conductor.forget(rid)
+        for engine in self.engines.values():
+            try:
+                engine.release(rid)
+            except Exception:  # must not take the runtime down; report it
+                traceback.print_exc()
         for sub in self._unique_submodules:
             try:
                 sub.cleanup(handle.context)
@@ -272,29 +292,7 @@ class Runtime:
         # A request cancelled meanwhile is skipped by the Conductor (empty outcome).
         self._handle(self.conductor.start_walk(rid, self.graph.walk_ids[walk]))
 
-    # ---- engine workers ------------------------------------------------------------------------
-
-    def _worker(self, engine: int, max_batch: int) -> None:
-        conductor = self.conductor
-        while not self._closed:
-            batch = conductor.next_batch(engine, max_batch, self._poll_s)
-            if batch is None:
-                continue
-            node, _walk, items = batch
-            try:
-                outcomes = [self._run(node, items)]
-            except Exception:  # isolate: retry one by one so only the culprit's request fails
-                outcomes = []
-                for item in items:
-                    try:
-                        outcomes.append(self._run(node, [item]))
-                    except Exception as e:
-                        outcomes.append(conductor.fail_items([item[0]], f"{type(e).__name__}: {e}"))
-            for outcome in outcomes:
-                try:
-                    self._handle(outcome)
-                except Exception:  # a bug in the runtime itself: keep the worker alive
-                    traceback.print_exc()
+    # ---- running batches (called by engines on their worker threads) ----------------------------
 
     def _run(self, node: int, items: list) -> tuple:
         """Runs one batch and reports it; returns the Conductor's outcome."""

@@ -1,0 +1,91 @@
+"""Engines: what runs a node's batches. One worker thread per engine, fed by the Conductor."""
+
+from __future__ import annotations
+
+import abc
+import traceback
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:  # the runtime imports engines, not the other way round
+    from mstar_rt.runtime import Runtime
+
+
+class Engine(abc.ABC):
+    """Runs the batches of the nodes mapped to it, on one worker thread.
+
+    The runtime calls :meth:`attach` once, then :meth:`serve` on the engine's worker thread
+    (it returns when the runtime closes), and :meth:`release` whenever a request ends.
+    """
+
+    def __init__(self) -> None:
+        self.runtime: Optional["Runtime"] = None
+        self.engine_id = -1
+        self.nodes: tuple[int, ...] = ()
+        self.name = ""
+
+    def attach(self, runtime: "Runtime", engine_id: int, name: str, nodes: Sequence[int]) -> None:
+        if self.runtime is not None and not self.runtime._closed:
+            raise ValueError(f"engine '{name}' ({type(self).__name__}) already serves another "
+                             "Runtime; give every Runtime its own engine objects")
+        self.runtime, self.engine_id, self.name, self.nodes = runtime, engine_id, name, tuple(nodes)
+
+    @abc.abstractmethod
+    def serve(self) -> None:
+        """The worker loop: pull batches, run them, report them; return once the runtime closes."""
+
+    def release(self, request_id: int) -> None:
+        """A request ended (finished, failed or cancelled): drop what the engine holds for it."""
+
+    @property
+    def max_batch(self) -> int:
+        rt = self.runtime
+        assert rt is not None
+        return max(rt.graph.nodes[n][2] for n in self.nodes)
+
+
+class StatelessEngine(Engine):
+    """Batches independent calls of one node: each ``forward`` gets a list of prepared items
+    (the submodule stacks or pads them; :func:`mstar_rt.engines.stack_pad` helps)."""
+
+    def serve(self) -> None:
+        rt = self.runtime
+        assert rt is not None
+        conductor = rt.conductor
+        engine, max_batch, poll = self.engine_id, self.max_batch, rt._poll_s
+        while not rt._closed:
+            batch = conductor.next_batch(engine, max_batch, poll)
+            if batch is None:
+                continue
+            node, _walk, items = batch
+            try:
+                outcomes = [rt._run(node, items)]
+            except Exception:  # isolate: retry one by one so only the culprit's request fails
+                outcomes = []
+                for item in items:
+                    try:
+                        outcomes.append(rt._run(node, [item]))
+                    except Exception as e:
+                        outcomes.append(conductor.fail_items([item[0]], f"{type(e).__name__}: {e}"))
+            for outcome in outcomes:
+                try:
+                    rt._handle(outcome)
+                except Exception:  # a bug in the runtime itself: keep the worker alive
+                    traceback.print_exc()
+
+
+def stack_pad(values: Sequence[Any], pad_value: float = 0) -> tuple[Any, Any]:
+    """Stacks tensors whose first dimension differs into ``[B, max_len, ...]`` padded with
+    ``pad_value``; returns ``(stacked, lengths)``. Equal lengths stack without padding."""
+    import torch
+
+    lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.long)
+    first = values[0]
+    for v in values[1:]:
+        if v.shape[1:] != first.shape[1:] or v.dtype != first.dtype:
+            raise ValueError(f"stack_pad: items of shape {tuple(first.shape)} {first.dtype} and "
+                             f"{tuple(v.shape)} {v.dtype} differ beyond the first dimension")
+    longest = int(lengths.max())
+    out = first.new_full((len(values), longest, *first.shape[1:]), pad_value)
+    for i, v in enumerate(values):
+        out[i, : v.shape[0]] = v
+    return out, lengths

@@ -1,0 +1,312 @@
+"""KVCacheEngine: continuous batching over a paged KV cache.
+
+Each step takes every ready item of the engine's nodes (prefill and decode of different requests
+alike), admits as many as the pages and the token budget allow, runs them as one ragged batch
+(linear layers over all tokens at once, attention per sequence through the backend), and reports
+each node's items to the Conductor. Items that do not fit wait for the next step (back-pressure);
+a request whose sequence can never fit fails alone with an error that says what to raise.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from mstar_rt.engines.attention import CAUSAL, SeqStep, StepPlan, TorchAttention
+from mstar_rt.engines.base import Engine
+from mstar_rt.engines.paged_kv import KVLayout, OutOfPages, PagedKVCache
+from mstar_rt.model import NodeSubmodule
+
+
+@dataclass
+class KVWork:
+    """What one execution of a KV node asks of the engine: ``num_tokens`` new tokens on
+    sequence ``label`` of its request, attended with ``mask``; ``persist`` appends their K/V
+    (else they read the cached prefix and vanish after the step). A missing label is created
+    empty, or as a fork of ``fork_from``. ``reserve`` is the length the sequence may grow to:
+    the engine admits it only when that many tokens' pages are free. ``payload`` is the
+    submodule's own data (token ids, embeddings, sampling state)."""
+
+    num_tokens: int
+    label: str = "main"
+    persist: bool = True
+    mask: object = CAUSAL
+    fork_from: Optional[str] = None
+    reserve: int = 0
+    payload: Any = None
+
+
+class KVStep:
+    """What ``forward_kv`` gets: positions of the new tokens and attention per layer."""
+
+    def __init__(self, backend: Any, plan: StepPlan) -> None:
+        self.backend, self.plan = backend, plan
+        self.positions = plan.positions          # [T]
+        self.last_token = plan.last_token        # [B]: index of each work's last new token
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: Optional[float] = None) -> torch.Tensor:
+        return self.backend.attend(layer, q, k, v, self.plan, scale)
+
+
+class KVNodeSubmodule(NodeSubmodule):
+    """A node whose module attends over the engine's paged KV cache.
+
+    :meth:`prepare_inputs` returns a :class:`KVWork`; :meth:`forward_kv` runs a batch of works
+    whose new tokens lie flat, work after work, in ``step.positions``.
+    """
+
+    max_batch = 64
+
+    @abc.abstractmethod
+    def kv_layout(self) -> KVLayout:
+        """Layers, KV heads, head size, dtype and device of the cache this module needs."""
+
+    @abc.abstractmethod
+    def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
+        """Runs the works; returns, per work, the node's outputs by name."""
+
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        raise TypeError(f"{type(self).__name__} attends over a KV cache; map its nodes to a "
+                        "KVCacheEngine in the model's engine_specs")
+
+
+class KVCacheEngine(Engine):
+    """Serves :class:`KVNodeSubmodule` nodes with a paged KV cache and continuous batching.
+
+    ``page_size`` tokens per page, ``num_pages`` pages (per layer, K and V);
+    ``max_tokens_per_step`` bounds a step's new tokens (long prompts are not split: one prompt
+    may exceed it alone). ``attention_backend``: ``"torch"``, ``"flashinfer"`` (CUDA) or
+    ``"auto"`` (FlashInfer when it is installed and the cache is on CUDA in fp16/bf16).
+    """
+
+    def __init__(self, page_size: int = 16, num_pages: int = 1024, max_batch: int = 64,
+                 max_tokens_per_step: int = 4096, attention_backend: str = "auto") -> None:
+        super().__init__()
+        self.page_size, self.num_pages = page_size, num_pages
+        self._max_batch, self.max_tokens_per_step = max_batch, max_tokens_per_step
+        self.attention_backend = attention_backend
+        self.cache: Optional[PagedKVCache] = None
+        self.backend: Any = None
+        self.steps = 0
+        self.step_sizes: list[int] = []  # items per step (recent window) for tests and stats
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def attach(self, runtime: Any, engine_id: int, name: str, nodes: Any) -> None:
+        super().attach(runtime, engine_id, name, nodes)
+        subs = {id(runtime._submodules[n]): runtime._submodules[n] for n in nodes}
+        layouts = set()
+        for sub in subs.values():
+            if not isinstance(sub, KVNodeSubmodule):
+                raise TypeError(f"engine '{name}' is a KVCacheEngine but serves "
+                                f"{type(sub).__name__}, which is not a KVNodeSubmodule; map that "
+                                "node to another engine")
+            layouts.add(sub.kv_layout())
+        if len(layouts) != 1:
+            raise ValueError(f"the nodes of KV engine '{name}' need different cache layouts "
+                             f"{sorted(map(str, layouts))}; give each layout its own engine")
+        self.cache = PagedKVCache(layouts.pop(), self.page_size, self.num_pages)
+        self.backend = make_backend(self.attention_backend, self.cache)
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    def release(self, request_id: int) -> None:
+        if self.cache is not None:
+            self.cache.release(request_id)
+
+    # ---- the worker loop ---------------------------------------------------------------------
+
+    def serve(self) -> None:
+        rt = self.runtime
+        assert rt is not None
+        pending: list[tuple[int, tuple, KVWork]] = []  # (node, item, work) waiting for pages
+        while not rt._closed:
+            fresh = self._take(short_wait=bool(pending))
+            for node, item in fresh:
+                work = self._prepare(node, item)
+                if work is not None:
+                    pending.append((node, item, work))
+            if not pending:
+                continue
+            try:
+                chosen, pending = self._schedule(pending)
+            except Exception:
+                traceback.print_exc()
+                continue
+            if chosen:
+                self._run_step(chosen)
+            else:
+                time.sleep(0.002)  # waiting for another request to end and free pages
+
+    def _take(self, short_wait: bool) -> list[tuple[int, tuple]]:
+        rt = self.runtime
+        conductor, engine = rt.conductor, self.engine_id
+        taken: list[tuple[int, tuple]] = []
+        timeout = 0.0 if short_wait else rt._poll_s
+        while len(taken) < self._max_batch:
+            batch = conductor.next_batch(engine, self._max_batch - len(taken), timeout)
+            if batch is None:
+                break
+            node, _walk, items = batch
+            taken.extend((node, it) for it in items)
+            timeout = 0.0  # drain what else is ready (other nodes: prefill beside decode)
+        return taken
+
+    def _prepare(self, node: int, item: tuple) -> Optional[KVWork]:
+        rt = self.runtime
+        try:
+            work = rt._prepare(node, [item], True)[0]
+            if not isinstance(work, KVWork):
+                raise TypeError(f"{type(rt._submodules[node]).__name__}.prepare_inputs returned "
+                                f"{type(work).__name__}; a KV node must return a KVWork")
+            if work.num_tokens < 1:
+                raise ValueError(f"a KVWork needs at least one new token (got {work.num_tokens})")
+            return work
+        except Exception as e:
+            self._fail([item[0]], f"{type(e).__name__}: {e}")
+            return None
+
+    def _fail(self, ids: list[int], message: str) -> None:
+        rt = self.runtime
+        try:
+            rt._handle(rt.conductor.fail_items(ids, message))
+        except Exception:
+            traceback.print_exc()
+
+    def _schedule(self, pending: list) -> tuple[list, list]:
+        """Splits pending works into this step's (admitted, with their SeqStep) and the rest."""
+        rt, cache = self.runtime, self.cache
+        chosen, waiting = [], []
+        keys: set[tuple[int, str]] = set()
+        tokens = 0
+        live = rt._requests
+        for node, item, work in pending:
+            rid = item[1]
+            if rid not in live:  # ended while it waited: tell the Conductor the item is done
+                self._fail([item[0]], "request ended")
+                cache.release(rid)
+                continue
+            key = (rid, work.label)
+            if key in keys or (chosen and tokens + work.num_tokens > self.max_tokens_per_step):
+                waiting.append((node, item, work))
+                continue
+            try:
+                if work.persist:
+                    seq = cache.admit(rid, work.label, work.num_tokens, work.reserve,
+                                      work.fork_from)
+                elif work.fork_from is not None and cache.sequence(rid, work.label) is None:
+                    seq = cache.admit(rid, work.label, 0, 0, work.fork_from)
+                else:
+                    seq = cache.sequence(rid, work.label)
+            except OutOfPages as e:
+                self._fail([item[0]], str(e))
+                continue
+            if seq is None and work.persist:
+                waiting.append((node, item, work))
+                continue
+            cached = seq.length if seq is not None else 0
+            pages = list(seq.pages) if seq is not None else []
+            keys.add(key)
+            tokens += work.num_tokens
+            chosen.append((node, item, work,
+                           SeqStep(cached, work.num_tokens, pages, work.persist, work.mask)))
+        if not chosen and waiting and self._stuck(waiting):
+            node, item, work = waiting.pop()  # the youngest waiter gives way
+            self._fail([item[0]], (
+                f"the KV cache is full ({cache.num_pages} pages of {cache.page_size} tokens) and "
+                "every request holding pages is waiting for more; raise num_pages, or lower "
+                "max_batch / the requests' reserve"))
+            cache.release(item[1])
+        return chosen, waiting
+
+    def _stuck(self, waiting: list) -> bool:
+        """True when no request outside ``waiting`` holds pages, so none will free any."""
+        cache = self.cache
+        waiting_rids = {item[1] for _n, item, _w in waiting}
+        with cache._lock:
+            holders = {r for (r, _l), s in cache._seqs.items() if s.pages}
+        return holders <= waiting_rids
+
+    def _run_step(self, chosen: list) -> None:
+        rt = self.runtime
+        self.steps += 1
+        self.step_sizes.append(len(chosen))
+        if len(self.step_sizes) > 4096:
+            del self.step_sizes[:2048]
+        groups: dict[int, list] = {}
+        for entry in chosen:
+            groups.setdefault(id(rt._submodules[entry[0]]), []).append(entry)
+        for group in groups.values():
+            try:
+                results = self._forward(group)
+            except Exception:  # isolate: one by one, so only the culprit's request fails
+                results = []
+                for entry in group:
+                    try:
+                        results.extend(self._forward([entry]))
+                    except Exception as e:
+                        results.append((entry, None, f"{type(e).__name__}: {e}"))
+            self._report(results)
+
+    def _forward(self, group: list) -> list:
+        rt, cache = self.runtime, self.cache
+        sub = rt._submodules[group[0][0]]
+        works = [w for _n, _i, w, _s in group]
+        plan = self.backend.plan([s for *_x, s in group])
+        outputs = sub.forward_kv(works, KVStep(self.backend, plan))
+        if len(outputs) != len(works):
+            raise RuntimeError(f"{type(sub).__name__}.forward_kv returned {len(outputs)} results "
+                               f"for {len(works)} works")
+        stops = sub.check_stop(works, outputs) if rt._hooks[group[0][0]].stop else None
+        for _n, item, work, _s in group:
+            if work.persist:
+                cache.commit(item[1], work.label, work.num_tokens)
+        return [(entry, outputs[i], stops[i] if stops is not None else ())
+                for i, entry in enumerate(group)]
+
+    def _report(self, results: list) -> None:
+        rt = self.runtime
+        by_node: dict[int, tuple[list, list, list]] = {}
+        for (node, item, _w, _s), out, extra in results:
+            if out is None:
+                self._fail([item[0]], extra)
+                continue
+            ids, outs, stops = by_node.setdefault(node, ([], [], []))
+            ids.append(item[0])
+            outs.append(out)
+            stops.append([rt._loop_id(s) for s in extra])
+        for node, (ids, outs, stops) in by_node.items():
+            try:
+                rt._handle(rt.conductor.complete(node, ids, outs, stops))
+            except Exception as e:
+                self._fail(ids, f"{type(e).__name__}: {e}")
+
+
+def make_backend(name: str, cache: PagedKVCache) -> Any:
+    """The attention backend ``name`` for ``cache`` (``auto`` prefers FlashInfer on CUDA)."""
+    layout = cache.layout
+    if name == "auto":
+        on_cuda = torch.device(layout.device).type == "cuda"
+        if on_cuda and layout.dtype in (torch.float16, torch.bfloat16):
+            try:
+                import flashinfer  # noqa: F401
+                name = "flashinfer"
+            except ImportError:
+                name = "torch"
+        else:
+            name = "torch"
+    if name == "torch":
+        return TorchAttention(cache)
+    if name == "flashinfer":
+        from mstar_rt.engines.flashinfer_backend import FlashInferAttention
+        return FlashInferAttention(cache)
+    raise ValueError(f"unknown attention_backend '{name}'; use 'torch', 'flashinfer' or 'auto'")

@@ -1,0 +1,198 @@
+"""A paged KV cache: fixed-size pages shared by sequences through block tables.
+
+A sequence is one (request, label) pair: ``main``, or a branch such as ``cfg_text`` forked from
+it. Forking shares pages (reference counts); a write into a shared, partly filled page copies
+that page first, so a fork never changes what its source reads. Pages go back to the free list
+when their last sequence drops them (request end, cancel, or an explicit drop).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """The cache cannot hold a sequence even when every other sequence has gone."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one cache holds: per layer, K and V of ``num_kv_heads`` x ``head_dim`` per token."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
+@dataclass
+class Sequence:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0        # tokens whose K/V are in the pages
+    reserve: int = 0       # tokens the sequence may grow to (admission control)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCache:
+    """K/V storage ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer, a page
+    allocator with reference counts, and the block table of every live sequence.
+
+    Thread-safety: the engine's worker does every allocation and write; :meth:`release` may come
+    from any thread (a cancel). One lock guards the bookkeeping; page contents are written only
+    by the worker, into pages no one else holds.
+    """
+
+    def __init__(self, layout: KVLayout, page_size: int = 16, num_pages: int = 1024) -> None:
+        if page_size < 1 or num_pages < 1:
+            raise ValueError(f"page_size ({page_size}) and num_pages ({num_pages}) must be >= 1")
+        self.layout, self.page_size, self.num_pages = layout, page_size, num_pages
+        shape = (num_pages, page_size, layout.num_kv_heads, layout.head_dim)
+        self.k = [torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+                  for _ in range(layout.num_layers)]
+        self.v = [torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+                  for _ in range(layout.num_layers)]
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self._refs = [0] * num_pages
+        self._seqs: dict[tuple[int, str], Sequence] = {}
+        self._lock = threading.Lock()
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def sequence(self, request: int, label: str) -> Optional[Sequence]:
+        return self._seqs.get((request, label))
+
+    def labels(self, request: int) -> list[str]:
+        with self._lock:
+            return [label for (r, label) in self._seqs if r == request]
+
+    @property
+    def live_sequences(self) -> int:
+        return len(self._seqs)
+
+    def _outstanding(self, exclude: Optional[Sequence] = None) -> int:
+        """Pages promised to sequences' reservations but not yet taken."""
+        total = 0
+        for s in self._seqs.values():
+            if s is not exclude:
+                total += max(0, _ceil_div(s.reserve, self.page_size) - len(s.pages))
+        return total
+
+    # ---- growing sequences (worker thread) ---------------------------------------------------
+
+    def pages_for(self, length: int, new: int, pages_held: int) -> int:
+        return max(0, _ceil_div(length + new, self.page_size) - pages_held)
+
+    def admit(self, request: int, label: str, new: int, reserve: int = 0,
+              fork_from: Optional[str] = None) -> Optional[Sequence]:
+        """Makes room to append ``new`` tokens to (request, label), creating the sequence
+        (empty, or forked from ``fork_from``) if needed. Returns the sequence, or None when the
+        pages are not free now (the caller retries later). Raises :class:`OutOfPages` when the
+        cache could never hold it."""
+        ps = self.page_size
+        with self._lock:
+            key = (request, label)
+            seq = self._seqs.get(key)
+            created = seq is None
+            if created:
+                if fork_from is not None and (request, fork_from) in self._seqs:
+                    seq = self._fork_locked(request, fork_from, label)
+                else:
+                    seq = Sequence()
+                    self._seqs[key] = seq
+            reserve = max(seq.reserve, reserve, seq.length + new)
+            need = self.pages_for(seq.length, new, len(seq.pages))
+            cow = new > 0 and seq.length % ps != 0 and self._refs[seq.pages[-1]] > 1
+            if _ceil_div(reserve, ps) + int(cow) > self.num_pages:
+                if created:
+                    self._drop(self._seqs.pop(key))
+                raise OutOfPages(
+                    f"a sequence of {reserve} tokens needs {_ceil_div(reserve, ps)} pages of {ps} "
+                    f"tokens but the KV cache has {self.num_pages}; raise num_pages or "
+                    "page_size, or shorten the request")
+            # Admit only if this sequence's whole reservation fits beside everyone else's.
+            own = max(need, _ceil_div(reserve, ps) - len(seq.pages)) + int(cow)
+            if len(self._free) - own < self._outstanding(exclude=seq):
+                if created:
+                    self._drop(self._seqs.pop(key))
+                return None
+            seq.reserve = reserve
+            if cow:
+                self._copy_on_write(seq)
+            for _ in range(need):
+                page = self._free.pop()
+                self._refs[page] = 1
+                seq.pages.append(page)
+            return seq
+
+    def commit(self, request: int, label: str, new: int) -> None:
+        """The step wrote ``new`` tokens' K/V: count them (unless the request ended meanwhile)."""
+        with self._lock:
+            seq = self._seqs.get((request, label))
+            if seq is not None:
+                seq.length += new
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        old = seq.pages[-1]
+        new = self._free.pop()
+        self._refs[new] = 1
+        for k, v in zip(self.k, self.v):
+            k[new].copy_(k[old])
+            v[new].copy_(v[old])
+        self._decref(old)
+        seq.pages[-1] = new
+
+    # ---- forks and release (any thread) ------------------------------------------------------
+
+    def fork(self, request: int, src: str, dst: str) -> None:
+        """Makes ``dst`` a copy of ``src`` that shares its pages (snapshot / CFG branch)."""
+        with self._lock:
+            if (request, src) not in self._seqs:
+                raise KeyError(f"request {request} has no KV label '{src}' to fork")
+            old = self._seqs.pop((request, dst), None)
+            if old is not None:
+                self._drop(old)
+            self._fork_locked(request, src, dst)
+
+    def _fork_locked(self, request: int, src: str, dst: str) -> Sequence:
+        s = self._seqs[(request, src)]
+        for p in s.pages:
+            self._refs[p] += 1
+        seq = Sequence(list(s.pages), s.length, s.length)
+        self._seqs[(request, dst)] = seq
+        return seq
+
+    def drop(self, request: int, label: str) -> None:
+        with self._lock:
+            seq = self._seqs.pop((request, label), None)
+            if seq is not None:
+                self._drop(seq)
+
+    def release(self, request: int) -> int:
+        """Frees every label of ``request``; returns how many sequences it dropped."""
+        with self._lock:
+            keys = [k for k in self._seqs if k[0] == request]
+            for k in keys:
+                self._drop(self._seqs.pop(k))
+            return len(keys)
+
+    def _drop(self, seq: Sequence) -> None:
+        for p in seq.pages:
+            self._decref(p)
+        seq.pages = []
+
+    def _decref(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)

@@ -1,0 +1,85 @@
+"""Per-request sampling: greedy, temperature, top-k, top-p and repetition penalty, each request
+drawing from its own seeded generator so its tokens do not depend on what it was batched with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks tokens. ``temperature == 0`` is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0                  # 0: off
+    top_p: float = 1.0              # 1: off
+    repetition_penalty: float = 1.0  # 1: off; >1 discourages tokens already in the sequence
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens={self.max_tokens} (needs >= 1)")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} (needs >= 0)")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} (needs >= 0)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} (needs 0 < top_p <= 1)")
+        if self.repetition_penalty <= 0:
+            problems.append(f"repetition_penalty={self.repetition_penalty} (needs > 0)")
+        if problems:
+            raise ValueError("SamplingParams: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> Optional[torch.Generator]:
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return g
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[Optional[torch.Generator]],
+           histories: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``logits [B, V]`` (one row per request) -> token ids ``[B]``. ``histories[i]`` holds the
+    request's token ids so far (prompt and output), read by the repetition penalty."""
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    all_greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+    if all_greedy:
+        return logits.argmax(dim=-1)
+    for i, p in enumerate(params):
+        row = logits[i].float()
+        if p.repetition_penalty != 1.0 and histories[i].numel():
+            seen = torch.unique(histories[i].to(row.device))
+            picked = row[seen]
+            row = row.clone()
+            row[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
+                                    picked * p.repetition_penalty)
+        if p.greedy:
+            out[i] = row.argmax()
+            continue
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[0]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(row, descending=True)
+            probs = sorted_logits.softmax(-1)
+            # Drop a token once the mass before it already reaches top_p (the first always stays).
+            drop = probs.cumsum(-1) - probs >= p.top_p
+            row = row.clone()
+            row[order[drop]] = float("-inf")
+        out[i] = torch.multinomial(row.softmax(-1), 1, generator=generators[i])[0]
+    return out

@@ -1,0 +1,163 @@
+"""A causal LM as a walk-graph model: ``prefill`` (the prompt, one step) then ``decode`` (a
+DynamicLoop of one token per step) on a KVCacheEngine; every token is EMITted as it is made.
+
+    lm = CausalLM.from_pretrained("path/to/llama")       # config.json + safetensors
+    with mstar_rt.Runtime(lm) as rt:
+        for name, token in rt.submit({"prompt": [1, 2, 3],
+                                      "params": SamplingParams(max_tokens=32)}):
+            ...
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+from mstar_rt.engines.attention import CAUSAL
+from mstar_rt.engines.kv_engine import KVCacheEngine, KVNodeSubmodule, KVStep, KVWork
+from mstar_rt.engines.paged_kv import KVLayout
+from mstar_rt.engines.sampling import SamplingParams, make_generator, sample
+from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode
+from mstar_rt.model import Model, RequestContext, WorkContext
+
+LOOP = "generate"
+
+
+class LMNode(KVNodeSubmodule):
+    """Runs prefill and decode items of many requests in one ragged batch, samples each
+    request's next token with its own parameters and generator, and stops its loop on EOS,
+    ``max_tokens`` or the maximum sequence length."""
+
+    def __init__(self, module: torch.nn.Module, eos_token_ids: Sequence[int], max_seq_len: int,
+                 max_batch: int = 64, emit_logits: bool = False) -> None:
+        self.module = module
+        self.eos = frozenset(eos_token_ids)
+        self.max_seq_len = max_seq_len
+        self.max_batch = max_batch
+        self.emit_logits = emit_logits
+        self.vocab_size = int(module.config.vocab_size)
+
+    def kv_layout(self) -> KVLayout:
+        return self.module.kv_layout()
+
+    def check_prompt(self, prompt: Any) -> torch.Tensor:
+        ids = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("the prompt is empty; give at least one token id")
+        if ids.numel() >= self.max_seq_len:
+            raise ValueError(f"the prompt has {ids.numel()} tokens but the maximum sequence "
+                             f"length is {self.max_seq_len} (prompt and at least one new token); "
+                             "shorten the prompt")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}); got "
+                             f"{low if low < 0 else high}")
+        return ids
+
+    def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> KVWork:
+        state = ctx.request.state
+        device = self.module.model.embed_tokens.weight.device
+        if "prompt" in inputs:  # prefill
+            ids = self.check_prompt(inputs["prompt"])
+            params = as_params(inputs.get("params"))
+            state.update(params=params, generator=make_generator(params, device),
+                         history=ids.tolist(), generated=0, done=False)
+            reserve = min(ids.numel() + params.max_tokens, self.max_seq_len)
+            return KVWork(ids.numel(), reserve=reserve, payload=(ids.to(device), state))
+        tok = torch.tensor([int(inputs["token"])], dtype=torch.long, device=device)
+        return KVWork(1, payload=(tok, state))
+
+    @torch.inference_mode()
+    def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
+        ids = torch.cat([w.payload[0] for w in works])
+        hidden = self.module(ids, step)
+        logits = self.module.logits(hidden[step.last_token])
+        states = [w.payload[1] for w in works]
+        params = [s["params"] for s in states]
+        histories = [torch.tensor(s["history"]) if p.repetition_penalty != 1.0 else _EMPTY
+                     for s, p in zip(states, params)]
+        tokens = sample(logits, params, [s["generator"] for s in states], histories).tolist()
+        out = []
+        for i, (tok, s) in enumerate(zip(tokens, states)):
+            s["history"].append(tok)
+            s["generated"] += 1
+            o = {"token": tok}
+            if self.emit_logits:
+                o["logits"] = logits[i].float().cpu()
+            out.append(o)
+        return out
+
+    def check_stop(self, works: list[KVWork], outputs: list[Mapping[str, Any]]) -> list:
+        stops = []
+        for w, o in zip(works, outputs):
+            s = w.payload[1]
+            p: SamplingParams = s["params"]
+            tok = o["token"]
+            done = (s["generated"] >= p.max_tokens or len(s["history"]) >= self.max_seq_len
+                    or tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos))
+            s["done"] = done
+            stops.append((LOOP,) if done else ())
+        return stops
+
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+def as_params(p: Union[None, SamplingParams, Mapping[str, Any]]) -> SamplingParams:
+    if p is None:
+        return SamplingParams()
+    if isinstance(p, SamplingParams):
+        return p
+    if isinstance(p, Mapping):
+        return SamplingParams(**p)
+    raise TypeError(f"params must be SamplingParams or a dict of its fields, not {type(p).__name__}")
+
+
+class CausalLM(Model):
+    """Serves a causal LM module (e.g. :class:`~mstar_rt.models.llama.LlamaForCausalLM`).
+
+    Inputs: ``prompt`` (token ids) and ``params`` (:class:`SamplingParams` or a dict; optional).
+    EMITs ``token`` per generated token (and ``logits`` with ``emit_logits``).
+    """
+
+    inputs = ("prompt", "params")
+    input_defaults = {"params": None}
+
+    def __init__(self, module: torch.nn.Module, eos_token_ids: Sequence[int] = (),
+                 max_seq_len: Optional[int] = None, engine: Optional[KVCacheEngine] = None,
+                 max_batch: int = 64, emit_logits: bool = False) -> None:
+        max_seq_len = max_seq_len or int(module.config.max_position_embeddings)
+        self.module = module.eval()
+        self.lm = LMNode(module, eos_token_ids, max_seq_len, max_batch, emit_logits)
+        token_out = [GraphEdge(EMIT, "token")] + ([GraphEdge(EMIT, "logits")] if emit_logits else [])
+        self.nodes = [
+            GraphNode("prefill", ["prompt", "params"],
+                      token_out + [GraphEdge("decode", "token", persist=True)]),
+            GraphNode("decode", ["token"], token_out + ["token"]),
+        ]
+        self.walks = {"prefill": "prefill",
+                      "decode": DynamicLoop("decode", max_seq_len, LOOP)}
+        self.submodules = {"prefill": self.lm, "decode": self.lm}
+        self.engines = {"prefill": "lm", "decode": "lm"}
+        self.engine_specs = {"lm": engine or KVCacheEngine(max_batch=max_batch)}
+
+    def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
+        self.lm.check_prompt(inputs["prompt"])
+        as_params(inputs.get("params"))
+
+    def next_walk(self, request: RequestContext, finished_walk: str,
+                  persisted: Mapping[str, Any]) -> Optional[str]:
+        if finished_walk == "prefill" and not request.state.get("done", True):
+            return "decode"
+        return None
+
+    @staticmethod
+    def from_pretrained(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
+                        device: str = "cpu", progress: bool = True, **kwargs: Any) -> "CausalLM":
+        """Loads a Llama-architecture HF checkpoint directory and serves it."""
+        from mstar_rt.models.llama import load_llama
+
+        module = load_llama(path, dtype=dtype, device=device, progress=progress)
+        return CausalLM(module, module.config.eos_token_ids, **kwargs)

@@ -1,0 +1,197 @@
+"""A Llama-architecture causal LM (RMSNorm, RoPE with Llama-3 scaling, GQA, SwiGLU, tied or
+untied embeddings) whose attention runs over the engine's paged KV cache. Parameter names
+follow Hugging Face checkpoints, so their safetensors load as they are."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from mstar_rt.engines.kv_engine import KVStep
+from mstar_rt.engines.paged_kv import KVLayout
+from mstar_rt.models.rope import RopeConfig, Rotary
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    @staticmethod
+    def from_hf(config: Mapping[str, Any]) -> "LlamaConfig":
+        """Reads a transformers ``config.json`` (4.x or 5.x dialect)."""
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act '{act}' is not a Llama SwiGLU ('silu')")
+        heads = int(config["num_attention_heads"])
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        return LlamaConfig(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            rope=RopeConfig.from_hf(config),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=str(dtype).removeprefix("torch."),
+        )
+
+    @staticmethod
+    def from_dir(path: Union[str, os.PathLike]) -> "LlamaConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            return LlamaConfig.from_hf(json.load(f))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.heads, self.kv_heads, self.head_dim = (
+            layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                step: KVStep) -> torch.Tensor:
+        t = x.shape[0]
+        q = Rotary.apply(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
+        k = Rotary.apply(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        out = step.attend(self.layer, q, k, v)
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(c, layer)
+        self.mlp = LlamaMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                step: KVStep) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Runs flat ragged batches: ``forward(token_ids [T], step) -> hidden [T, hidden]`` with the
+    step's positions and paged attention; :meth:`logits` projects chosen rows to the vocabulary.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBody(config)
+        self.rotary = Rotary(config.rope, config.head_dim)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def kv_layout(self) -> KVLayout:
+        p = self.model.embed_tokens.weight
+        c = self.config
+        return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, p.dtype,
+                        str(p.device))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def forward(self, token_ids: Optional[torch.Tensor], step: KVStep,
+                embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed(token_ids) if embeds is None else embeds
+        cos, sin = self.rotary.tables(step.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, step)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return hidden @ self.model.embed_tokens.weight.T
+        return self.lm_head(hidden)
+
+
+def load_llama(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
+               device: str = "cpu", progress: bool = True) -> LlamaForCausalLM:
+    """Builds a :class:`LlamaForCausalLM` from a HF checkpoint directory (``config.json`` and
+    safetensors, sharded or not). ``dtype`` defaults to the checkpoint's."""
+    from mstar_rt.models.checkpoint import load_weights
+
+    config = LlamaConfig.from_dir(path)
+    if dtype is None:
+        if config.dtype not in _DTYPES:
+            raise ValueError(f"checkpoint dtype '{config.dtype}' is not one of {list(_DTYPES)}; "
+                             "pass dtype=")
+        dtype = _DTYPES[config.dtype]
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config)
+    module = module.to_empty(device=device).to(dtype)
+    module.rotary.inv_freq = config.rope.inv_freq(config.head_dim).to(device)
+    load_weights(module, path, progress=progress,
+                 allow_missing=("lm_head.weight",) if config.tie_word_embeddings else (),
+                 ignore=("lm_head.weight",) if config.tie_word_embeddings else ())
+    return module.eval()
