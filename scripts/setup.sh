@@ -26,7 +26,7 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 echo "== pip: build tools and test dependencies"
 "${PIP[@]}" "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib
 echo "== pip: model and robot dependencies (torch pinned to the CPU build for this machine)"
-"${PIP[@]}" "torch==2.13.0" safetensors "transformers==5.24.0" mujoco opencv-python-headless
+"${PIP[@]}" "torch==2.13.0" safetensors "transformers==5.24.0" "snac==1.2.1" mujoco opencv-python-headless
 echo "== pip: building mstar_rt"
 # No build isolation: the build tools above are reused, so rebuilds are incremental and offline.
 "${PIP[@]}" --no-build-isolation .

@@ -33,3 +33,11 @@ def test_concepts_toy_speech_streams_audio_while_decoding():
     last_token = max(i for i, line in enumerate(lines) if line.startswith("token"))
     assert first_audio < last_token  # audio arrives before decoding has finished
     assert "800 samples in all" in out
+
+
+def test_llm_generate_streams_tokens_and_frees_every_page():
+    out = _run("examples/llm/generate.py", "--requests", "3", "--max-tokens", "12")
+    assert "3 requests, 36 tokens" in out
+    streamed = out.split("request 0 streams:")[1].splitlines()[0].split()
+    assert len(streamed) == 12
+    assert "KV pages free after the requests: 256/256" in out

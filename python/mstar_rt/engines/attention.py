@@ -17,27 +17,39 @@ import torch.nn.functional as F
 from mstar_rt.engines.paged_kv import PagedKVCache
 
 
-@dataclass(frozen=True)
-class Causal:
-    """Each token sees itself and every earlier token."""
+class _Mask:
+    """A mask is a rule over query and key positions. ``rule`` broadcasts (``q[..., Q, 1]``
+    against ``k[..., 1, K]``) so a step builds the masks of many sequences at once."""
+
+    def rule(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def allowed(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return k[None, :] <= q[:, None]
+        """``[Q, K]``: may the query at position ``q[i]`` see the key at position ``k[j]``."""
+        return self.rule(q[:, None], k[None, :])
 
 
 @dataclass(frozen=True)
-class PrefixBidirectional:
+class Causal(_Mask):
+    """Each token sees itself and every earlier token."""
+
+    def rule(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return k <= q
+
+
+@dataclass(frozen=True)
+class PrefixBidirectional(_Mask):
     """Tokens at positions below ``prefix`` see each other both ways (an image and prompt
     prefix); later tokens are causal and see the whole prefix."""
 
     prefix: int
 
-    def allowed(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return (k[None, :] <= q[:, None]) | (k[None, :] < self.prefix)
+    def rule(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (k <= q) | (k < self.prefix)
 
 
 @dataclass(frozen=True)
-class BlockCausal:
+class BlockCausal(_Mask):
     """Tokens come in blocks of ``block`` (video frames, action chunks): a token sees its whole
     block and every earlier block. ``start`` shifts where block 0 begins (a text prefix before
     the frames is causal)."""
@@ -45,12 +57,11 @@ class BlockCausal:
     block: int
     start: int = 0
 
-    def allowed(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    def rule(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         qb = torch.div(q - self.start, self.block, rounding_mode="floor")
         kb = torch.div(k - self.start, self.block, rounding_mode="floor")
-        causal = k[None, :] <= q[:, None]
-        in_frames = (q[:, None] >= self.start) & (k[None, :] >= self.start)
-        return causal | (in_frames & (kb[None, :] <= qb[:, None]))
+        in_frames = (q >= self.start) & (k >= self.start)
+        return (k <= q) | (in_frames & (kb <= qb))
 
 
 MaskSpec = "Causal | PrefixBidirectional | BlockCausal"
@@ -69,46 +80,68 @@ class SeqStep:
 
 
 class StepPlan:
-    """Index tensors for one step, built once and used by every layer."""
+    """Index tensors for one step, built once (vectorized over sequences) and used by every
+    layer: where each new token's query sits in a ``[B, max_new]`` grid, which cache slots hold
+    each sequence's cached keys, the ``[B, 1, max_new, max_cached + max_new]`` mask, and the
+    slots persisted K/V go to."""
 
     def __init__(self, steps: Seq[SeqStep], cache: PagedKVCache) -> None:
         device = cache.layout.device
         ps = cache.page_size
         self.steps = list(steps)
-        self.num_tokens = sum(s.new for s in steps)
         b = len(steps)
-        self.max_new = max_new = max(s.new for s in steps)
-        self.max_cached = max_cached = max(s.cached for s in steps)
-        positions, q_index = [], torch.zeros(b, max_new, dtype=torch.long)
-        q_valid = torch.zeros(b, max_new, dtype=torch.bool)
-        c_slots = torch.zeros(b, max_cached, dtype=torch.long)
-        mask = torch.zeros(b, 1, max_new, max_cached + max_new, dtype=torch.bool)
-        w_tok, w_slot = [], []
-        offset = 0
+        cached = torch.tensor([s.cached for s in steps], dtype=torch.long)
+        new = torch.tensor([s.new for s in steps], dtype=torch.long)
+        self.num_tokens = t = int(new.sum())
+        self.max_new = max_new = int(new.max())
+        self.max_cached = max_cached = int(cached.max())
+        starts = new.cumsum(0) - new
+        seq_of = torch.repeat_interleave(torch.arange(b), new)
+        offset_in_seq = torch.arange(t) - starts[seq_of]
+        positions = cached[seq_of] + offset_in_seq
+
+        j = torch.arange(max_new)
+        q_valid = j[None, :] < new[:, None]
+        q_index = torch.where(q_valid, starts[:, None] + j[None, :], 0)
+        qpos = cached[:, None] + j[None, :]                         # [B, max_new]
+
+        width = max(1, max(len(s.pages) for s in steps))
+        table = torch.zeros(b, width, dtype=torch.long)
         for i, s in enumerate(steps):
-            pages = torch.tensor(s.pages, dtype=torch.long)
-            pos = torch.arange(s.cached, s.cached + s.new)
-            positions.append(pos)
-            q_index[i, : s.new] = torch.arange(offset, offset + s.new)
-            q_valid[i, : s.new] = True
-            if s.cached:
-                cpos = torch.arange(s.cached)
-                c_slots[i, : s.cached] = pages[cpos // ps] * ps + cpos % ps
-                mask[i, 0, : s.new, : s.cached] = s.mask.allowed(pos, cpos)
-            mask[i, 0, : s.new, max_cached: max_cached + s.new] = s.mask.allowed(pos, pos)
-            mask[i, 0, s.new:, max_cached] = True  # padding rows: anything but all-masked (NaN)
-            if s.persist:
-                w_tok.append(torch.arange(offset, offset + s.new))
-                w_slot.append(pages[pos // ps] * ps + pos % ps)
-            offset += s.new
-        self.positions = torch.cat(positions).to(device)
+            if s.pages:
+                table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.long)
+        cpos = torch.arange(max_cached)
+        c_valid = cpos[None, :] < cached[:, None]                  # [B, max_cached]
+        c_slots = torch.where(c_valid, table[:, cpos // ps] * ps + cpos % ps, 0)
+
+        # Keys: the cached ones (positions 0..max_cached-1), then the new ones (= query grid).
+        kpos = torch.cat([cpos.expand(b, max_cached), qpos], dim=1)
+        kvalid = torch.cat([c_valid, q_valid], dim=1)
+        mask = torch.zeros(b, max_new, max_cached + max_new, dtype=torch.bool)
+        by_rule: dict[object, list[int]] = {}
+        for i, s in enumerate(steps):
+            by_rule.setdefault(s.mask, []).append(i)
+        for rule, rows in by_rule.items():
+            idx = torch.tensor(rows)
+            mask[idx] = rule.rule(qpos[idx][:, :, None], kpos[idx][:, None, :])
+        mask &= kvalid[:, None, :] & q_valid[:, :, None]
+        # Padding query rows must see something, or softmax over nothing gives NaN.
+        mask[:, :, max_cached] |= ~q_valid
+
+        persist = torch.tensor([s.persist for s in steps], dtype=torch.bool)
+        w_tok = torch.nonzero(persist[seq_of]).flatten()
+        self.positions = positions.to(device)
         self.q_index = q_index.to(device)
         self.q_valid = q_valid.to(device)
         self.c_slots = c_slots.to(device)
-        self.mask = mask.to(device)
-        self.w_tok = torch.cat(w_tok).to(device) if w_tok else None
-        self.w_slot = torch.cat(w_slot).to(device) if w_slot else None
-        self.last_token = (torch.tensor([s.new for s in steps]).cumsum(0) - 1).to(device)
+        self.mask = mask[:, None].to(device)
+        if w_tok.numel():
+            wpos = positions[w_tok]
+            self.w_tok = w_tok.to(device)
+            self.w_slot = (table[seq_of[w_tok], wpos // ps] * ps + wpos % ps).to(device)
+        else:
+            self.w_tok = self.w_slot = None
+        self.last_token = (starts + new - 1).to(device)
 
 
 class TorchAttention:
