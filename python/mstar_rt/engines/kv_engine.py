@@ -10,7 +10,6 @@ a request whose sequence can never fit fails alone with an error that says what 
 from __future__ import annotations
 
 import abc
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -139,13 +138,15 @@ class KVCacheEngine(Engine):
                 continue
             try:
                 chosen, pending = self._schedule(pending)
-            except Exception:
+                if chosen:
+                    self._run_step(chosen)
+                else:
+                    time.sleep(0.002)  # waiting for another request to end and free pages
+            except Exception as e:  # a bug here must not strand items: fail what was in hand
                 traceback.print_exc()
-                continue
-            if chosen:
-                self._run_step(chosen)
-            else:
-                time.sleep(0.002)  # waiting for another request to end and free pages
+                self._fail([item[0] for _n, item, _w in pending],
+                           f"KV engine '{self.name}' failed: {type(e).__name__}: {e}")
+                pending = []
 
     def _take(self, short_wait: bool) -> list[tuple[int, tuple]]:
         rt = self.runtime
@@ -280,10 +281,15 @@ class KVCacheEngine(Engine):
             if out is None:
                 self._fail([item[0]], extra)
                 continue
+            try:
+                stop_ids = [rt._loop_id(s) for s in extra]
+            except Exception as e:
+                self._fail([item[0]], str(e))
+                continue
             ids, outs, stops = by_node.setdefault(node, ([], [], []))
             ids.append(item[0])
             outs.append(out)
-            stops.append([rt._loop_id(s) for s in extra])
+            stops.append(stop_ids)
         for node, (ids, outs, stops) in by_node.items():
             try:
                 rt._handle(rt.conductor.complete(node, ids, outs, stops))
