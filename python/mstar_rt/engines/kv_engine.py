@@ -42,12 +42,33 @@ class KVWork:
 
 
 class KVStep:
-    """What ``forward_kv`` gets: positions of the new tokens and attention per layer."""
+    """What ``forward_kv`` gets: the step's sequences, positions of the new tokens and attention
+    per layer. The backend's plan is built on first use, so a step served another way (a
+    captured CUDA graph) does not pay for it."""
 
-    def __init__(self, backend: Any, plan: StepPlan) -> None:
-        self.backend, self.plan = backend, plan
-        self.positions = plan.positions          # [T]
-        self.last_token = plan.last_token        # [B]: index of each work's last new token
+    def __init__(self, backend: Any, steps: Any) -> None:
+        """``steps``: the step's :class:`SeqStep` list, or a plan the backend already built."""
+        self.backend = backend
+        if isinstance(steps, (list, tuple)):
+            self.steps, self._plan = list(steps), None
+        else:
+            self.steps, self._plan = list(getattr(steps, "steps", ())), steps
+
+    @property
+    def plan(self) -> Any:
+        if self._plan is None:
+            self._plan = self.backend.plan(self.steps)
+        return self._plan
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[T]``: positions of the new tokens, work after work."""
+        return self.plan.positions
+
+    @property
+    def last_token(self) -> torch.Tensor:
+        """``[B]``: index of each work's last new token among the ``T``."""
+        return self.plan.last_token
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: Optional[float] = None) -> torch.Tensor:
@@ -262,8 +283,7 @@ class KVCacheEngine(Engine):
         rt, cache = self.runtime, self.cache
         sub = rt._submodules[group[0][0]]
         works = [w for _n, _i, w, _s in group]
-        plan = self.backend.plan([s for *_x, s in group])
-        outputs = sub.forward_kv(works, KVStep(self.backend, plan))
+        outputs = sub.forward_kv(works, KVStep(self.backend, [s for *_x, s in group]))
         if len(outputs) != len(works):
             raise RuntimeError(f"{type(sub).__name__}.forward_kv returned {len(outputs)} results "
                                f"for {len(works)} works")

@@ -46,7 +46,10 @@ def make_generator(params: SamplingParams, device: torch.device) -> Optional[tor
     if params.greedy:
         return None
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed if params.seed is not None else torch.seed())
+    if params.seed is None:
+        g.seed()  # fresh entropy, without reseeding torch's global generator
+    else:
+        g.manual_seed(params.seed)
     return g
 
 

@@ -31,13 +31,19 @@ class LMNode(KVNodeSubmodule):
     ``max_tokens`` or the maximum sequence length."""
 
     def __init__(self, module: torch.nn.Module, eos_token_ids: Sequence[int], max_seq_len: int,
-                 max_batch: int = 64, emit_logits: bool = False) -> None:
+                 max_batch: int = 64, emit_logits: bool = False, cuda_graphs: bool = False,
+                 compile: Union[bool, str] = False) -> None:
         self.module = module
         self.eos = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.emit_logits = emit_logits
         self.vocab_size = int(module.config.vocab_size)
+        # Decode steps through static per-bucket buffers (captured as CUDA graphs on CUDA);
+        # compile implies them, since it compiles that static forward.
+        self.static_decode = bool(cuda_graphs or compile)
+        self.compile = compile
+        self._graphs: Any = None  # DecodeGraphs, built on the first step (it needs the cache)
 
     def kv_layout(self) -> KVLayout:
         return self.module.kv_layout()
@@ -72,8 +78,10 @@ class LMNode(KVNodeSubmodule):
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
         ids = torch.cat([w.payload[0] for w in works])
-        hidden = self.module(ids, step)
-        logits = self.module.logits(hidden[step.last_token])
+        logits = self._static_decode(ids, step) if self.static_decode else None
+        if logits is None:
+            hidden = self.module(ids, step)
+            logits = self.module.logits(hidden[step.last_token])
         states = [w.payload[1] for w in works]
         params = [s["params"] for s in states]
         histories = [torch.tensor(s["history"]) if p.repetition_penalty != 1.0 else _EMPTY
@@ -88,6 +96,19 @@ class LMNode(KVNodeSubmodule):
                 o["logits"] = logits[i].float().cpu()
             out.append(o)
         return out
+
+    def _static_decode(self, ids: torch.Tensor, step: KVStep) -> Optional[torch.Tensor]:
+        """Logits from the bucketed static decode path, or None when the step is not a plain
+        decode step it serves."""
+        steps = step.steps
+        if self._graphs is None:
+            from mstar_rt.engines.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+
+            buckets = [b for b in DEFAULT_BUCKETS if b < self.max_batch] + [self.max_batch]
+            self._graphs = DecodeGraphs.for_backend(self.module, step.backend, self.max_seq_len,
+                                                    buckets, compile=self.compile)
+        out = self._graphs.run(ids, steps)
+        return None if out is None else out.logits
 
     def check_stop(self, works: list[KVWork], outputs: list[Mapping[str, Any]]) -> list:
         stops = []
@@ -120,6 +141,8 @@ class CausalLM(Model):
 
     Inputs: ``prompt`` (token ids) and ``params`` (:class:`SamplingParams` or a dict; optional).
     EMITs ``token`` per generated token (and ``logits`` with ``emit_logits``).
+    ``cuda_graphs`` runs decode steps through CUDA graphs of batch-size buckets (on the CPU the
+    same padded static path runs eagerly, for tests); ``compile`` also ``torch.compile``s it.
     """
 
     inputs = ("prompt", "params")
@@ -127,10 +150,12 @@ class CausalLM(Model):
 
     def __init__(self, module: torch.nn.Module, eos_token_ids: Sequence[int] = (),
                  max_seq_len: Optional[int] = None, engine: Optional[KVCacheEngine] = None,
-                 max_batch: int = 64, emit_logits: bool = False) -> None:
+                 max_batch: int = 64, emit_logits: bool = False, cuda_graphs: bool = False,
+                 compile: Union[bool, str] = False) -> None:
         max_seq_len = max_seq_len or int(module.config.max_position_embeddings)
         self.module = module.eval()
-        self.lm = LMNode(module, eos_token_ids, max_seq_len, max_batch, emit_logits)
+        self.lm = LMNode(module, eos_token_ids, max_seq_len, max_batch, emit_logits, cuda_graphs,
+                         compile)
         token_out = [GraphEdge(EMIT, "token")] + ([GraphEdge(EMIT, "logits")] if emit_logits else [])
         self.nodes = [
             GraphNode("prefill", ["prompt", "params"],
