@@ -327,6 +327,9 @@ class Runtime:
         if call_prepare:
             get = self._requests.get  # dict.get is atomic under the GIL
             contexts = [get(item[1]) for item in items]
+            if None in contexts:  # submit queues work before it registers the handle
+                with self._lock:
+                    contexts = [get(item[1]) for item in items]
         prepared = []
         for n, (_id, rid, iteration, values, chunk) in enumerate(items):
             if chunk is not None:

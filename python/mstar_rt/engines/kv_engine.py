@@ -210,10 +210,9 @@ class KVCacheEngine(Engine):
         chosen, waiting = [], []
         keys: set[tuple[int, str]] = set()
         tokens = 0
-        live = rt._requests
         for node, item, work in pending:
             rid = item[1]
-            if rid not in live:  # ended while it waited: tell the Conductor the item is done
+            if not self._live(rid):  # ended while it waited: tell the Conductor the item is done
                 self._fail([item[0]], "request ended")
                 cache.release(rid)
                 continue
@@ -229,8 +228,8 @@ class KVCacheEngine(Engine):
                     seq = cache.admit(rid, work.label, 0, 0, work.fork_from)
                 else:
                     seq = cache.sequence(rid, work.label)
-            except OutOfPages as e:
-                self._fail([item[0]], str(e))
+            except (OutOfPages, KeyError) as e:
+                self._fail([item[0]], str(e).strip("'\""))
                 continue
             if seq is None and work.persist:
                 waiting.append((node, item, work))
@@ -241,6 +240,12 @@ class KVCacheEngine(Engine):
             tokens += work.num_tokens
             chosen.append((node, item, work,
                            SeqStep(cached, work.num_tokens, pages, work.persist, work.mask)))
+        # A cancel that raced the admissions above released the request before (or while) its
+        # pages were taken: give them back now, before any K/V is written.
+        for entry in [c for c in chosen if not self._live(c[1][1])]:
+            chosen.remove(entry)
+            cache.release(entry[1][1])
+            self._fail([entry[1][0]], "request ended")
         if not chosen and waiting and self._stuck(waiting):
             node, item, work = waiting.pop()  # the youngest waiter gives way
             self._fail([item[0]], (
@@ -249,6 +254,13 @@ class KVCacheEngine(Engine):
                 "max_batch / the requests' reserve"))
             cache.release(item[1])
         return chosen, waiting
+
+    def _live(self, rid: int) -> bool:
+        rt = self.runtime
+        if rid in rt._requests:
+            return True
+        with rt._lock:  # submit registers the handle under this lock, after queueing the work
+            return rid in rt._requests
 
     def _stuck(self, waiting: list) -> bool:
         """True when no request outside ``waiting`` holds pages, so none will free any."""

@@ -106,7 +106,10 @@ class PagedKVCache:
             seq = self._seqs.get(key)
             created = seq is None
             if created:
-                if fork_from is not None and (request, fork_from) in self._seqs:
+                if fork_from is not None:
+                    if (request, fork_from) not in self._seqs:
+                        raise KeyError(f"request {request} has no KV label '{fork_from}' to fork "
+                                       f"'{label}' from; run the walk that fills it first")
                     seq = self._fork_locked(request, fork_from, label)
                 else:
                     seq = Sequence()

@@ -1,0 +1,563 @@
+"""The KV engine layer: the paged cache (pages, forks, copy-on-write, reservations), the torch
+attention backend against a dense reference, a non-LM KV model through the Runtime (labels,
+CFG-style forks, non-persisting flow steps), continuous batching, back-pressure, leaks under
+cancellation, failure isolation, and ``stack_pad``.
+
+Every numeric check compares against a float64 dense computation written out in kv_models.py;
+every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Model, Parallel,
+                      RequestCancelled, RequestFailed, Sequential)
+from mstar_rt.engines import KVCacheEngine, SamplingParams, stack_pad
+from mstar_rt.engines.attention import (BlockCausal, Causal, PrefixBidirectional, SeqStep,
+                                        TorchAttention)
+from mstar_rt.engines.paged_kv import KVLayout, OutOfPages, PagedKVCache
+from mstar_rt.models.causal_lm import CausalLM
+
+from kv_models import (DenseHistory, Proj, ProjNode, SlowSubmit, assert_close, dense_attention,
+                       gather, recompute_greedy, tiny_llama)
+from walk_models import ZERO_LIVE, settled, wait_until
+
+TIMEOUT = 30.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """These tensors are tiny: on a small CPU machine torch's intra-op threads make each op tens
+    of times slower (scaled_dot_product_attention: 8 ms with 2 threads, 0.15 ms with 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_cache(page_size: int = 4, num_pages: int = 8, layers: int = 1, kv_heads: int = 2,
+               head_dim: int = 4) -> PagedKVCache:
+    return PagedKVCache(KVLayout(layers, kv_heads, head_dim), page_size, num_pages)
+
+
+def write(cache: PagedKVCache, backend: TorchAttention, request: int, label: str, new: int,
+          seed: int):
+    """One persisted causal step of random q/k/v on (request, label); returns k, v."""
+    seq = cache.admit(request, label, new)
+    assert seq is not None
+    g = torch.Generator().manual_seed(seed)
+    hkv, d = cache.k[0].shape[2:]
+    q, k, v = (torch.randn(new, hkv, d, generator=g) for _ in range(3))
+    backend.attend(0, q, k, v, backend.plan([SeqStep(seq.length, new, list(seq.pages))]))
+    cache.commit(request, label, new)
+    return k, v
+
+
+# ---- 1. the paged cache ------------------------------------------------------------------------
+
+def test_allocation_spans_pages_and_release_returns_every_page():
+    cache = make_cache(page_size=4, num_pages=8)
+    seq = cache.admit(1, "main", 6)
+    assert len(seq.pages) == 2 and cache.free_pages == 6
+    cache.commit(1, "main", 6)
+    before = list(seq.pages)
+    cache.admit(1, "main", 2)  # positions 6, 7 still fit in the second page
+    assert seq.pages == before and cache.free_pages == 6
+    cache.commit(1, "main", 2)
+    cache.admit(1, "main", 1)
+    assert len(seq.pages) == 3 and len(set(seq.pages)) == 3 and cache.free_pages == 5
+    other = cache.admit(2, "main", 5)
+    assert not set(other.pages) & set(seq.pages)
+    assert cache.live_sequences == 2
+    assert cache.release(1) == 1 and cache.free_pages == 6
+    assert cache.release(2) == 1
+    assert cache.free_pages == cache.num_pages and cache.live_sequences == 0
+    assert cache.release(2) == 0  # a second release is harmless
+
+
+def test_fork_shares_pages_and_a_write_copies_the_shared_partial_page():
+    cache = make_cache(page_size=4, num_pages=8)
+    backend = TorchAttention(cache)
+    k0, v0 = write(cache, backend, 1, "main", 6, seed=0)
+    main = cache.sequence(1, "main")
+    free = cache.free_pages
+    cache.fork(1, "main", "b")
+    b = cache.sequence(1, "b")
+    assert b.pages == main.pages and b.length == 6 and cache.free_pages == free  # shared
+    main_pages = list(main.pages)
+    snapshot = [t[main_pages].clone() for t in (cache.k[0], cache.v[0])]
+    kb, vb = write(cache, backend, 1, "b", 3, seed=1)  # positions 6..8
+    assert main.pages == main_pages and main.length == 6
+    assert b.pages[0] == main.pages[0], "the full first page stays shared"
+    assert b.pages[1] != main.pages[1], "the shared partial page must be copied before writing"
+    assert cache.free_pages == free - 2  # the copy and one page for position 8
+    assert torch.equal(cache.k[0][main_pages], snapshot[0])  # every slot, used or not
+    assert torch.equal(cache.v[0][main_pages], snapshot[1])
+    k, v = gather(cache, 1, "b")
+    assert torch.equal(k, torch.cat([k0, kb])) and torch.equal(v, torch.cat([v0, vb]))
+
+    cache.drop(1, "b")
+    assert cache.free_pages == free  # the fork's own pages are back, the shared one is not
+    assert torch.equal(gather(cache, 1)[0], k0)
+
+    # The source writing after a fork copies too; the fork keeps reading the old prefix.
+    cache.fork(1, "main", "c")
+    km, _ = write(cache, backend, 1, "main", 1, seed=2)
+    assert torch.equal(gather(cache, 1, "c")[0], k0)
+    assert torch.equal(gather(cache, 1)[0], torch.cat([k0, km]))
+    cache.drop(1, "main")  # c still holds the prefix pages
+    assert torch.equal(gather(cache, 1, "c")[0], k0)
+
+    # A fork at a page boundary needs no copy.
+    write(cache, backend, 2, "main", 4, seed=3)
+    cache.fork(1, "c", "unused")
+    cache.fork(2, "main", "d")
+    free = cache.free_pages
+    write(cache, backend, 2, "d", 1, seed=4)
+    assert cache.free_pages == free - 1
+    cache.release(1)
+    cache.release(2)
+    assert cache.free_pages == cache.num_pages and cache.live_sequences == 0
+
+
+def test_reservations_hold_pages_back_and_refusal_returns_none():
+    cache = make_cache(page_size=4, num_pages=8)
+    a = cache.admit(1, "main", 4, reserve=24)  # 6 pages promised, 1 taken
+    assert a is not None and len(a.pages) == 1 and cache.free_pages == 7
+    assert cache.admit(2, "main", 4, reserve=12) is None  # 3 pages do not fit beside 5 promised
+    assert cache.live_sequences == 1 and cache.free_pages == 7  # a refusal leaves nothing behind
+    b = cache.admit(2, "main", 4, reserve=8)
+    assert b is not None and cache.free_pages == 6
+    assert cache.admit(3, "main", 1) is None  # even one page is promised to someone
+    cache.commit(1, "main", 4)
+    for _ in range(20):  # the reserved sequence can always grow to its reservation
+        assert cache.admit(1, "main", 1) is not None
+        cache.commit(1, "main", 1)
+    assert len(a.pages) == 6 and cache.free_pages == 1
+    cache.commit(2, "main", 4)
+    assert cache.admit(2, "main", 4) is not None and cache.free_pages == 0
+    cache.release(1)
+    cache.release(2)
+    assert cache.free_pages == cache.num_pages and cache.live_sequences == 0
+
+
+def test_a_sequence_that_can_never_fit_raises_out_of_pages_naming_num_pages():
+    cache = make_cache(page_size=4, num_pages=8)
+    with pytest.raises(OutOfPages, match="num_pages"):
+        cache.admit(3, "main", 33)
+    with pytest.raises(OutOfPages, match="num_pages"):
+        cache.admit(3, "main", 4, reserve=40)
+    assert cache.live_sequences == 0 and cache.free_pages == 8
+    assert cache.admit(3, "main", 32) is not None  # exactly the capacity fits
+
+
+# ---- 2. attention against a dense reference ----------------------------------------------------
+
+MASKS = [(Causal(), ("causal",)), (PrefixBidirectional(6), ("prefix", 6)),
+         (BlockCausal(3), ("block", 3, 0)), (BlockCausal(4, start=2), ("block", 4, 2)),
+         (PrefixBidirectional(2), ("prefix", 2)), (BlockCausal(5, start=9), ("block", 5, 9))]
+
+
+@pytest.mark.parametrize("page_size", [3, 4])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+def test_torch_attention_matches_dense_reference(page_size, heads, kv_heads):
+    cache = PagedKVCache(KVLayout(2, kv_heads, 8), page_size, 64)
+    run = DenseHistory(cache, heads, seed=page_size * 10 + heads)
+    rng = random.Random(page_size)
+    # Build prefixes in interleaved causal chunks, so block tables are scattered over the cache.
+    todo = {0: 0, 1: 5, 2: 7, 3: 12, 4: 3}
+    while any(todo.values()):
+        specs = []
+        for sid, left in todo.items():
+            if left:
+                n = min(left, rng.randint(1, 4))
+                todo[sid] -= n
+                specs.append((sid, n, MASKS[0], True))
+        run.step(specs)
+    run.check_pages()
+    assert len({p for s in range(1, 5) for p in cache.sequence(s, "main").pages}) == sum(
+        len(cache.sequence(s, "main").pages) for s in range(1, 5))  # no page shared by accident
+
+    news = [4, 1, 6, 3, 8]
+    for shift in range(len(MASKS)):  # every mask on every sequence, mixed within each step
+        masks = [MASKS[(i + shift) % len(MASKS)] for i in range(5)]
+        # A read that does not persist: the cache is untouched, bit for bit, lengths too.
+        before = [t.clone() for t in cache.k + cache.v]
+        lengths = [cache.sequence(s, "main").length if cache.sequence(s, "main") else 0
+                   for s in range(5)]
+        run.step([(s, news[s], masks[s], False) for s in range(5)], scale=0.3 if shift else None)
+        assert all(torch.equal(a, b) for a, b in zip(before, cache.k + cache.v))
+        assert lengths == [cache.sequence(s, "main").length if cache.sequence(s, "main") else 0
+                           for s in range(5)]
+    # Then persisting and non-persisting sequences side by side; later reads see only what
+    # was persisted.
+    for shift in range(3):
+        run.step([(s, news[(s + shift) % 5], MASKS[(s + shift) % len(MASKS)], (s + shift) % 2 == 0)
+                  for s in range(5)])
+        run.check_pages()
+
+
+# ---- 3. a KV model beyond the LM: forks (CFG-style) and non-persisting flow steps ----------------
+
+ITERS = 2  # appends per CFG branch
+
+
+class CfgFlowModel(Model):
+    """Walk ``context``: prefill a prompt on ``main`` (bidirectional prefix), then two branches in
+    parallel, each forked from ``main`` and appended to twice. Walk ``flow``: residual steps of
+    noise tokens that read ``main`` without persisting, ``steps`` times."""
+
+    inputs = ("prompt", "cond_x", "uncond_x", "x", "steps")
+
+    def __init__(self, proj: Proj, engine: KVCacheEngine) -> None:
+        plen = lambda i: i["prompt"].shape[0]  # noqa: E731
+        self.prefill = ProjNode(proj, "prompt", "h", mask=lambda i: (
+            PrefixBidirectional(plen(i)), ("prefix", plen(i))))
+        self.cond = ProjNode(proj, "cond_x", "cond_out", label="cond", fork_from="main")
+        self.uncond = ProjNode(proj, "uncond_x", "uncond_out", label="uncond", fork_from="main")
+        self.denoise = ProjNode(proj, "x", "x", persist=False, residual=True, stop_loop="flow",
+                                mask=lambda i: (BlockCausal(i["x"].shape[0], start=plen(i)),
+                                                ("block", i["x"].shape[0], plen(i))))
+        self.nodes = [GraphNode("prefill", ["prompt"], [GraphEdge(EMIT, "h")]),
+                      GraphNode("cond", ["cond_x", "prompt"], [GraphEdge(EMIT, "cond_out")]),
+                      GraphNode("uncond", ["uncond_x", "prompt"], [GraphEdge(EMIT, "uncond_out")]),
+                      GraphNode("denoise", ["x", "prompt", "steps"], ["x", GraphEdge(EMIT, "x")])]
+        self.walks = {"context": Sequential("prefill", Parallel(Loop("cond", ITERS),
+                                                                Loop("uncond", ITERS))),
+                      "flow": DynamicLoop("denoise", 8, "flow")}
+        self.submodules = {"prefill": self.prefill, "cond": self.cond, "uncond": self.uncond,
+                           "denoise": self.denoise}
+        self.engines = {n: "kv" for n in self.submodules}
+        self.engine_specs = {"kv": engine}
+
+    def next_walk(self, request, finished_walk, persisted):
+        return "flow" if finished_walk == "context" else None
+
+
+def cfg_flow_reference(proj: Proj, inputs: dict) -> dict:
+    prompt = inputs["prompt"]
+    plen = prompt.shape[0]
+    q, k, v = proj.qkv(prompt)
+    out = {"h": [proj.out(dense_attention(q, k, v, 0, ("prefix", plen)))]}
+    for name in ("cond", "uncond"):
+        keys, values, outs = k, v, []
+        for it in range(ITERS):
+            qi, ki, vi = proj.qkv(inputs[f"{name}_x"][it])
+            start = keys.shape[0]
+            keys, values = torch.cat([keys, ki]), torch.cat([values, vi])
+            outs.append(proj.out(dense_attention(qi, keys, values, start, ("causal",))))
+        out[f"{name}_out"] = outs
+    x, xs = inputs["x"], []
+    for _ in range(inputs["steps"]):
+        qx, kx, vx = proj.qkv(x)
+        o = dense_attention(qx, torch.cat([k, kx]), torch.cat([v, vx]), plen,
+                            ("block", x.shape[0], plen))
+        x = x + proj.out(o)
+        xs.append(x)
+    out["x"] = xs
+    return out
+
+
+def test_cfg_forks_and_flow_steps_through_the_runtime(serve):
+    proj = Proj(seed=3)
+    engine = KVCacheEngine(page_size=4, num_pages=64)
+    model = CfgFlowModel(proj, engine)
+    rt = serve(model)
+    cache = engine.cache
+    snapshots: dict = {}
+    seen: list = []
+
+    def probe(node, works):
+        for w in works:
+            rid, inputs = w.payload[1], w.payload[3]
+            if node is model.prefill:  # written, not yet committed: remember main's pages
+                pages = list(cache.sequence(rid, "main").pages)
+                snapshots[rid] = (pages, cache.k[0][pages].clone(), cache.v[0][pages].clone())
+            else:
+                main = cache.sequence(rid, "main")
+                pages, k, v = snapshots[rid]
+                extra = {lab: cache.sequence(rid, lab).length for lab in ("cond", "uncond")
+                         if node is model.denoise}
+                seen.append((node is model.denoise, rid, main.length, inputs["prompt"].shape[0],
+                             main.pages == pages and torch.equal(cache.k[0][pages], k)
+                             and torch.equal(cache.v[0][pages], v), extra))
+
+    for node in (model.prefill, model.cond, model.uncond, model.denoise):
+        node.probe = probe
+    g = torch.Generator().manual_seed(11)
+    requests = []
+    for plen, nc, nu, nx, steps in [(6, 3, 2, 4, 3), (5, 2, 3, 3, 2), (9, 1, 4, 5, 4),
+                                    (8, 2, 2, 2, 1)]:
+        inputs = dict(prompt=torch.randn(plen, proj.embed, generator=g),
+                      cond_x=torch.randn(ITERS, nc, proj.embed, generator=g),
+                      uncond_x=torch.randn(ITERS, nu, proj.embed, generator=g),
+                      x=torch.randn(nx, proj.embed, generator=g), steps=steps)
+        requests.append((inputs, rt.submit(inputs)))
+    for inputs, h in requests:
+        got = h.result(timeout=TIMEOUT)
+        want = cfg_flow_reference(proj, inputs)
+        assert sorted(got) == sorted(want)
+        for name, values in want.items():
+            assert len(got[name]) == len(values), name
+            for a, b in zip(got[name], values):
+                assert_close(a, b, what=name)
+    # Forks and flow steps never changed main: same length, same pages, same bits.
+    assert len(seen) == 4 * 2 * ITERS + sum(i["steps"] for i, _ in requests)
+    by_id = {h.id: inputs for inputs, h in requests}
+    for is_flow, rid, length, plen, unchanged, extra in seen:
+        assert length == plen and unchanged, (rid, is_flow)
+        if is_flow:  # and the branches kept what they appended
+            assert extra == {"cond": plen + ITERS * by_id[rid]["cond_x"].shape[1],
+                             "uncond": plen + ITERS * by_id[rid]["uncond_x"].shape[1]}
+    assert settled(rt) == ZERO_LIVE
+    assert wait_until(lambda: cache.free_pages == cache.num_pages and cache.live_sequences == 0)
+
+
+# ---- 4. continuous batching ---------------------------------------------------------------------
+
+def record_steps(lm: CausalLM) -> list[list[bool]]:
+    """Wraps the LM node's forward_kv; returns, per call (one engine step), whether each work
+    is a prefill (no token generated yet)."""
+    calls: list[list[bool]] = []
+    real = lm.lm.forward_kv
+
+    def forward_kv(works, step):
+        calls.append([w.payload[1]["generated"] == 0 for w in works])
+        return real(works, step)
+
+    lm.lm.forward_kv = forward_kv
+    return calls
+
+
+def decodes(h) -> int:
+    return sum(r["node"] == "decode" for r in h.stats())
+
+
+def test_continuous_batching_mixes_prefill_and_decode_and_matches_solo_runs(serve):
+    module = tiny_llama(seed=0)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(64) for _ in range(rng.randint(3, 12))] for _ in range(5)]
+    n = 16
+    expected = [recompute_greedy(module, p, n) for p in prompts]
+
+    solo_rt = serve(CausalLM(module, engine=KVCacheEngine(page_size=4, num_pages=128),
+                             emit_logits=True))
+    solo = [solo_rt.submit({"prompt": p, "params": SamplingParams(max_tokens=n)})
+            .result(timeout=TIMEOUT) for p in prompts]
+
+    engine = KVCacheEngine(page_size=4, num_pages=128)
+    lm = CausalLM(module, engine=engine, emit_logits=True)
+    calls = record_steps(lm)
+    rt = serve(lm)
+    handles = []
+    for i, p in enumerate(prompts):  # each arrives while the earlier ones are decoding
+        handles.append(rt.submit({"prompt": p, "params": SamplingParams(max_tokens=n)}))
+        if i < len(prompts) - 1:
+            assert wait_until(lambda: decodes(handles[-1]) >= 2, timeout=10)
+    for p, h, (want_tokens, want_logits), alone in zip(prompts, handles, expected, solo):
+        got = h.result(timeout=TIMEOUT)
+        assert got["token"] == want_tokens == alone["token"], p
+        for a, b, c in zip(got["logits"], want_logits, alone["logits"]):
+            assert_close(a, b, 1e-4, "logits vs recompute")
+            assert_close(a, c, 1e-4, "logits vs solo")
+    mixed = [c for c in calls if any(c) and not all(c)]
+    assert mixed, f"no step mixed prefill with decode: {calls}"
+    assert max(engine.step_sizes) > 1
+    assert wait_until(lambda: engine.cache.free_pages == engine.num_pages)
+
+
+# ---- 5. back-pressure ---------------------------------------------------------------------------
+
+def test_back_pressure_when_the_cache_holds_only_a_few_requests(serve):
+    module = tiny_llama(seed=1)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(64) for _ in range(rng.randint(3, 8))] for _ in range(16)]
+    n = 8  # each request reserves prompt + 8 <= 16 tokens: 3-4 pages of 4; the cache has 12
+    expected = [recompute_greedy(module, p, n)[0] for p in prompts]
+    engine = KVCacheEngine(page_size=4, num_pages=12)
+    lm = CausalLM(module, engine=engine)
+    calls = record_steps(lm)
+    rt = serve(lm)
+    handles = [rt.submit({"prompt": p, "params": SamplingParams(max_tokens=n)})
+               for p in prompts[:8]]
+    too_big = rt.submit({"prompt": list(range(10)), "params": SamplingParams(max_tokens=60)})
+    handles += [rt.submit({"prompt": p, "params": SamplingParams(max_tokens=n)})
+                for p in prompts[8:]]
+    with pytest.raises(RequestFailed, match="num_pages"):
+        too_big.result(timeout=TIMEOUT)
+    for p, h, want in zip(prompts, handles, expected):
+        assert h.result(timeout=TIMEOUT)["token"] == want, p
+    assert max(len(c) for c in calls) <= 4, "more requests ran at once than their pages allow"
+    assert len(calls) >= 16 * n // 4  # so they did wait for each other
+    assert wait_until(lambda: engine.cache.free_pages == engine.num_pages
+                      and engine.cache.live_sequences == 0)
+    assert settled(rt) == ZERO_LIVE
+
+
+# ---- 6. leaks under cancellation ----------------------------------------------------------------
+
+def tokens_of(h) -> tuple[list[int], Exception | None]:
+    """The tokens a request emitted and its cancellation (None if it finished)."""
+    error = None
+    try:
+        h.result(timeout=TIMEOUT)
+    except RequestCancelled as e:
+        error = e
+    tokens: list[int] = []
+    try:  # it has ended, so iterating replays its events without blocking
+        for name, value in h:
+            if name == "token":
+                tokens.append(value)
+    except RequestCancelled:
+        pass
+    return tokens, error
+
+
+def test_no_pages_or_handles_leak_over_10k_requests_with_random_cancels(serve):
+    module = tiny_llama(vocab=32, hidden=16, layers=1, heads=2, kv_heads=1, seed=2)
+    engine = KVCacheEngine(page_size=4, num_pages=96, max_batch=64)  # ~30 of 64 fit at once
+    rt = serve(CausalLM(module, engine=engine, max_batch=64))
+    rng = random.Random(7)
+    total, wave = 10_000, 64
+    known: dict[tuple, list[int]] = {}  # prompt -> longest greedy continuation seen
+    counts = dict(finished=0, cancelled_early=0, cancelled_mid=0)
+    t0 = time.monotonic()
+    for start in range(0, total, wave):
+        batch = []
+        for _ in range(min(wave, total - start)):
+            prompt = [rng.randrange(32) for _ in range(rng.randint(1, 8))]
+            n = rng.randint(1, 6)
+            h = rt.submit({"prompt": prompt, "params": SamplingParams(max_tokens=n)})
+            if rng.random() < 0.1:
+                h.cancel()  # right after submit
+            batch.append((h, tuple(prompt), n))
+        for h, _p, _n in batch:
+            if rng.random() < 0.22:  # later, at a random moment: queued, mid-decode or done
+                time.sleep(rng.random() * 0.0008)
+                h.cancel()
+        for h, prompt, n in batch:
+            tokens, error = tokens_of(h)
+            if error is None:
+                assert len(tokens) == n
+                counts["finished"] += 1
+            else:
+                assert isinstance(error, RequestCancelled), error
+                counts["cancelled_mid" if tokens else "cancelled_early"] += 1
+            # Greedy: a request's tokens never depend on who it was batched with.
+            seen = known.setdefault(prompt, tokens)
+            short, long = sorted((seen, tokens), key=len)
+            assert long[: len(short)] == short, (prompt, seen, tokens)
+            if len(tokens) > len(seen):
+                known[prompt] = tokens
+    took = time.monotonic() - t0
+    assert min(counts.values()) > 50, counts
+    assert settled(rt, timeout=10) == ZERO_LIVE
+    assert wait_until(lambda: engine.cache.free_pages == engine.num_pages
+                      and engine.cache.live_sequences == 0, timeout=5), (
+        engine.cache.free_pages, engine.cache.live_sequences)
+    print(f"10k requests in {took:.1f} s, {engine.steps} steps, {counts}")
+
+
+# ---- 7. a node that raises fails only its own request --------------------------------------------
+
+def attn_model(node: ProjNode, engine: KVCacheEngine) -> Model:
+    model = Model()
+    model.inputs = ("x", "boom", "hold")
+    model.input_defaults = {"boom": False, "hold": False}
+    model.nodes = [GraphNode("attn", ["x", "boom", "hold"], [GraphEdge(EMIT, "y")])]
+    model.walks = {"run": "attn"}
+    model.submodules = {"attn": node}
+    model.engines = {"attn": "kv"}
+    model.engine_specs = {"kv": engine}
+    return model
+
+
+def test_a_node_raising_in_forward_kv_fails_only_its_request(serve):
+    proj = Proj(seed=4)
+    node = ProjNode(proj, "x", "y", fail_if=lambda inputs: inputs["boom"])
+    engine = KVCacheEngine(page_size=4, num_pages=32)
+    rt = serve(attn_model(node, engine))
+    g = torch.Generator().manual_seed(0)
+    blocker = rt.submit({"x": torch.randn(2, proj.embed, generator=g), "hold": True})
+    assert node.entered.wait(10)
+    xs = [torch.randn(t, proj.embed, generator=g) for t in (3, 5, 2, 6)]
+    handles = [rt.submit({"x": x, "boom": i == 1}) for i, x in enumerate(xs)]
+    node.hold.set()
+    blocker.result(timeout=TIMEOUT)
+    with pytest.raises(RequestFailed, match="boom"):
+        handles[1].result(timeout=TIMEOUT)
+    for i in (0, 2, 3):
+        q, k, v = proj.qkv(xs[i])
+        want = proj.out(dense_attention(q, k, v, 0, ("causal",)))
+        assert_close(handles[i].result(timeout=TIMEOUT)["y"][0], want, what=f"request {i}")
+    ids = {h.id for h in handles}
+    assert any({rid for rid, _it in call} == ids for call in node.calls), (
+        f"the four requests never shared a step: {node.calls}")
+    assert wait_until(lambda: engine.cache.free_pages == engine.num_pages
+                      and engine.cache.live_sequences == 0)
+    assert settled(rt) == ZERO_LIVE
+
+
+def test_a_cancel_racing_admission_leaves_no_sequence_behind(serve):
+    """A cancel can land between the engine's check that a request is live and its admission
+    of that request's pages; the pages must still come back."""
+    proj = Proj(seed=5)
+    node = ProjNode(proj, "x", "y")
+    engine = KVCacheEngine(page_size=4, num_pages=32)
+    rt = serve(attn_model(node, engine))
+    cache = engine.cache
+    blocker = rt.submit({"x": torch.randn(2, proj.embed), "hold": True})
+    assert node.entered.wait(10)
+    victim = rt.submit({"x": torch.randn(3, proj.embed)})
+    real_admit = cache.admit
+
+    def admit(request, *args, **kwargs):
+        if request == victim.id and not victim.done:
+            victim.cancel()  # from the worker thread, just before the pages are taken
+        return real_admit(request, *args, **kwargs)
+
+    cache.admit = admit
+    node.hold.set()
+    blocker.result(timeout=TIMEOUT)
+    with pytest.raises(RequestCancelled):
+        victim.result(timeout=TIMEOUT)
+    assert settled(rt) == ZERO_LIVE
+    assert wait_until(lambda: cache.live_sequences == 0, timeout=2), cache.labels(victim.id)
+    assert cache.free_pages == cache.num_pages
+
+
+def test_a_request_picked_up_before_submit_returns_is_served_normally(serve):
+    module = tiny_llama(seed=3)
+    engine = KVCacheEngine(page_size=4, num_pages=32)
+    rt = serve(CausalLM(module, engine=engine))
+    rt.conductor = SlowSubmit(rt.conductor)
+    prompt = [4, 8, 15, 16]
+    h = rt.submit({"prompt": prompt, "params": SamplingParams(max_tokens=5)})
+    assert h.result(timeout=TIMEOUT)["token"] == recompute_greedy(module, prompt, 5)[0]
+    assert wait_until(lambda: engine.cache.free_pages == engine.num_pages)
+
+
+# ---- 8. stack_pad -------------------------------------------------------------------------------
+
+def test_stack_pad_pads_to_the_longest_and_returns_lengths():
+    a, b, c = torch.ones(2, 3), torch.full((4, 3), 2.0), torch.full((1, 3), 3.0)
+    out, lengths = stack_pad([a, b, c], pad_value=-1)
+    assert out.shape == (3, 4, 3) and lengths.tolist() == [2, 4, 1]
+    assert torch.equal(out[0, :2], a) and torch.equal(out[1], b) and torch.equal(out[2, :1], c)
+    assert (out[0, 2:] == -1).all() and (out[2, 1:] == -1).all()
+    same, lengths = stack_pad([a, a * 5])
+    assert torch.equal(same, torch.stack([a, a * 5])) and lengths.tolist() == [2, 2]
+    ids, _ = stack_pad([torch.tensor([1, 2]), torch.tensor([3])])
+    assert ids.dtype == torch.long and ids.tolist() == [[1, 2], [3, 0]]
+
+
+def test_stack_pad_rejects_mismatched_trailing_shapes():
+    with pytest.raises(ValueError, match="differ beyond the first dimension"):
+        stack_pad([torch.zeros(2, 3), torch.zeros(2, 4)])
+    with pytest.raises(ValueError, match="differ"):
+        stack_pad([torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)])
