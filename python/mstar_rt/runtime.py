@@ -333,7 +333,7 @@ class Runtime:
         prepared = []
         for n, (_id, rid, iteration, values, chunk) in enumerate(items):
             if chunk is not None:
-                values[stream_input] = StreamWindow(values[stream_input], *chunk)
+                values = {**values, stream_input: StreamWindow(values[stream_input], *chunk)}
             if call_prepare:
                 handle = contexts[n]
                 ctx = handle.context if handle is not None else RequestContext(rid, {})
