@@ -1,6 +1,12 @@
 """A causal LM as a walk-graph model: ``prefill`` (the prompt, one step) then ``decode`` (a
 DynamicLoop of one token per step) on a KVCacheEngine; every token is EMITted as it is made.
 
+With ``prefill_samples=False`` the prefill step only fills the cache with ``prompt[:-1]`` and
+hands ``prompt[-1]`` to the decode loop, so every generated token comes from the ``decode``
+node -- what a model that streams the decode node's tokens into a consumer needs (Orpheus TTS).
+A ``logits_processor(state, logits_row) -> logits_row`` reshapes each request's logits before
+sampling (constrained decoding); it sees the request's state (``history``, ``generated``...).
+
     lm = CausalLM.from_pretrained("path/to/llama")       # config.json + safetensors
     with mstar_rt.Runtime(lm) as rt:
         for name, token in rt.submit({"prompt": [1, 2, 3],
@@ -11,7 +17,7 @@ DynamicLoop of one token per step) on a KVCacheEngine; every token is EMITted as
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -24,20 +30,31 @@ from mstar_rt.model import Model, RequestContext, WorkContext
 
 LOOP = "generate"
 
+#: ``(request state, logits row [V]) -> logits row [V]``, applied before sampling.
+LogitsProcessor = Callable[[dict, torch.Tensor], torch.Tensor]
+
 
 class LMNode(KVNodeSubmodule):
     """Runs prefill and decode items of many requests in one ragged batch, samples each
     request's next token with its own parameters and generator, and stops its loop on EOS,
-    ``max_tokens`` or the maximum sequence length."""
+    ``max_tokens`` or the maximum sequence length.
+
+    ``prefill_samples=False``: prefill caches ``prompt[:-1]`` and outputs ``prompt[-1]`` as its
+    token without sampling (nothing EMITted, no stop); the decode steps make all
+    ``max_tokens``. ``logits_processor`` (see :data:`LogitsProcessor`) runs per request on the
+    rows that are sampled; emitted ``logits`` are the model's, before it."""
 
     def __init__(self, module: torch.nn.Module, eos_token_ids: Sequence[int], max_seq_len: int,
                  max_batch: int = 64, emit_logits: bool = False, cuda_graphs: bool = False,
-                 compile: Union[bool, str] = False) -> None:
+                 compile: Union[bool, str] = False, prefill_samples: bool = True,
+                 logits_processor: Optional[LogitsProcessor] = None) -> None:
         self.module = module
         self.eos = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.emit_logits = emit_logits
+        self.prefill_samples = prefill_samples
+        self.logits_processor = logits_processor
         self.vocab_size = int(module.config.vocab_size)
         # Decode steps through static per-bucket buffers (captured as CUDA graphs on CUDA);
         # compile implies them, since it compiles that static forward.
@@ -52,6 +69,10 @@ class LMNode(KVNodeSubmodule):
         ids = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("the prompt is empty; give at least one token id")
+        if ids.numel() == 1 and not self.prefill_samples:
+            raise ValueError("this LM's prefill does not sample (prefill_samples=False): it caches "
+                             "all prompt tokens but the last, which starts the decode loop; give "
+                             "at least two token ids")
         if ids.numel() >= self.max_seq_len:
             raise ValueError(f"the prompt has {ids.numel()} tokens but the maximum sequence "
                              f"length is {self.max_seq_len} (prompt and at least one new token); "
@@ -63,38 +84,57 @@ class LMNode(KVNodeSubmodule):
         return ids
 
     def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> KVWork:
+        """A KVWork whose payload is ``(token ids, request state, given)``: ``given`` is the
+        token this work outputs without sampling (a non-sampling prefill), else None."""
         state = ctx.request.state
         device = self.module.model.embed_tokens.weight.device
         if "prompt" in inputs:  # prefill
             ids = self.check_prompt(inputs["prompt"])
-            params = as_params(inputs.get("params"))
+            params = self.request_params(inputs.get("params"))
             state.update(params=params, generator=make_generator(params, device),
                          history=ids.tolist(), generated=0, done=False)
+            given = None
+            if not self.prefill_samples:  # the last prompt token is the first decode input
+                given, ids = int(ids[-1]), ids[:-1]
             reserve = min(ids.numel() + params.max_tokens, self.max_seq_len)
-            return KVWork(ids.numel(), reserve=reserve, payload=(ids.to(device), state))
+            return KVWork(ids.numel(), reserve=reserve, payload=(ids.to(device), state, given))
         tok = torch.tensor([int(inputs["token"])], dtype=torch.long, device=device)
-        return KVWork(1, payload=(tok, state))
+        return KVWork(1, payload=(tok, state, None))
+
+    def request_params(self, params: Any) -> SamplingParams:
+        """The request's SamplingParams (a subclass may supply its own defaults)."""
+        return as_params(params)
 
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
         ids = torch.cat([w.payload[0] for w in works])
+        rows = [i for i, w in enumerate(works) if w.payload[2] is None]  # the works that sample
         logits = self._static_decode(ids, step) if self.static_decode else None
         if logits is None:
             hidden = self.module(ids, step)
-            logits = self.module.logits(hidden[step.last_token])
-        states = [w.payload[1] for w in works]
+            last = step.last_token
+            logits = self.module.logits(hidden[last if len(rows) == len(works) else last[rows]])
+        elif len(rows) < len(works):
+            logits = logits[rows]
+        out: list[Mapping[str, Any]] = [{"token": w.payload[2]} for w in works]
+        if not rows:
+            return out
+        states = [works[i].payload[1] for i in rows]
         params = [s["params"] for s in states]
         histories = [torch.tensor(s["history"]) if p.repetition_penalty != 1.0 else _EMPTY
                      for s, p in zip(states, params)]
-        tokens = sample(logits, params, [s["generator"] for s in states], histories).tolist()
-        out = []
-        for i, (tok, s) in enumerate(zip(tokens, states)):
+        scores = logits
+        if self.logits_processor is not None:
+            process = self.logits_processor
+            scores = torch.stack([process(s, logits[j]) for j, s in enumerate(states)])
+        tokens = sample(scores, params, [s["generator"] for s in states], histories).tolist()
+        for j, (i, tok, s) in enumerate(zip(rows, tokens, states)):
             s["history"].append(tok)
             s["generated"] += 1
             o = {"token": tok}
             if self.emit_logits:
-                o["logits"] = logits[i].float().cpu()
-            out.append(o)
+                o["logits"] = logits[j].float().cpu()
+            out[i] = o
         return out
 
     def _static_decode(self, ids: torch.Tensor, step: KVStep) -> Optional[torch.Tensor]:
@@ -111,9 +151,12 @@ class LMNode(KVNodeSubmodule):
         return None if out is None else out.logits
 
     def check_stop(self, works: list[KVWork], outputs: list[Mapping[str, Any]]) -> list:
-        stops = []
+        stops: list = []
         for w, o in zip(works, outputs):
             s = w.payload[1]
+            if w.payload[2] is not None:  # a prefill that sampled nothing cannot stop
+                stops.append(())
+                continue
             p: SamplingParams = s["params"]
             tok = o["token"]
             done = (s["generated"] >= p.max_tokens or len(s["history"]) >= self.max_seq_len
@@ -143,6 +186,7 @@ class CausalLM(Model):
     EMITs ``token`` per generated token (and ``logits`` with ``emit_logits``).
     ``cuda_graphs`` runs decode steps through CUDA graphs of batch-size buckets (on the CPU the
     same padded static path runs eagerly, for tests); ``compile`` also ``torch.compile``s it.
+    ``prefill_samples`` and ``logits_processor``: see :class:`LMNode`.
     """
 
     inputs = ("prompt", "params")
@@ -151,15 +195,17 @@ class CausalLM(Model):
     def __init__(self, module: torch.nn.Module, eos_token_ids: Sequence[int] = (),
                  max_seq_len: Optional[int] = None, engine: Optional[KVCacheEngine] = None,
                  max_batch: int = 64, emit_logits: bool = False, cuda_graphs: bool = False,
-                 compile: Union[bool, str] = False) -> None:
+                 compile: Union[bool, str] = False, prefill_samples: bool = True,
+                 logits_processor: Optional[LogitsProcessor] = None) -> None:
         max_seq_len = max_seq_len or int(module.config.max_position_embeddings)
         self.module = module.eval()
         self.lm = LMNode(module, eos_token_ids, max_seq_len, max_batch, emit_logits, cuda_graphs,
-                         compile)
+                         compile, prefill_samples, logits_processor)
         token_out = [GraphEdge(EMIT, "token")] + ([GraphEdge(EMIT, "logits")] if emit_logits else [])
         self.nodes = [
             GraphNode("prefill", ["prompt", "params"],
-                      token_out + [GraphEdge("decode", "token", persist=True)]),
+                      (token_out if prefill_samples else [])
+                      + [GraphEdge("decode", "token", persist=True)]),
             GraphNode("decode", ["token"], token_out + ["token"]),
         ]
         self.walks = {"prefill": "prefill",
