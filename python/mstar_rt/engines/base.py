@@ -17,7 +17,9 @@ class Engine(abc.ABC):
     (it returns when the runtime closes), and :meth:`release` whenever a request ends.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_threads: Optional[int] = None) -> None:
+        #: torch intra-op threads on this engine's worker (None: leave torch's setting).
+        self.num_threads = num_threads
         self.runtime: Optional["Runtime"] = None
         self.engine_id = -1
         self.nodes: tuple[int, ...] = ()
@@ -28,6 +30,13 @@ class Engine(abc.ABC):
             raise ValueError(f"engine '{name}' ({type(self).__name__}) already serves another "
                              "Runtime; give every Runtime its own engine objects")
         self.runtime, self.engine_id, self.name, self.nodes = runtime, engine_id, name, tuple(nodes)
+
+    def _init_worker_thread(self) -> None:
+        """Called first on the worker thread: torch's OpenMP pool is per calling thread."""
+        if self.num_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.num_threads)
 
     @abc.abstractmethod
     def serve(self) -> None:
@@ -50,6 +59,7 @@ class StatelessEngine(Engine):
     def serve(self) -> None:
         rt = self.runtime
         assert rt is not None
+        self._init_worker_thread()
         conductor = rt.conductor
         engine, max_batch, poll = self.engine_id, self.max_batch, rt._poll_s
         while not rt._closed:

@@ -10,10 +10,11 @@ a request whose sequence can never fit fails alone with an error that says what 
 from __future__ import annotations
 
 import abc
+import os
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -104,11 +105,16 @@ class KVCacheEngine(Engine):
     ``max_tokens_per_step`` bounds a step's new tokens (long prompts are not split: one prompt
     may exceed it alone). ``attention_backend``: ``"torch"``, ``"flashinfer"`` (CUDA) or
     ``"auto"`` (FlashInfer when it is installed and the cache is on CUDA in fp16/bf16).
+    ``num_threads``: torch intra-op threads on the worker; ``"auto"`` is 1 for a cache on a CPU
+    with at most 4 cores (where a worker thread's OpenMP pool costs more than it gives, see
+    docs/engines.md), else torch's setting; None leaves torch's setting.
     """
 
     def __init__(self, page_size: int = 16, num_pages: int = 1024, max_batch: int = 64,
-                 max_tokens_per_step: int = 4096, attention_backend: str = "auto") -> None:
-        super().__init__()
+                 max_tokens_per_step: int = 4096, attention_backend: str = "auto",
+                 num_threads: Union[int, str, None] = "auto") -> None:
+        super().__init__(None if num_threads == "auto" else num_threads)
+        self._auto_threads = num_threads == "auto"
         self.page_size, self.num_pages = page_size, num_pages
         self._max_batch, self.max_tokens_per_step = max_batch, max_tokens_per_step
         self.attention_backend = attention_backend
@@ -133,6 +139,9 @@ class KVCacheEngine(Engine):
             raise ValueError(f"the nodes of KV engine '{name}' need different cache layouts "
                              f"{sorted(map(str, layouts))}; give each layout its own engine")
         self.cache = PagedKVCache(layouts.pop(), self.page_size, self.num_pages)
+        if self._auto_threads:
+            on_cpu = torch.device(self.cache.layout.device).type == "cpu"
+            self.num_threads = 1 if on_cpu and (os.cpu_count() or 1) <= 4 else None
         self.backend = make_backend(self.attention_backend, self.cache)
 
     @property
@@ -148,6 +157,7 @@ class KVCacheEngine(Engine):
     def serve(self) -> None:
         rt = self.runtime
         assert rt is not None
+        self._init_worker_thread()
         pending: list[tuple[int, tuple, KVWork]] = []  # (node, item, work) waiting for pages
         while not rt._closed:
             fresh = self._take(short_wait=bool(pending))
