@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # libegl1 + Mesa: MuJoCo's offscreen renderer (MUJOCO_GL=egl) without a display.
-APT_PACKAGES=(g++ libgtest-dev libboost-dev python3-venv libegl1 libegl-mesa0 libgl1-mesa-dri)
+# PortAudio, PulseAudio (+ the ALSA "pulse" device) and espeak-ng: audio tests on virtual devices.
+APT_PACKAGES=(g++ libgtest-dev libboost-dev python3-venv libegl1 libegl-mesa0 libgl1-mesa-dri
+              libportaudio2 pulseaudio pulseaudio-utils libasound2-plugins espeak-ng)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -24,7 +26,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 echo "== pip: build tools and test dependencies"
-"${PIP[@]}" "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib
+"${PIP[@]}" "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib \
+  sounddevice
 echo "== pip: model and robot dependencies (torch pinned to the CPU build for this machine)"
 "${PIP[@]}" "torch==2.13.0" safetensors "transformers==5.24.0" "snac==1.2.1" mujoco opencv-python-headless
 echo "== pip: building mstar_rt"
