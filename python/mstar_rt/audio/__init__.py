@@ -1,16 +1,24 @@
-"""Real-time audio I/O: PortAudio streams over C++ rings, and a streaming resampler."""
+"""Real-time audio: PortAudio streams over C++ rings, a streaming resampler, voice activity
+detection with endpointing, and speech recognition. Device and model modules load on first use
+(sounddevice loads libportaudio; the VAD and recognizer load their bundled models)."""
 
+import importlib
 from typing import Any
 
 from mstar_rt.audio.resample import Resampler
 
-__all__ = ["FLAG_NAMES", "AudioInput", "AudioOutput", "Resampler"]
+_LAZY = {
+    "FLAG_NAMES": "devices", "AudioInput": "devices", "AudioOutput": "devices",
+    "SileroVAD": "vad", "Endpointer": "vad", "VADEvent": "vad", "VADNode": "vad",
+    "PocketSphinxASR": "asr", "ASRNode": "asr", "Recognition": "asr",
+    "ROBOT_COMMANDS_JSGF": "asr",
+}
+
+__all__ = ["Resampler", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    # sounddevice loads libportaudio on import: only when a device class is asked for.
-    if name in ("FLAG_NAMES", "AudioInput", "AudioOutput"):
-        from mstar_rt.audio import devices
-
-        return getattr(devices, name)
-    raise AttributeError(f"module 'mstar_rt.audio' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mstar_rt.audio' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"mstar_rt.audio.{module}"), name)

