@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Voice loop benchmark: voice-to-voice latency (end of user speech → first reply sample at the
+virtual speaker) of the voice agent vs a blocking Python loop doing the same steps.
+
+    python benchmarks/voice_loop.py [--quick] [--out benchmarks/results/voice_loop.json]
+
+Both run on real PortAudio streams through the virtual devices of scripts/virtual_audio.sh, with
+the same components: Silero VAD + endpointer, PocketSphinx with the robot command grammar, a
+command responder, Piper's joe voice (espeak-ng without it). Each turn plays an espeak-ng robot
+command into the virtual microphone; two independent recording streams (mstar_mic.monitor and
+mstar_spk.monitor) time the end of the user's speech and the first reply sample heard, so both
+systems are measured by the same clock and the same detector.
+  * agent     VoiceAgent: mic thread (VAD/endpointing) + reply walk on the Runtime
+              (asr → respond → DynamicLoop(tts), one EMITted chunk per sentence) streamed into
+              the output ring as each sentence is ready.
+  * baseline  one Python loop: read the mic until the endpointer ends the utterance, recognize,
+              synthesize the whole reply, write it, wait until it has played, listen again.
+Replies are three sentences (the command's confirmation plus two fixed ones), as a talking agent
+gives; on one-sentence replies both would wait for the same single synthesis. Underruns are the
+output ring's (blocks short of audio while a reply was open). The systems alternate in blocks of
+turns; figures are medians (p50) over all turns of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_common import machine  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "voice_loop.json"
+COMMANDS = ["move the arm to the left", "open the gripper", "pick up the cup",
+            "close the gripper", "move the arm to the right", "put down the box"]
+TAIL = " I will tell you when it is done. Is there anything else?"
+TURN_TIMEOUT = 25.0
+
+
+class Talkative:
+    """The command responder's reply plus two fixed sentences."""
+
+    def __init__(self) -> None:
+        from mstar_rt.audio.agent import CommandResponder
+        self.inner = CommandResponder()
+
+    def __call__(self, text: str) -> str:
+        return self.inner(text) + TAIL
+
+
+class Baseline:
+    """The blocking loop, on its own thread; ``done`` counts finished turns."""
+
+    def __init__(self, devices, tts, responder) -> None:
+        from mstar_rt.audio.agent import RATE, WINDOW
+        from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
+        from mstar_rt.audio.vad import Endpointer, SileroVAD
+
+        self.vad, self.end = SileroVAD(RATE), Endpointer(sample_rate=RATE, window=WINDOW)
+        self.asr, self.tts, self.responder = PocketSphinxASR(ROBOT_COMMANDS_JSGF), tts, responder
+        self.inp = devices.AudioInput(48000, blocksize=480, pulse_source="mstar_mic.monitor",
+                                      target_rate=RATE, ring_seconds=8.0)
+        self.out = devices.AudioOutput(48000, blocksize=480, pulse_sink="mstar_spk",
+                                       source_rate=tts.sample_rate, latency=0.1,
+                                       ring_seconds=60.0)
+        quiet = np.zeros(RATE // 2, np.float32)  # warm up as the agent does
+        self.asr.recognize(quiet)
+        self.vad(quiet[:WINDOW])
+        self.vad.reset()
+        self.texts: list[str] = []
+        self.underruns: list[int] = []
+        self.done = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        from mstar_rt.audio.agent import WINDOW
+        buf = np.zeros(0, np.float32)
+        while not self._stop.is_set():
+            try:  # 1. record until the endpointer says the utterance ended
+                buf = np.concatenate([buf, self.inp.read(3 * WINDOW, timeout=0.5)])
+            except TimeoutError:
+                continue
+            utterance = None
+            while len(buf) >= WINDOW and utterance is None:
+                w, buf = buf[:WINDOW], buf[WINDOW:]
+                for ev in self.end.push(w, self.vad(w)):
+                    if ev.kind == "end":
+                        utterance = ev.audio
+            if utterance is None:
+                continue
+            text = self.asr.recognize(utterance).text  # 2. recognize
+            reply = self.responder(text)
+            audio = np.concatenate(list(self.tts.synthesize_stream(reply)))  # 3. whole reply
+            u0 = self.out.underruns
+            self.out.write(audio, timeout=TURN_TIMEOUT)  # 4. play it, wait until played
+            self.out.drain(timeout=TURN_TIMEOUT)
+            time.sleep(self.out.latency)
+            self.texts.append(text)
+            self.underruns.append(self.out.underruns - u0)
+            self.inp.clear()  # what it heard while talking is not a new turn
+            buf = np.zeros(0, np.float32)
+            self.done += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        self.inp.close()
+        self.out.close()
+
+
+def _wait(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _measure(mic, spk, t0: float) -> float:
+    """Seconds from the end of the user's speech to the first reply sample heard."""
+    from mstar_rt.audio.agent import speech_spans
+
+    def spans(tap, t):
+        start = max(tap.frame_at(t), 0)
+        return [(tap.time_of(start + a), tap.time_of(start + b))
+                for a, b in speech_spans(tap.audio()[start:], tap.rate)]
+
+    user = spans(mic, t0)
+    if not user:
+        return float("nan")
+    reply = spans(spk, user[-1][1])
+    return reply[0][0] - user[-1][1] if reply else float("nan")
+
+
+def run_turns(kind, system, wavs, mic, spk, records) -> None:
+    for cmd, wav in wavs:
+        before = len(system.turns) if kind == "agent" else system.done
+        t0 = time.monotonic()
+        subprocess.run(["paplay", "--device=mstar_mic", str(wav)], check=True, timeout=30,
+                       stdin=subprocess.DEVNULL)
+        if kind == "agent":
+            ok = _wait(lambda: len(system.turns) > before and system.turns[before].done.is_set(),
+                       TURN_TIMEOUT)
+            turn = system.turns[before] if ok else None
+            text = turn.text if turn else ""
+            under = turn.underruns if turn else -1
+        else:
+            ok = _wait(lambda: system.done > before, TURN_TIMEOUT)
+            text = system.texts[before] if ok else ""
+            under = system.underruns[before] if ok else -1
+        time.sleep(0.4)  # the recorder's latency
+        v2v = _measure(mic, spk, t0)
+        records.append({"system": kind, "command": cmd, "recognized": text, "ok": ok,
+                        "v2v_s": v2v, "underruns": under})
+        print(f"  {kind:<9}{cmd!r:<30} heard {text!r:<30} v2v {1e3 * v2v:7.0f} ms  "
+              f"underruns {under}", flush=True)
+        time.sleep(0.3)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10 turns per system instead of 18")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args()
+    subprocess.run(["bash", str(ROOT / "scripts/virtual_audio.sh"), "start"], check=True,
+                   timeout=60, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    from mstar_rt.audio import devices
+    from mstar_rt.audio.agent import Tap, open_agent
+    from mstar_rt.audio.tts import default_tts
+
+    turns = 10 if args.quick else 18
+    block = 5 if args.quick else 6
+    tmp = Path(tempfile.mkdtemp(prefix="voice_loop_"))
+    wavs = []
+    for i, cmd in enumerate(COMMANDS):
+        path = tmp / f"{i}.wav"
+        subprocess.run(["espeak-ng", "-w", str(path), cmd], check=True, timeout=30)
+        wavs.append((cmd, path))
+    plan = [wavs[i % len(wavs)] for i in range(turns)]
+    tts = default_tts()
+    responder = Talkative()
+    mic, spk = Tap(devices, "mstar_mic.monitor"), Tap(devices, "mstar_spk.monitor")
+    records: list[dict] = []
+    try:
+        mic.wait_flowing()
+        spk.wait_flowing()
+        for b in range(0, turns, block):
+            for kind in (("agent", "baseline") if (b // block) % 2 == 0
+                         else ("baseline", "agent")):
+                if kind == "agent":
+                    system = open_agent("mstar_mic.monitor", "mstar_spk", tts=tts,
+                                        responder=responder)
+                    system.start()
+                else:
+                    system = Baseline(devices, tts, responder)
+                time.sleep(0.5)
+                try:
+                    run_turns(kind, system, plan[b:b + block], mic, spk, records)
+                finally:
+                    system.stop() if kind == "agent" else system.close()
+    finally:
+        mic.close()
+        spk.close()
+
+    figures: dict[str, float] = {}
+    for kind in ("agent", "baseline"):
+        rs = [r for r in records if r["system"] == kind]
+        v = np.array([r["v2v_s"] for r in rs], float)
+        good = v[np.isfinite(v)]
+        figures[f"v2v_latency_p50_ms_{kind}"] = float(1e3 * np.median(good)) if len(good) else None
+        figures[f"v2v_latency_p90_ms_{kind}"] = (float(1e3 * np.percentile(good, 90))
+                                                if len(good) else None)
+        figures[f"turns_{kind}"] = len(rs)
+        figures[f"turns_measured_{kind}"] = int(len(good))
+        figures[f"recognized_exact_{kind}"] = sum(r["recognized"] == r["command"] for r in rs)
+        figures[f"underruns_{kind}"] = int(sum(max(r["underruns"], 0) for r in rs))
+    a, b = figures["v2v_latency_p50_ms_agent"], figures["v2v_latency_p50_ms_baseline"]
+    ratios = {"v2v_latency_baseline_over_agent": (b / a) if a and b else None}
+    result = {"name": "voice_loop", "quick": args.quick, "machine": machine(),
+              "tts": type(tts).__name__, "figures": figures, "ratios": ratios, "turns": records}
+
+    print(f"\n{'system':<10}{'turns':>6}{'exact':>7}{'v2v p50 ms':>12}{'p90 ms':>9}"
+          f"{'underruns':>11}")
+    for kind in ("agent", "baseline"):
+        print(f"{kind:<10}{figures[f'turns_{kind}']:>6}{figures[f'recognized_exact_{kind}']:>7}"
+              f"{figures[f'v2v_latency_p50_ms_{kind}'] or float('nan'):>12.0f}"
+              f"{figures[f'v2v_latency_p90_ms_{kind}'] or float('nan'):>9.0f}"
+              f"{figures[f'underruns_{kind}']:>11}")
+    r = ratios["v2v_latency_baseline_over_agent"]
+    print(f"v2v_latency_baseline_over_agent: {r:.2f}" if r else "ratio: n/a")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Live voice agent: microphone → Silero VAD → PocketSphinx (robot command grammar) → command
+responder → Piper TTS (espeak-ng without it) → speaker, with barge-in.
+
+  python examples/voice/agent.py --live                # default devices; say "move the arm to
+                                                        # the left", "open the gripper", "hello"
+  python examples/voice/agent.py --wav in.wav --out reply.wav
+
+The headless mode runs the same agent on real PortAudio streams through the virtual devices of
+scripts/virtual_audio.sh (started here): in.wav is played into the virtual microphone
+(paplay --device=mstar_mic) and whatever the agent says is recorded from the virtual speaker
+(mstar_spk.monitor) into reply.wav. Exits non-zero when no reply was heard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python"))
+
+
+def report(agent) -> None:
+    for t in agent.turns:
+        print(f"turn {t.index}: heard {t.text!r} -> {t.reply!r}; "
+              f"first write {1e3 * t.latency_write:.0f} ms, at DAC {1e3 * t.latency_dac:.0f} ms "
+              f"after speech end; underruns {t.underruns}"
+              + ("; interrupted" if t.barged_in else "")
+              + (f"; error {t.error}" if t.error else ""))
+
+
+def live(args) -> int:
+    from mstar_rt.audio.agent import open_agent
+
+    agent = open_agent(barge_in=not args.no_barge_in)
+    print("listening (Ctrl-C to stop); try: 'move the arm to the left', 'open the gripper'")
+    print("without headphones the agent hears itself: --no-barge-in makes it ignore speech "
+          "while it talks")
+    with agent:
+        try:
+            while True:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    report(agent)
+    return 0
+
+
+def headless(args) -> int:
+    subprocess.run(["bash", str(ROOT / "scripts/virtual_audio.sh"), "start"], check=True,
+                   timeout=60, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    from mstar_rt.audio import devices
+    from mstar_rt.audio.agent import Tap, open_agent, speech_spans
+
+    with wave.open(args.wav) as w:
+        seconds = w.getnframes() / w.getframerate()
+    tap = Tap(devices, "mstar_spk.monitor")
+    agent = open_agent("mstar_mic.monitor", "mstar_spk", barge_in=not args.no_barge_in)
+    try:
+        tap.wait_flowing()
+        with agent:
+            time.sleep(0.3)  # streams flowing
+            subprocess.run(["paplay", "--device=mstar_mic", args.wav], check=True,
+                           timeout=seconds + 30, stdin=subprocess.DEVNULL)
+            # Turns end with the endpointer's silence wait, then a reply plays out.
+            deadline = time.monotonic() + args.timeout
+            while time.monotonic() < deadline:
+                time.sleep(0.2)
+                if agent.turns and all(t.done.is_set() for t in agent.turns):
+                    break
+            time.sleep(0.3)
+    finally:
+        rec = tap.close()
+    report(agent)
+    with wave.open(args.out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(tap.rate)
+        w.writeframes((np.clip(rec, -1, 1) * 32767).astype(np.int16).tobytes())
+    spans = speech_spans(rec, tap.rate)
+    print(f"wrote {args.out}: {len(rec) / tap.rate:.1f} s, speech spans "
+          f"{[(round(a / tap.rate, 2), round(b / tap.rate, 2)) for a, b in spans]}")
+    return 0 if spans and agent.turns else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--live", action="store_true", help="run on the default devices")
+    p.add_argument("--wav", help="headless: the user's speech (WAV) for the virtual microphone")
+    p.add_argument("--out", default="reply.wav", help="headless: the recorded reply (WAV)")
+    p.add_argument("--timeout", type=float, default=20.0, help="headless: wait for replies")
+    p.add_argument("--no-barge-in", action="store_true", help="half-duplex: ignore speech while talking")
+    args = p.parse_args()
+    if args.live:
+        return live(args)
+    if args.wav:
+        return headless(args)
+    p.error("give --live or --wav")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

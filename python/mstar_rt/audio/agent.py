@@ -1,0 +1,498 @@
+"""A live speech-to-speech agent: microphone → VAD/endpointer → recognition → response → TTS →
+speaker, with barge-in.
+
+Two threads besides the audio callbacks. The mic thread only reads 32 ms windows, runs VAD and
+the endpointer, and hands finished utterances over; it never waits on the reply, so it hears the
+user while the agent talks. The reply thread submits each utterance to a Runtime serving
+:class:`ReplyModel` (walk ``asr → respond → DynamicLoop(tts)``, EMITting the text, the reply and
+one audio chunk per sentence) and streams the chunks into the speaker ring as they come.
+Barge-in (speech starting while a reply is queued or playing) cancels the request in the
+Conductor and flushes the output ring, and writes tagged with the old epoch are dropped.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, Sequential
+from mstar_rt.model import Model, NodeSubmodule
+from mstar_rt.audio.tts import TTS, TTSNode
+
+RATE = 16000  # VAD and recognizer rate
+WINDOW = 512  # 32 ms
+
+# ---- response ------------------------------------------------------------------------------
+
+_IRREGULAR = {"stop": "Stopping", "put": "Putting", "set": "Setting", "go": "Going",
+              "get": "Getting", "drop": "Dropping", "grab": "Grabbing", "spin": "Spinning"}
+
+
+def _gerund(verb: str) -> str:
+    v = verb.lower()
+    if v in _IRREGULAR:
+        return _IRREGULAR[v]
+    if v.endswith("e") and not v.endswith("ee"):
+        v = v[:-1]
+    return (v + "ing").capitalize()
+
+
+class CommandResponder:
+    """Deterministic replies to recognized robot commands: ``"move the arm to the left"`` →
+    ``"Moving the arm to the left."``. ``extra`` maps exact commands to their own replies (e.g. a
+    long status report); ``unknown`` answers an empty recognition."""
+
+    FIXED = {"hello": "Hello. How can I help?", "stop": "Stopping.",
+             "what time is it": "I do not have a clock yet."}
+
+    def __init__(self, extra: Optional[dict[str, str]] = None,
+                 unknown: str = "Sorry, I did not catch that.") -> None:
+        self.extra = {k.lower().strip(): v for k, v in {**self.FIXED, **(extra or {})}.items()}
+        self.unknown = unknown
+
+    def __call__(self, text: str) -> str:
+        words = re.findall(r"[a-z']+", text.lower())
+        if not words:
+            return self.unknown
+        key = " ".join(words)
+        if key in self.extra:
+            return self.extra[key]
+        if words[0] == "please":
+            words = words[1:] or ["wait"]
+        if len(words) > 1 and words[1] in ("up", "down") and words[0] in ("pick", "put"):
+            head, rest = f"{_gerund(words[0])} {words[1]}", words[2:]
+        else:
+            head, rest = _gerund(words[0]), words[1:]
+        return " ".join([head, *rest]) + "."
+
+
+# ---- the reply walk ------------------------------------------------------------------------
+
+class _Call(NodeSubmodule):
+    """``out = fn(inp)`` per item, one item per forward (each is a whole utterance)."""
+
+    max_batch = 1
+
+    def __init__(self, fn: Callable[[Any], Any], inp: str, out: str) -> None:
+        self.fn, self.inp, self.out = fn, inp, out
+
+    def forward(self, batch: list[Any]) -> list[dict[str, Any]]:
+        return [{self.out: self.fn(x[self.inp])} for x in batch]
+
+
+class ReplyModel(Model):
+    """Input ``audio`` (16 kHz float32 utterance); EMITs ``text`` (the recognition), ``reply``
+    and one ``audio_out`` chunk per sentence at ``tts.sample_rate``. Cancelling the request stops
+    it at the next node boundary: at worst one sentence is synthesised for nothing."""
+
+    inputs = ("audio",)
+
+    def __init__(self, asr: Any, responder: Callable[[str], str], tts: TTS,
+                 max_sentences: int = 64) -> None:
+        self.nodes = [GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text")]),
+                      GraphNode("respond", ["text"], [GraphEdge(EMIT, "reply")]),
+                      GraphNode("tts", ["reply"], [GraphEdge(EMIT, "audio_out")])]
+        self.walks = {"reply": Sequential("asr", "respond",
+                                          DynamicLoop("tts", max_sentences, "speak"))}
+        self.submodules = {
+            "asr": _Call(lambda a: asr.recognize(np.asarray(a, np.float32)).text, "audio", "text"),
+            "respond": _Call(responder, "text", "reply"),
+            "tts": TTSNode(tts, loop="speak", text="reply", audio="audio_out"),
+        }
+
+
+# ---- records -------------------------------------------------------------------------------
+
+@dataclass
+class Turn:
+    """One user utterance and the agent's reply; times are time.monotonic() seconds."""
+
+    index: int
+    speech_start: float
+    speech_end: float  # the endpointer's last speech sample, mapped to wall time
+    detected: float  # when the endpointer declared the end (speech_end + its silence wait)
+    text: str = ""
+    reply: str = ""
+    recognized_at: float = float("nan")
+    first_write: float = float("nan")  # first reply sample handed to the output ring
+    first_dac: float = float("nan")  # ... and when the device played it (PortAudio clock)
+    written_frames: int = 0  # device-rate frames queued for this reply
+    underruns: int = 0  # output underruns while this reply was queued or playing
+    barged_in: bool = False
+    barge_in_at: float = float("nan")
+    flushed_frames: int = 0  # frames of this reply dropped by the barge-in flush
+    error: str = ""
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def latency_write(self) -> float:
+        return self.first_write - self.speech_end
+
+    @property
+    def latency_dac(self) -> float:
+        return self.first_dac - self.speech_end
+
+
+def dac_time(output: Any, frame: int) -> float:
+    """Monotonic time at which the output device plays device frame ``frame`` (counted like
+    ``counters()["written"]``), from the callback log; NaN if not played (yet) or logged."""
+    ts = output.timestamps()
+    if not len(ts):
+        return float("nan")
+    # Idle callbacks keep the position: the block that played ``frame`` is the last one
+    # starting at or before it, found through the first block that starts after it.
+    later = np.nonzero(ts[:, 2] > frame)[0]
+    if not len(later) or later[0] == 0:
+        return float("nan")
+    cur, dac, pos, mono = ts[later[0] - 1]
+    return float(mono + (dac - cur) + (frame - pos) / output.samplerate)
+
+
+# ---- the agent -----------------------------------------------------------------------------
+
+class VoiceAgent:
+    """``VoiceAgent(input, output, vad, endpointer, asr, responder, tts)``; ``start()``,
+    ``stop()``, or use it as a context manager. ``turns`` lists :class:`Turn` records.
+
+    ``input`` is an AudioInput whose ``target_rate`` is 16 kHz; ``output`` an AudioOutput whose
+    ``source_rate`` is ``tts.sample_rate``. ``use_runtime=False`` runs the same steps as plain
+    calls on the reply thread (no Conductor), for comparison.
+    """
+
+    def __init__(self, input: Any, output: Any, vad: Any, endpointer: Any, asr: Any,
+                 responder: Callable[[str], str], tts: TTS, barge_in: bool = True,
+                 use_runtime: bool = True, reply_timeout: float = 30.0) -> None:
+        if getattr(input, "target_rate", RATE) != RATE:
+            raise ValueError(f"the input must deliver {RATE} Hz (AudioInput(target_rate={RATE}))")
+        if getattr(output, "source_rate", tts.sample_rate) != tts.sample_rate:
+            raise ValueError(f"the output must take the TTS rate {tts.sample_rate} Hz "
+                             f"(AudioOutput(source_rate={tts.sample_rate}))")
+        self.input, self.output = input, output
+        self.vad, self.endpointer, self.asr = vad, endpointer, asr
+        self.responder, self.tts = responder, tts
+        self.barge_in, self.reply_timeout = barge_in, reply_timeout
+        self.runtime = None
+        if use_runtime:
+            from mstar_rt.runtime import Runtime
+            self.runtime = Runtime(ReplyModel(asr, responder, tts), poll_s=0.01)
+        self.turns: list[Turn] = []
+        self.owned: list[Any] = []  # streams stop() closes (set by open_agent)
+        self.windows = 0  # VAD windows processed
+        self.errors: list[str] = []
+        self._utterances: "queue.Queue[Optional[tuple[Turn, np.ndarray]]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._current: Optional[Turn] = None  # the turn being replied to (reply thread)
+        self._handle: Any = None  # its Runtime request
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()  # _current/_handle between the two threads
+        self._speech_start = 0.0
+        self._deaf = False  # the current utterance began while the agent talked (no barge-in)
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def warm_up(self, timeout: float = 30.0) -> None:
+        """One reply to silence through the whole pipeline, played nowhere: the first ONNX and
+        decoder runs are several times slower than later ones and would land on the first turn."""
+        quiet = np.zeros(RATE // 2, np.float32)
+        if self.runtime is not None:
+            self.runtime.submit({"audio": quiet}).result(timeout=timeout)
+        else:
+            for _ in self.tts.synthesize_stream(self.responder(self.asr.recognize(quiet).text)):
+                pass
+
+    def start(self, warm_up: bool = True) -> "VoiceAgent":
+        if warm_up:
+            self.warm_up()
+        self._threads = [threading.Thread(target=self._mic_loop, name="voice-mic", daemon=True),
+                         threading.Thread(target=self._reply_loop, name="voice-reply",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._interrupt()
+        self._utterances.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        if self.runtime is not None:
+            self.runtime.close()
+        for stream in self.owned:
+            stream.close()
+
+    def __enter__(self) -> "VoiceAgent":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def speaking(self) -> bool:
+        """A reply is being produced, queued or played."""
+        return self._current is not None or self.output.queued > 0
+
+    def wait_turns(self, n: int, timeout: float) -> bool:
+        """Waits until ``n`` turns have finished (replied, failed or interrupted)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done = [t for t in self.turns if t.done.is_set()]
+            if len(done) >= n:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, 0.01))
+
+    # ---- mic thread ------------------------------------------------------------------------
+
+    def _mic_loop(self) -> None:
+        inp = self.input
+        device_window = int(round(WINDOW * inp.samplerate / RATE))
+        buf = np.zeros(0, np.float32)
+        heard = 0  # 16 kHz samples taken from the input so far
+        try:
+            while not self._stop.is_set():
+                try:
+                    x = inp.read(device_window, timeout=1.0)
+                except TimeoutError:
+                    continue
+                now = time.monotonic()
+                buf = np.concatenate([buf, np.asarray(x, np.float32).reshape(-1)])
+                heard += len(x)
+                while len(buf) >= WINDOW:
+                    window, buf = buf[:WINDOW], buf[WINDOW:]
+                    prob = float(self.vad(window))
+                    self.windows += 1
+                    for ev in self.endpointer.push(window, prob):
+                        # The newest sample read was captured about "now".
+                        t = now - (heard - len(buf) - ev.sample) / RATE
+                        self._on_event(ev, t, now)
+        except Exception as e:  # a dead mic thread must show, not hang the caller
+            self.errors.append(f"mic: {type(e).__name__}: {e}")
+            raise
+
+    def _on_event(self, ev: Any, t: float, now: float) -> None:
+        if ev.kind == "start":
+            self._speech_start = t
+            # Without barge-in the agent is half-duplex: speech heard while it talks (its own
+            # voice, without headphones) is not a turn.
+            self._deaf = self.speaking and not self.barge_in
+            if self.barge_in and self.speaking:
+                self._interrupt(now)
+        elif ev.kind == "end" and not self._deaf:
+            turn = Turn(len(self.turns), self._speech_start, t, now)
+            self.turns.append(turn)
+            self._utterances.put((turn, np.asarray(ev.audio, np.float32)))
+
+    def _interrupt(self, now: Optional[float] = None) -> None:
+        """Barge-in: cancel the request, drop what is queued for the speaker."""
+        with self._lock:
+            turn, handle = self._current, self._handle
+            self._cancel.set()
+        if handle is not None:
+            handle.cancel()
+        before = self.output.flushed
+        self.output.flush(timeout=0.5)
+        if turn is not None and now is not None:
+            turn.barged_in, turn.barge_in_at = True, now
+            turn.flushed_frames += self.output.flushed - before
+        elif now is not None and self.turns:  # reply fully produced, still playing
+            last = self.turns[-1] if self.turns[-1].done.is_set() else None
+            if last is not None and last.written_frames:
+                last.barged_in, last.barge_in_at = True, now
+                last.flushed_frames += self.output.flushed - before
+
+    # ---- reply thread ----------------------------------------------------------------------
+
+    def _reply_loop(self) -> None:
+        while True:
+            item = self._utterances.get()
+            if item is None:
+                return
+            turn, audio = item
+            try:
+                self._reply(turn, audio)
+            except Exception as e:
+                turn.error = f"{type(e).__name__}: {e}"
+                self.errors.append(turn.error)
+            finally:
+                with self._lock:
+                    self._current = self._handle = None
+                turn.done.set()
+
+    def _chunks(self, turn: Turn, audio: np.ndarray):
+        """(text, reply, audio chunks) of the reply, via the Runtime or plain calls."""
+        if self.runtime is None:
+            turn.text = self.asr.recognize(audio).text
+            turn.recognized_at = time.monotonic()
+            turn.reply = self.responder(turn.text)
+            for chunk in self.tts.synthesize_stream(turn.reply):
+                if self._cancel.is_set():
+                    return
+                yield chunk
+            return
+        from mstar_rt.runtime import RequestCancelled
+
+        handle = self.runtime.submit({"audio": audio})
+        with self._lock:
+            self._handle = handle
+            if self._cancel.is_set():
+                handle.cancel()
+        # A watchdog turns a hung request into a cancelled one instead of a hung thread.
+        timer = threading.Timer(self.reply_timeout, handle.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            for name, value in handle:
+                if name == "text":
+                    turn.text, turn.recognized_at = value, time.monotonic()
+                elif name == "reply":
+                    turn.reply = value
+                elif name == "audio_out" and len(value):
+                    yield value
+        except RequestCancelled:
+            if not self._cancel.is_set():
+                raise TimeoutError(f"reply took over {self.reply_timeout} s")
+        finally:
+            timer.cancel()
+
+    def _reply(self, turn: Turn, audio: np.ndarray) -> None:
+        out = self.output
+        with self._lock:
+            self._cancel.clear()
+            self._current = turn
+        epoch = out.epoch
+        under0 = out.underruns
+        first_frame = None
+        chunks = self._chunks(turn, audio)
+        pending = next(chunks, None)
+        while pending is not None and not self._cancel.is_set():
+            if first_frame is None:
+                first_frame = out.counters()["written"]
+            n = out.write(pending, timeout=self.reply_timeout, end=False, epoch=epoch)
+            if n and np.isnan(turn.first_write):
+                turn.first_write = time.monotonic()
+            turn.written_frames += n
+            pending = next(chunks, None)
+        chunks.close()
+        out.end()
+        if not self._cancel.is_set() and turn.written_frames:
+            # Stay "current" (barge-in target) until played; the device needs the frames.
+            out.drain(timeout=self.reply_timeout)
+            time.sleep(max(out.latency, 0.0))
+        turn.underruns = out.underruns - under0
+        if first_frame is not None and turn.written_frames:
+            turn.first_dac = dac_time(out, first_frame)
+
+
+def open_agent(mic_source: Optional[str] = None, speaker_sink: Optional[str] = None,
+               rate: int = 48000, blocksize: int = 480, tts: Optional[TTS] = None,
+               responder: Optional[Callable[[str], str]] = None, output_latency: float = 0.1,
+               **kwargs: Any) -> VoiceAgent:
+    """An agent on its own streams: PulseAudio ``mic_source``/``speaker_sink`` (the virtual
+    devices) or, when both are None, the default devices; Silero VAD, PocketSphinx with the robot
+    command grammar, :class:`CommandResponder`, and Piper (espeak-ng without it) unless given.
+    ``stop()`` closes the streams. Imports sounddevice: start virtual devices first."""
+    from mstar_rt.audio import devices
+    from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
+    from mstar_rt.audio.tts import default_tts
+    from mstar_rt.audio.vad import Endpointer, SileroVAD
+
+    tts = tts or default_tts()
+    asr = PocketSphinxASR(ROBOT_COMMANDS_JSGF)
+    vad, endpointer = SileroVAD(RATE), Endpointer(sample_rate=RATE, window=WINDOW)
+    inp = devices.AudioInput(rate, blocksize=blocksize, pulse_source=mic_source,
+                             target_rate=RATE, ring_seconds=8.0)
+    # 100 ms of device buffering rides out scheduling stalls on a loaded machine.
+    out = devices.AudioOutput(rate, blocksize=blocksize, pulse_sink=speaker_sink,
+                              source_rate=tts.sample_rate, latency=output_latency,
+                              ring_seconds=60.0)
+    agent = VoiceAgent(inp, out, vad, endpointer, asr, responder or CommandResponder(), tts,
+                       **kwargs)
+    agent.owned = [inp, out]
+    return agent
+
+
+# ---- measurement ---------------------------------------------------------------------------
+
+class Tap:
+    """Records a PulseAudio source (e.g. ``mstar_spk.monitor``) through an AudioInput on its own
+    thread and maps recorded frames to time.monotonic(), so what was heard can be timed against
+    what the agent logged. ``time_of`` uses the earliest delivery of each block (the callback's
+    arrival time less the block's length), which excludes scheduling delays; the device's own
+    capture latency is common to every Tap and cancels in differences between Taps."""
+
+    def __init__(self, devices: Any, source: str, rate: int = 48000, blocksize: int = 480) -> None:
+        self.rate = rate
+        self.input = devices.AudioInput(rate, blocksize=blocksize, pulse_source=source,
+                                        ring_seconds=8.0)
+        self._parts: list[np.ndarray] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tap-{source}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._parts.append(self.input.read(self.input.blocksize, timeout=0.5))
+            except TimeoutError:
+                pass
+
+    @property
+    def frames(self) -> int:
+        return sum(map(len, self._parts))
+
+    def wait_flowing(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.frames < self.rate // 10:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the tap recorded nothing")
+            time.sleep(0.01)
+
+    def audio(self) -> np.ndarray:
+        parts = list(self._parts)
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def _offset(self) -> float:
+        ts = self.input.timestamps()  # (current, adc, position of first frame, monotonic)
+        return float(np.min(ts[:, 3] - (ts[:, 2] + self.input.blocksize) / self.rate))
+
+    def time_of(self, frame: float) -> float:
+        return self._offset() + frame / self.rate
+
+    def frame_at(self, t: float) -> int:
+        return int(round((t - self._offset()) * self.rate))
+
+    def close(self) -> np.ndarray:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        x = self.audio()
+        self.input.close()
+        return x
+
+
+def speech_spans(x: np.ndarray, rate: int, threshold: float = 0.01, gap_s: float = 0.4,
+                 hop_s: float = 0.01) -> list[tuple[int, int]]:
+    """``(start, end)`` frames of stretches whose 10 ms RMS exceeds ``threshold``, merging
+    gaps shorter than ``gap_s`` (pauses between words and sentences)."""
+    hop = max(1, int(rate * hop_s))
+    n = len(x) // hop
+    if n == 0:
+        return []
+    rms = np.sqrt(np.mean(np.asarray(x[:n * hop], np.float64).reshape(n, hop) ** 2, axis=1))
+    loud = np.nonzero(rms > threshold)[0]
+    spans: list[list[int]] = []
+    for i in loud:
+        if spans and (i - spans[-1][1]) * hop_s <= gap_s:
+            spans[-1][1] = i + 1
+        else:
+            spans.append([i, i + 1])
+    return [(a * hop, b * hop) for a, b in spans]
