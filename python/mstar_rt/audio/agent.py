@@ -1,9 +1,11 @@
 """A live speech-to-speech agent: microphone → VAD/endpointer → recognition → response → TTS →
 speaker, with barge-in.
 
-Two threads besides the audio callbacks. The mic thread only reads 32 ms windows, runs VAD and
-the endpointer, and hands finished utterances over; it never waits on the reply, so it hears the
-user while the agent talks. The reply thread submits each utterance to a Runtime serving
+Listening is a walk graph too: :class:`ListenModel` is one long request whose ``mic`` node (a
+DynamicLoop on its own engine) reads one 32 ms block per iteration and streams it, one block per
+``Fixed(1)`` window, into the ``vad`` node (Silero + endpointer), which EMITs the endpointer's
+events. The agent's mic thread only turns those events into turns; it never waits on the reply,
+so it hears the user while the agent talks. The reply thread submits each utterance to a Runtime serving
 :class:`ReplyModel` (walk ``asr → respond → DynamicLoop(tts)``, EMITting the text, the reply and
 one audio chunk per sentence) and streams the chunks into the speaker ring as they come.
 Barge-in (speech starting while a reply is queued or playing) cancels the request in the
@@ -21,7 +23,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, Sequential
+from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Parallel, Sequential,
+                            StreamingGraphEdge)
 from mstar_rt.model import Model, NodeSubmodule
 from mstar_rt.audio.tts import TTS, TTSNode
 
@@ -105,6 +108,51 @@ class ReplyModel(Model):
             "respond": _Call(responder, "text", "reply"),
             "tts": TTSNode(tts, loop="speak", text="reply", audio="audio_out"),
         }
+
+
+class _MicReader(NodeSubmodule):
+    """Loop body of the listen walk: the next 32 ms block of 16 kHz samples per iteration."""
+
+    max_batch = 1
+
+    def __init__(self, input: Any, stopped: threading.Event) -> None:
+        self.input, self.stopped = input, stopped
+        self.device_block = int(round(WINDOW * input.samplerate / RATE))
+        self._buf = np.zeros(0, np.float32)
+        self.heard = 0  # 16 kHz samples handed to the graph so far
+
+    def forward(self, batch: list[Any]) -> list[dict[str, Any]]:
+        while len(self._buf) < WINDOW and not self.stopped.is_set():
+            try:
+                x = self.input.read(self.device_block, timeout=0.5)
+            except TimeoutError:
+                continue
+            self._buf = np.concatenate([self._buf, np.asarray(x, np.float32).reshape(-1)])
+        if len(self._buf) < WINDOW:  # stopping: pad the last block
+            self._buf = np.concatenate([self._buf, np.zeros(WINDOW - len(self._buf), np.float32)])
+        block, self._buf = self._buf[:WINDOW], self._buf[WINDOW:]
+        self.heard += WINDOW
+        return [{"mic": block} for _ in batch]
+
+    def check_stop(self, batch: list[Any], outputs: list[Any]) -> list[Any]:
+        return [("listen",) if self.stopped.is_set() else () for _ in batch]
+
+
+class ListenModel(Model):
+    """One request per session: ``mic`` (DynamicLoop "listen", engine ``mic``) streams 32 ms
+    blocks through ``Fixed(1)`` windows into ``vad`` (engine ``vad``), which EMITs ``events``
+    (the endpointer's VADEvents of that window; utterance audio on "end")."""
+
+    inputs = ()
+
+    def __init__(self, reader: _MicReader, vad_node: Any) -> None:
+        from mstar_rt.streaming import Fixed
+
+        self.nodes = [GraphNode("mic", [], [StreamingGraphEdge("vad", "mic", Fixed(1))]),
+                      GraphNode("vad", ["mic"], [GraphEdge(EMIT, "events"), "vad"])]
+        self.walks = {"listen": Parallel(DynamicLoop("mic", 2**31 - 1, "listen"), "vad")}
+        self.submodules = {"mic": reader, "vad": vad_node}
+        self.engines = {"mic": "mic", "vad": "vad"}
 
 
 # ---- records -------------------------------------------------------------------------------
@@ -254,26 +302,20 @@ class VoiceAgent:
     # ---- mic thread ------------------------------------------------------------------------
 
     def _mic_loop(self) -> None:
-        inp = self.input
-        device_window = int(round(WINDOW * inp.samplerate / RATE))
-        buf = np.zeros(0, np.float32)
-        heard = 0  # 16 kHz samples taken from the input so far
+        from mstar_rt.audio.vad import VADNode
+        from mstar_rt.runtime import Runtime
+
+        reader = _MicReader(self.input, self._stop)
+        node = VADNode(input_name="mic", vad=self.vad, endpointer=self.endpointer)
         try:
-            while not self._stop.is_set():
-                try:
-                    x = inp.read(device_window, timeout=1.0)
-                except TimeoutError:
-                    continue
-                now = time.monotonic()
-                buf = np.concatenate([buf, np.asarray(x, np.float32).reshape(-1)])
-                heard += len(x)
-                while len(buf) >= WINDOW:
-                    window, buf = buf[:WINDOW], buf[WINDOW:]
-                    prob = float(self.vad(window))
+            with Runtime(ListenModel(reader, node), poll_s=0.01) as listen:
+                self.listen_runtime = listen
+                for _name, events in listen.submit({}):
+                    now = time.monotonic()
                     self.windows += 1
-                    for ev in self.endpointer.push(window, prob):
-                        # The newest sample read was captured about "now".
-                        t = now - (heard - len(buf) - ev.sample) / RATE
+                    for ev in events:
+                        # The newest block handed to the graph was captured about "now".
+                        t = now - (reader.heard - ev.sample) / RATE
                         self._on_event(ev, t, now)
         except Exception as e:  # a dead mic thread must show, not hang the caller
             self.errors.append(f"mic: {type(e).__name__}: {e}")

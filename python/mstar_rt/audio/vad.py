@@ -165,18 +165,25 @@ class VADNode(NodeSubmodule):
     max_batch = 8
 
     def __init__(self, input_name: str = "mic", vad_name: str = "vad",
-                 events_name: str = "events", **endpointer_kwargs: Any) -> None:
+                 events_name: str = "events", vad: Optional["SileroVAD"] = None,
+                 endpointer: Optional["Endpointer"] = None, **endpointer_kwargs: Any) -> None:
+        """``vad`` / ``endpointer``: ready instances for the first request (an agent's one
+        listening session); later requests get fresh ones built from ``endpointer_kwargs``."""
         self.input_name, self.vad_name, self.events_name = input_name, vad_name, events_name
         self.endpointer_kwargs = endpointer_kwargs
+        self._given = (vad, endpointer) if vad is not None and endpointer is not None else None
         self._key = f"vad_node:{id(self)}"
         self._idle: list[SileroVAD] = []  # models of finished requests, reset, for reuse
 
     def _stream(self, request: RequestContext) -> _Stream:
         s = request.state.get(self._key)
         if s is None:
-            vad = self._idle.pop() if self._idle else SileroVAD()
-            ep = Endpointer(sample_rate=vad.sample_rate, window=vad.window,
-                            **self.endpointer_kwargs)
+            if self._given is not None:
+                (vad, ep), self._given = self._given, None
+            else:
+                vad = self._idle.pop() if self._idle else SileroVAD()
+                ep = Endpointer(sample_rate=vad.sample_rate, window=vad.window,
+                                **self.endpointer_kwargs)
             s = request.state[self._key] = _Stream(vad, ep)
         return s
 
