@@ -19,7 +19,8 @@ has run torch ops keeps OpenMP threads alive, and while they exist torch ops on 
 pay for them (it halved HF's tokens/s here). The same holds the other way round: the engine's
 worker pays for the main thread's OpenMP threads, which loading the model created, as it would
 in any deployment; op_thread_cost records the per-op price. The cells alternate (order reversed
-every repetition) and figures are medians over the repetitions. Every run checks its token
+every repetition) and figures are medians over the repetitions (best_*: the best repetition of
+each side, a check on the medians when load hits one side harder). Every run checks its token
 counts, and each request's tokens are compared with HF's (greedy_match_pct; a mismatch is
 reported with HF's logit margin at the first differing token, so a near-tie can be told from a
 bug). The CPU time other processes took during
@@ -74,9 +75,9 @@ QUICK = dict(max_tokens=16, reps=2, reruns=0)
 TARGET_16REQ = 5.0
 # Two torch threads on two vCPUs: while another process holds a core, each parallel op waits for
 # the descheduled OpenMP thread, and HF on the main thread (spinning OpenMP workers) fell to 3-5
-# tokens/s here. A cell run under such load says more about the neighbours than about the two
-# sides, so it is rerun.
-BUSY_LIMIT_PCT = 25.0  # % of one CPU; a cell is rerun at most cfg["reruns"] times
+# tokens/s here (and lost a quarter at 10-20 % of a CPU of load). A cell run under such load says
+# more about the neighbours than about the two sides, so it is rerun.
+BUSY_LIMIT_PCT = 15.0  # % of one CPU; a cell is rerun at most cfg["reruns"] times
 TIMEOUT_S = 600.0
 
 try:
@@ -402,7 +403,8 @@ def main() -> int:
     for rep in range(reps):
         for n, kind in (cells if rep % 2 == 0 else cells[::-1]):
             attempts = []
-            for _attempt in range(1 + cfg["reruns"]):
+            for attempt in range(1 + cfg["reruns"]):
+                reruns += attempt > 0
                 c0 = cpu_counters()
                 r = (serve_once(module, prompts[:n], max_tokens) if kind == "ours"
                      else run_hf(hf, prompts[:n], max_tokens))
@@ -410,7 +412,6 @@ def main() -> int:
                 attempts.append(r)
                 if r["foreign_cpu_pct"] <= BUSY_LIMIT_PCT:
                     break
-                reruns += 1
             r = min(attempts, key=lambda a: a["foreign_cpu_pct"])
             r["tokens_per_s"] = n * max_tokens / r["wall_s"]
             samples[(n, kind)].append(r)
@@ -471,6 +472,13 @@ def main() -> int:
             r["steal_pct"] for kind in ("ours", "hf") for r in samples[(n, kind)]), 1)
         figures[f"greedy_match_pct_{n}req"] = round(100.0 * matched[n] / compared[n], 1)
         ratios[f"tokens_per_s_{n}req_vs_hf"] = round(ours_tps / hf_tps, 3)
+        # Best of the repetitions, each side: what either reaches undisturbed; a check on the
+        # medians when background load hits one side harder (HF's spinning threads) than the other.
+        best_ours = max(r["tokens_per_s"] for r in samples[(n, "ours")])
+        best_hf = max(r["tokens_per_s"] for r in samples[(n, "hf")])
+        figures[f"best_tokens_per_s_{n}req"] = round(best_ours, 2)
+        figures[f"hf_best_tokens_per_s_{n}req"] = round(best_hf, 2)
+        figures[f"best_ratio_{n}req_vs_hf"] = round(best_ours / best_hf, 3)
         per_rep[f"{n}req"] = [round(o["tokens_per_s"] / h["tokens_per_s"], 2)
                               for o, h in zip(samples[(n, "ours")], samples[(n, "hf")])]
     figures["reruns"] = reruns
@@ -525,7 +533,7 @@ def main() -> int:
           f"{config['engine_worker_threads']}); "
           f"medians of {reps}")
     print(f"{'requests':>8}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>8}{'ratio range':>14}"
-          f"{'ms/step':>9}{'TTFT ms':>9}{'TTFT max':>10}{'greedy = HF':>13}"
+          f"{'ms/step':>9}{'TTFT ms':>9}{'TTFT max':>10}{'greedy = HF':>13}{'best ratio':>12}"
           f"{'other%':>8}{'steal%':>8}")
     for n in CONCURRENCY:
         rr = per_rep[f"{n}req"]
@@ -534,7 +542,8 @@ def main() -> int:
               f"{ratios[f'tokens_per_s_{n}req_vs_hf']:>8.2f}{f'{min(rr):.2f}-{max(rr):.2f}':>14}"
               f"{figures[f'ms_per_step_{n}req']:>9.1f}{figures[f'ttft_ms_{n}req']:>9.1f}"
               f"{figures[f'ttft_max_ms_{n}req']:>10.1f}"
-              f"{f'{matched[n]}/{compared[n]}':>13}{figures[f'foreign_cpu_pct_{n}req']:>8.0f}"
+              f"{f'{matched[n]}/{compared[n]}':>13}{figures[f'best_ratio_{n}req_vs_hf']:>12.2f}"
+              f"{figures[f'foreign_cpu_pct_{n}req']:>8.0f}"
               f"{figures[f'steal_pct_{n}req']:>8.1f}")
     for m in mismatches[:5]:
         print(f"  mismatch: {m['requests']} req, rep {m['rep']}, request {m['request']}: first "
@@ -610,7 +619,7 @@ def plot(path: Path, figures: dict, ratios: dict, profiles: dict, max_tokens: in
     bx.set_yticklabels([f"{n} req" for n in profiles])
     bx.set_xlabel("ms per engine step")
     bx.set_title("where an engine step goes", fontsize=10)
-    bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
