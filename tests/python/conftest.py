@@ -23,3 +23,11 @@ def serve():
     for rt in made:
         close_within(rt)
     assert engine_threads() == []
+
+
+@pytest.fixture(scope="session")
+def devices():
+    """The virtual audio devices, started once per session (see virtual_audio.py)."""
+    from virtual_audio import start_devices
+
+    return start_devices()

@@ -3,8 +3,6 @@ scripts/virtual_audio.sh): mstar_mic's monitor is the microphone, mstar_spk the 
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import threading
 import time
@@ -12,37 +10,10 @@ import wave
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from mstar_rt.audio.resample import Resampler
 
-ROOT = Path(__file__).resolve().parents[2]
 RATE, BLOCK = 48000, 480  # 10 ms blocks
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def _unavailable(why: str) -> None:
-    if IN_CI:  # CI installs everything (scripts/setup.sh): a missing piece is a failure there
-        pytest.fail(f"virtual audio devices unavailable in CI: {why}")
-    pytest.skip(f"virtual audio devices unavailable: {why}")
-
-
-@pytest.fixture(scope="session")
-def devices():
-    """Starts (idempotently) the virtual devices; returns the module with the device classes."""
-    for tool in ("pulseaudio", "pactl", "paplay", "parec", "espeak-ng"):
-        if shutil.which(tool) is None:
-            _unavailable(f"{tool} is not installed (scripts/setup.sh installs it)")
-    run = subprocess.run(["bash", str(ROOT / "scripts/virtual_audio.sh"), "start"],
-                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    if run.returncode != 0:
-        _unavailable(f"scripts/virtual_audio.sh failed: {run.stderr.strip()}")
-    # Only now: PortAudio lists ALSA's "pulse" device only if the server runs when it starts.
-    try:
-        from mstar_rt.audio import devices as audio
-    except (ImportError, OSError) as e:  # sounddevice missing, or libportaudio2 missing
-        _unavailable(f"cannot import mstar_rt.audio.devices: {e}")
-    return audio
 
 
 def _speech(tmp_path: Path, text: str) -> tuple[np.ndarray, int, Path]:

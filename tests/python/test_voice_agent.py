@@ -4,7 +4,6 @@ speaker's monitor (mstar_spk.monitor), both timed by independent recording strea
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -13,35 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from virtual_audio import ROOT, unavailable
 
-ROOT = Path(__file__).resolve().parents[2]
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 LONG_REPLY = ("It is time to work. I am the robot assistant of this workshop. I can move the "
               "arm, open and close the gripper, and pick up the cup or the box. Tell me what to "
               "do, and I will do it carefully. I will also report what I see while I work.")
-
-
-def _unavailable(why: str) -> None:
-    if IN_CI:  # CI installs everything (scripts/setup.sh): a missing piece is a failure there
-        pytest.fail(f"virtual audio devices unavailable in CI: {why}")
-    pytest.skip(f"virtual audio devices unavailable: {why}")
-
-
-@pytest.fixture(scope="session")
-def devices():
-    """Starts (idempotently) the virtual devices; returns the module with the device classes."""
-    for tool in ("pulseaudio", "pactl", "paplay", "parec", "espeak-ng"):
-        if shutil.which(tool) is None:
-            _unavailable(f"{tool} is not installed (scripts/setup.sh installs it)")
-    run = subprocess.run(["bash", str(ROOT / "scripts/virtual_audio.sh"), "start"],
-                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    if run.returncode != 0:
-        _unavailable(f"scripts/virtual_audio.sh failed: {run.stderr.strip()}")
-    try:  # only now: PortAudio lists ALSA's "pulse" device only if the server runs by then
-        from mstar_rt.audio import devices as audio
-    except (ImportError, OSError) as e:
-        _unavailable(f"cannot import mstar_rt.audio.devices: {e}")
-    return audio
 
 
 def _espeak16k(text: str) -> np.ndarray:
@@ -60,7 +35,7 @@ def _espeak16k(text: str) -> np.ndarray:
 def test_reply_walk_streams_one_chunk_per_sentence_and_cancel_stops_it():
     """The Runtime part alone (no audio devices): asr → respond → DynamicLoop(tts)."""
     if shutil.which("espeak-ng") is None:
-        _unavailable("espeak-ng is not installed")
+        unavailable("espeak-ng is not installed")
     pytest.importorskip("pocketsphinx")
     import mstar_rt
     from mstar_rt.audio.agent import CommandResponder, ReplyModel
@@ -141,6 +116,31 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _command(tmp_path: Path, agent, text: str, started, timeout: float = 15,
+             attempts: int = 3) -> tuple[int, float]:
+    """Says ``text`` until the agent recognizes it exactly; returns (turn index, time said).
+
+    On a loaded 2-core CI machine the virtual microphone occasionally drops a stretch of a
+    played file, which splits or garbles the utterance; that is the sound server, not the agent
+    (whose own handling of such a turn is still checked: it replies and stays healthy), so the
+    phrase is said again once the agent is quiet."""
+    for attempt in range(attempts):
+        n0 = len(agent.turns)
+        t0 = time.monotonic()
+        _say(tmp_path, text)
+        _wait(lambda: len(agent.turns) > n0 and started(agent.turns[n0]), timeout,
+              f"the agent to answer {text!r}")
+        if agent.turns[n0].text == text:
+            return n0, t0
+        print(f"\nattempt {attempt + 1}: heard {agent.turns[n0].text!r} for {text!r}; again")
+        _wait(lambda: not agent.speaking and all(t.done.is_set() for t in agent.turns), 30,
+              "the agent to finish the misheard turn")
+        time.sleep(1.0)  # any trailing fragment of the phrase becomes a turn of its own first
+        _wait(lambda: not agent.speaking and all(t.done.is_set() for t in agent.turns), 30,
+              "the agent to finish the misheard turn")
+    raise AssertionError(f"the agent never recognized {text!r}: {agent.turns[-attempts:]}")
+
+
 def _spans_after(tap, t0: float):
     from mstar_rt.audio.agent import speech_spans
 
@@ -162,10 +162,7 @@ def _speech_fraction(x: np.ndarray, rate: int) -> float:
 
 def test_spoken_command_gets_a_spoken_reply_quickly_without_underruns(rig, tmp_path):
     agent, mic, spk = rig
-    n0 = len(agent.turns)
-    t0 = time.monotonic()
-    _say(tmp_path, "move the arm to the left")
-    _wait(lambda: len(agent.turns) > n0 and agent.turns[n0].done.is_set(), 15, "the reply")
+    n0, t0 = _command(tmp_path, agent, "move the arm to the left", lambda t: t.done.is_set())
     turn = agent.turns[n0]
     assert turn.error == "" and turn.text == "move the arm to the left", turn
     assert turn.reply == "Moving the arm to the left."
@@ -194,11 +191,8 @@ def test_spoken_command_gets_a_spoken_reply_quickly_without_underruns(rig, tmp_p
 def test_speech_during_a_long_reply_stops_it_and_nothing_stale_plays(rig, tmp_path):
     agent, mic, spk = rig
     out = agent.output
-    n0, flushed0 = len(agent.turns), out.flushed
-    t0 = time.monotonic()
-    _say(tmp_path, "what time is it")
-    _wait(lambda: len(agent.turns) > n0 and agent.turns[n0].written_frames > 0, 15,
-          "the long reply to start")
+    n0, t0 = _command(tmp_path, agent, "what time is it", lambda t: t.written_frames > 0)
+    flushed0 = out.flushed
     time.sleep(1.5)  # well into the reply
     assert agent.speaking and not agent.turns[n0].done.is_set(), agent.turns[n0:]
     t_barge = time.monotonic()
