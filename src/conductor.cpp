@@ -205,14 +205,18 @@ struct Conductor::Impl {
     a->parent = parent;
     a->index = 0;
     a->acc.clear();
-    r.live.insert(a);
+    a->live_pos = static_cast<std::uint32_t>(r.live.size());
+    r.live.push_back(a);
     return a;
   }
   void drop_act(Request& r, Activation* a, Outcome* out) {
     for (auto& list : a->acc)
       for (Handle h : list) release(h, out);
     a->acc.clear();
-    r.live.erase(a);
+    Activation* last = r.live.back();
+    r.live[a->live_pos] = last;
+    last->live_pos = a->live_pos;
+    r.live.pop_back();
     free_acts.push_back(a);
   }
 
@@ -462,7 +466,7 @@ struct Conductor::Impl {
       }
       r.queued = 0;
     }
-    for (Activation* a : std::vector<Activation*>(r.live.begin(), r.live.end())) drop_act(r, a, out);
+    while (!r.live.empty()) drop_act(r, r.live.back(), out);
     clear_streams(r, out);
     for (Slot& s : r.env) clear_slot(s, out);
     finished_timelines[r.id] = std::move(r.timeline);

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "mstar/conductor.hpp"
@@ -30,6 +29,7 @@ struct Activation {
   std::uint32_t index = 0;                 // sequential: child; parallel: pending; loop: iteration
   std::vector<std::vector<Handle>> acc;    // loop: retained values per accumulated name
   std::vector<Handle> acc_before;          // loop: each accumulated name's value as the iteration began
+  std::uint32_t live_pos = 0;              // its position in Request::live
 };
 
 struct Request;
@@ -66,7 +66,9 @@ struct Request {
   std::vector<Slot> env;                 // by NameId
   std::vector<std::uint8_t> is_input;    // request inputs stay visible in every walk
   std::vector<std::uint8_t> stop;        // by loop NameId
-  std::unordered_set<Activation*> live;  // activations of the current walk
+  // Activations of the current walk; a vector with swap-removal (Activation::live_pos) because a
+  // node-based set would allocate once per loop iteration.
+  std::vector<Activation*> live;
   std::vector<StreamState> streams;      // of the current walk
   std::size_t queued = 0;                // items in ready queues
   std::size_t inflight = 0;

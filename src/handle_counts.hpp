@@ -70,12 +70,14 @@ class HandleCounts {
   }
 
   void grow() {
-    std::vector<Slot> old;
-    old.swap(slots_);
-    // Tombstones are dropped on rehash; double only if live handles need it.
-    slots_.assign(live_ * 4 > old.size() ? old.size() * 2 : old.size(), Slot{});
+    // Tombstones are dropped on rehash; double only if live handles need it. Handles are never
+    // reused, so same-size rehashes recur forever: they rebuild into the spare buffer, whose
+    // capacity is kept, instead of allocating a new table each time.
+    const std::size_t size = live_ * 4 > slots_.size() ? slots_.size() * 2 : slots_.size();
+    spare_.swap(slots_);
+    slots_.assign(size, Slot{});
     used_ = live_ = 0;
-    for (const Slot& s : old) {
+    for (const Slot& s : spare_) {
       if (s.key == kEmpty || s.key == kTomb) continue;
       Slot& d = find_or_insert(s.key);
       d.count = s.count;
@@ -83,6 +85,7 @@ class HandleCounts {
   }
 
   std::vector<Slot> slots_;
+  std::vector<Slot> spare_;  // the previous table: reused by the next rehash
   std::size_t used_ = 0;  // non-empty slots (live + tombstones)
   std::size_t live_ = 0;
 };
