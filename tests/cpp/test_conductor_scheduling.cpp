@@ -22,18 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "alloc_counter.hpp"
 #include "conductor_test_app.hpp"
-
-// Counts every operator new in the process, so a test can prove warm dispatch allocates nothing.
-static std::atomic<std::uint64_t> g_allocations{0};
-// noinline: once inlined next to the caller's `new`, GCC flags free() as a mismatched delete.
-__attribute__((noinline)) void* operator new(std::size_t n) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-__attribute__((noinline)) void operator delete(void* p) noexcept { std::free(p); }
-__attribute__((noinline)) void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
