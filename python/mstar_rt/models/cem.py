@@ -1,0 +1,248 @@
+"""A cross-entropy-method (CEM) planner over the world model, served as a ``plan`` walk.
+
+    context -> Loop(iterations){ sample -> evaluate -> update } -> act
+
+``context`` runs the observed history once; each iteration ``sample`` draws S candidate action
+sequences from the current Gaussian (a generator seeded by the request's ``seed`` and the
+iteration, so a plan is reproducible), ``evaluate`` rolls all S out as one batch through the
+predictor and scores them (L1 distance of the final predicted state to ``goal_state``),
+``update`` refits mean and std to the top-k -- all on the predictor's device. ``act`` EMITs the
+first action of the final mean (``action``), the whole mean (``plan``) and its energy.
+
+The S rollouts advance in lockstep, one frame block per step, over a dense K/V buffer
+(:class:`~mstar_rt.models.world_model_layers.BatchedRolloutKV`). What all samples share -- the
+history blocks before the last observed frame -- is computed once per request and broadcast
+into every sample's buffer (the dense form of forking a KV prefix). The last observed frame's
+block is per sample, because it holds the sample's first action and attention within a block is
+full; so with a single observed frame nothing can be shared. Why not the paged engine: a
+KVWork is one sequence, and S samples of one request would need S labels per work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
+from mstar_rt.model import Model, NodeSubmodule, WorkContext
+from mstar_rt.models.world_model import check_rollout_inputs
+from mstar_rt.models.world_model_layers import (ACPredictor, BatchedRolloutKV, ContextKV,
+                                                block_causal_mask)
+
+
+@dataclass(frozen=True)
+class CEMConfig:
+    """Upstream V-JEPA 2-AC planning uses 400 samples, top 10, 10 iterations, horizon 2."""
+
+    samples: int = 64
+    top_k: int = 8
+    iterations: int = 5
+    horizon: int = 2
+    init_std: float = 1.0
+    min_std: float = 1e-3
+    max_action: Optional[float] = None   # clamp samples to [-max_action, max_action]
+    momentum: float = 0.0                # weight of the old mean / std in an update
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.samples:
+            raise ValueError(f"top_k must lie in [1, samples={self.samples}]; got {self.top_k}")
+        if self.iterations < 1 or self.horizon < 1:
+            raise ValueError("iterations and horizon must be >= 1")
+
+
+@dataclass
+class PlanContext:
+    """One planning request's shared part: the history's K/V (None with one observed frame),
+    the last observed frame and state, and the goal."""
+
+    history: Optional[ContextKV]
+    frame: torch.Tensor    # [N, E]
+    state: torch.Tensor    # [S]
+    goal: torch.Tensor     # [S]
+
+
+@torch.inference_mode()
+def plan_context(predictor: ACPredictor, frames: Any, states: Any, past_actions: Any,
+                 goal_state: Any, horizon: int, check_only: bool = False) -> PlanContext:
+    """Checks a request's inputs and (unless ``check_only``) runs its history blocks once."""
+    c = predictor.config
+    for name, value in (("frames", frames), ("states", states), ("goal_state", goal_state)):
+        if value is None:
+            raise ValueError(f"planner input '{name}' is missing")
+    frames_t = torch.as_tensor(frames)
+    ctx = 1 if frames_t.dim() == 2 else int(frames_t.shape[0])
+    if past_actions is None:
+        past_actions = torch.zeros(0, c.action_dim)
+    past = torch.as_tensor(past_actions, dtype=predictor.dtype).to(predictor.device)
+    if past.dim() != 2 or past.shape[0] != ctx - 1:
+        raise ValueError(f"'past_actions' must be [{ctx - 1}, {c.action_dim}] (the actions taken "
+                         f"between the {ctx} observed frames); got {list(past.shape)}")
+    if not bool(torch.isfinite(past).all()):
+        raise ValueError("'past_actions' holds NaN or infinite values; give finite numbers")
+    filler = torch.zeros(horizon, c.action_dim, dtype=past.dtype, device=past.device)
+    r = check_rollout_inputs(c, {"frames": frames, "states": states, "horizon": horizon,
+                                 "actions": torch.cat([past, filler])},
+                             None, predictor.device, predictor.dtype)
+    goal = torch.as_tensor(goal_state).to(device=predictor.device, dtype=predictor.dtype)
+    if goal.shape != (c.state_dim,):
+        raise ValueError(f"'goal_state' must be [{c.state_dim}]; got {list(goal.shape)}")
+    if not bool(torch.isfinite(goal).all()):
+        raise ValueError("'goal_state' holds NaN or infinite values; give finite numbers")
+    history = None
+    if r.context > 1 and not check_only:
+        f = c.block_tokens
+        n = (r.context - 1) * f
+        history = ContextKV(block_causal_mask(n, f, predictor.device))
+        x = predictor.embed(r.frames[:-1], r.states[:-1], past)
+        predictor(x, torch.arange(n, device=predictor.device), history)
+    return PlanContext(history, r.frames[-1], r.states[-1], goal)
+
+
+@torch.inference_mode()
+def rollout_batch(predictor: ACPredictor, context: PlanContext,
+                  actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rolls the candidates ``actions [S, H, A]`` out from ``context`` in lockstep; returns the
+    final predicted (states ``[S, state_dim]``, frames ``[S, N, E]``)."""
+    c = predictor.config
+    samples, horizon = actions.shape[:2]
+    f = c.block_tokens
+    start = context.history.length if context.history is not None else 0
+    kv = BatchedRolloutKV(predictor, samples, start + horizon * f)
+    if context.history is not None:
+        kv.seed_context(context.history)
+    z = context.frame.expand(samples, *context.frame.shape)
+    s = context.state.expand(samples, *context.state.shape)
+    for t in range(horizon):
+        x = predictor.embed(z[:, None], s[:, None], actions[:, t:t + 1])
+        positions = torch.arange(kv.length, kv.length + f, device=predictor.device)
+        kv.begin(f)
+        out = predictor(x, positions, kv)
+        kv.commit()
+        z, s = predictor.predict(out, s)
+    return s, z
+
+
+def energy(final_states: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+    """L1 distance of each final state to the goal: ``[S]``."""
+    return (final_states - goal).abs().sum(-1)
+
+
+def sample_generator(seed: int, iteration: int, device: Any) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((int(seed) * 1_000_003 + iteration) % (2 ** 63))
+    return g
+
+
+class _PlanNode(NodeSubmodule):
+    max_batch = 16
+
+    def __init__(self, planner: "CEMPlanner") -> None:
+        self.planner = planner
+
+
+class ContextNode(_PlanNode):
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        pl, outs = self.planner, []
+        for b in batch:
+            ctx = plan_context(pl.predictor, b["frames"], b["states"], b["past_actions"],
+                               b["goal_state"], pl.config.horizon)
+            shape = (pl.config.horizon, pl.predictor.config.action_dim)
+            dev, dt = pl.predictor.device, pl.predictor.dtype
+            outs.append({"context": ctx, "mean": torch.zeros(shape, device=dev, dtype=dt),
+                         "std": torch.full(shape, pl.config.init_std, device=dev, dtype=dt)})
+        return outs
+
+
+class SampleNode(_PlanNode):
+    def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> Any:
+        return inputs, ctx.iteration
+
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        c, outs = self.planner.config, []
+        for inputs, iteration in batch:
+            mean, std = inputs["mean"], inputs["std"]
+            g = sample_generator(inputs["seed"], iteration, mean.device)
+            noise = torch.randn((c.samples, *mean.shape), generator=g, device=mean.device,
+                                dtype=mean.dtype)
+            cand = mean + std * noise
+            if c.max_action is not None:
+                cand = cand.clamp(-c.max_action, c.max_action)
+            outs.append({"candidates": cand})
+        return outs
+
+
+class EvaluateNode(_PlanNode):
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        pl, outs = self.planner, []
+        for b in batch:  # one batch of S rollouts per request
+            ctx: PlanContext = b["context"]
+            final, _ = rollout_batch(pl.predictor, ctx, b["candidates"])
+            outs.append({"energies": energy(final, ctx.goal)})
+        return outs
+
+
+class UpdateNode(_PlanNode):
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        c, outs = self.planner.config, []
+        for b in batch:
+            best = b["energies"].topk(c.top_k, largest=False)
+            elites = b["candidates"][best.indices]
+            m = c.momentum
+            mean = m * b["mean"] + (1 - m) * elites.mean(0)
+            std = (m * b["std"] + (1 - m) * elites.std(0, unbiased=False)).clamp(min=c.min_std)
+            outs.append({"mean": mean, "std": std, "best_energy": float(best.values[0])})
+        return outs
+
+
+class ActNode(_PlanNode):
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        pl, outs = self.planner, []
+        for b in batch:
+            ctx: PlanContext = b["context"]
+            final, _ = rollout_batch(pl.predictor, ctx, b["mean"][None])
+            outs.append({"action": b["mean"][0], "plan": b["mean"],
+                         "energy": float(energy(final, ctx.goal)[0])})
+        return outs
+
+
+class CEMPlanner(Model):
+    """The ``plan`` walk (see the module docstring). Inputs: ``frames [C, N, E]``, ``states
+    [C, S]``, ``past_actions [C - 1, A]`` (optional with one frame), ``goal_state [S]`` and
+    ``seed``. EMITs ``best_energy`` per iteration, then ``action [A]``, ``plan [H, A]`` and the
+    plan's ``energy``."""
+
+    inputs = ("frames", "states", "past_actions", "goal_state", "seed")
+    input_defaults = {"past_actions": None, "seed": 0}
+
+    def __init__(self, predictor: ACPredictor, config: Optional[CEMConfig] = None) -> None:
+        self.predictor = predictor.eval()
+        self.config = c = config or CEMConfig()
+        self.nodes = [
+            GraphNode("cem_context", ["frames", "states", "past_actions", "goal_state"],
+                      ["context", "mean", "std"]),
+            GraphNode("cem_sample", ["mean", "std", "seed"], ["candidates"]),
+            GraphNode("cem_evaluate", ["context", "candidates"], ["energies"]),
+            GraphNode("cem_update", ["candidates", "energies", "mean", "std"],
+                      ["mean", "std", GraphEdge(EMIT, "best_energy")]),
+            GraphNode("cem_act", ["context", "mean"],
+                      [GraphEdge(EMIT, "action"), GraphEdge(EMIT, "plan"),
+                       GraphEdge(EMIT, "energy")]),
+        ]
+        self.walks = {"plan": Sequential(
+            "cem_context",
+            Loop(Sequential("cem_sample", "cem_evaluate", "cem_update"), c.iterations,
+                 outputs=["mean", "std"]),
+            "cem_act")}
+        self.submodules = {"cem_context": ContextNode(self), "cem_sample": SampleNode(self),
+                           "cem_evaluate": EvaluateNode(self), "cem_update": UpdateNode(self),
+                           "cem_act": ActNode(self)}
+        self.engines = {n: "planner" for n in self.submodules}
+
+    def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
+        seed = inputs.get("seed")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"'seed' must be an integer >= 0; got {seed!r}")
+        plan_context(self.predictor, inputs["frames"], inputs["states"], inputs["past_actions"],
+                     inputs["goal_state"], self.config.horizon, check_only=True)
