@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # libegl1 + Mesa: MuJoCo's offscreen renderer (MUJOCO_GL=egl) without a display.
+# python3-dev: libpython for the mstar_rt::embed C++ library (embedded interpreter).
 # PortAudio, PulseAudio (+ the ALSA "pulse" device) and espeak-ng: audio tests on virtual devices.
-APT_PACKAGES=(g++ libgtest-dev libboost-dev python3-venv libegl1 libegl-mesa0 libgl1-mesa-dri
+APT_PACKAGES=(g++ libgtest-dev libboost-dev python3-venv python3-dev libegl1 libegl-mesa0 libgl1-mesa-dri
               libportaudio2 pulseaudio pulseaudio-utils libasound2-plugins espeak-ng)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -8,7 +8,9 @@ export PATH="$PWD/.venv/bin:$PATH"
 GEN=(-G Ninja)
 
 echo "== C++ tests (Release)"
-cmake -S . -B build/cpp-tests "${GEN[@]}" -DMSTAR_BUILD_TESTS=ON -DMSTAR_BUILD_PYTHON=OFF >/dev/null
+# The venv's Python: the embedding tests (mstar_rt::embed) serve models from its site-packages.
+cmake -S . -B build/cpp-tests "${GEN[@]}" -DMSTAR_BUILD_TESTS=ON -DMSTAR_BUILD_PYTHON=OFF \
+  -DPython_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
 cmake --build build/cpp-tests
 ctest --test-dir build/cpp-tests --output-on-failure
 

@@ -1,4 +1,5 @@
-"""The wheel installs into a fresh venv, and a C++ project finds the core with find_package."""
+"""The wheel installs into a fresh venv, and a C++ project finds its libraries with find_package
+(core, runtime, and embed, which serves a Python-defined model from C++)."""
 
 import os
 import pathlib
@@ -10,6 +11,9 @@ import venv
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# What the installed wheel is checked under: nothing from the source tree or the calling venv.
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if k not in ("PYTHONPATH", "VIRTUAL_ENV", "MSTAR_PYTHON")}
 
 
 def _run(*cmd, **kw):
@@ -36,17 +40,26 @@ def fresh_env(tmp_path_factory):
 def test_wheel_installs_into_a_fresh_venv_and_imports_the_core(fresh_env):
     _, python = fresh_env
     out = _run(python, "-c", "import mstar_rt, mstar_rt._core as c; print(c.__file__)",
-               cwd="/")  # not the source tree: the import must come from the installed wheel
+               cwd="/", env=CLEAN_ENV)  # not the source tree: the import must come from the installed wheel
     assert "site-packages" in out
 
 
 def test_cpp_consumer_builds_with_find_package_against_the_installed_wheel(fresh_env):
+    """core, runtime and embed from the wheel; embed serves a Python-defined model from C++
+    with the fresh venv's interpreter and its installed mstar_rt (never the source tree)."""
     tmp, python = fresh_env
     prefix = _run(python, "-m", "mstar_rt", "--cmake-prefix").strip()
     assert (pathlib.Path(prefix) / "mstar_rtConfig.cmake").is_file()
+    assert (pathlib.Path(prefix) / "mstar_rtEmbedTargets.cmake").is_file()
     build = tmp / "consumer"
-    env = {**os.environ, "CMAKE_PREFIX_PATH": prefix}
-    _run("cmake", "-S", ROOT / "tests" / "package", "-B", build, env=env)
-    _run("cmake", "--build", build)
-    out = _run("ctest", "--test-dir", build, "--output-on-failure")
+    env = {**CLEAN_ENV, "CMAKE_PREFIX_PATH": prefix}
+    _run("cmake", "-S", ROOT / "tests" / "package", "-B", build, "-DMSTAR_CONSUMER_REQUIRE_EMBED=ON",
+         env=env)
+    _run("cmake", "--build", build, "--parallel", "2", env=env)
+    out = _run("ctest", "--test-dir", build, "--output-on-failure", "-V", env=env, cwd="/")
     assert "100% tests passed" in out
+    for test in ("package_consumer", "package_runtime", "package_embed"):
+        assert f"{test} " in out, out
+    # The embedded interpreter took the fresh venv, where the wheel is installed.
+    assert f"via {python}" in out, out
+    assert str(tmp / "venv") in out.split("embed_consumer: mstar_rt from", 1)[1], out

@@ -1,0 +1,152 @@
+"""The Python side of mstar_rt::embed: a C++ program serves a Python-defined model in-process.
+
+The C++ library (cpp/include/mstar/embed.hpp) calls :func:`load` to build the model and its
+:class:`EmbeddedRuntime`, then, per request, :meth:`EmbeddedRuntime.submit_to` and
+:meth:`EmbeddedRuntime.attach` with two C++ callables: ``emit(name, node, array)`` for every EMIT
+output, in order, and ``end(status, message, timeline)`` once. Values are handed over as C-contiguous numpy arrays; C++ copies them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import pathlib
+import sys
+import threading
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+from mstar_rt.model import Model
+from mstar_rt.runtime import RequestCancelled, Runtime
+
+__all__ = ["EmbeddedRuntime", "load", "to_array"]
+
+
+def to_array(value: Any) -> np.ndarray:
+    """A node's output as a C-contiguous numpy array of numbers (torch tensors are moved to CPU)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    array = np.ascontiguousarray(np.asarray(value))
+    if array.dtype.kind not in "fiub":
+        raise TypeError(f"an EMIT output of dtype {array.dtype} cannot reach C++; emit numbers "
+                        "(a numpy array or torch tensor of float, int, uint or bool)")
+    return array
+
+
+def _import(module: str):
+    if module.endswith(".py") or "/" in module:
+        path = pathlib.Path(module).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"model module file {path} does not exist")
+        folder = str(path.parent)
+        if folder not in sys.path:  # sibling imports (from policy import ...) must work
+            sys.path.insert(0, folder)
+        name = path.stem
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    return importlib.import_module(module)
+
+
+def load(module: str, cls: str, config_json: str = "{}") -> "EmbeddedRuntime":
+    """Builds ``module.cls(**config)`` and serves it."""
+    mod = _import(module)
+    try:
+        factory = getattr(mod, cls)
+    except AttributeError:
+        raise AttributeError(f"module {module} has no class {cls!r}") from None
+    config = json.loads(config_json or "{}")
+    if not isinstance(config, dict):
+        raise TypeError(f"the model config must be a JSON object, got {config_json!r}")
+    model = factory(**config)
+    if not isinstance(model, Model):
+        raise TypeError(f"{module}.{cls}(...) returned {type(model).__name__}, not an "
+                        "mstar_rt.Model subclass")
+    return EmbeddedRuntime(model)
+
+
+class EmbeddedRuntime(Runtime):
+    """A Runtime whose request outputs also go to C++ callables, in order."""
+
+    def __init__(self, model: Model, **kw: Any) -> None:
+        self._sinks: dict[int, tuple[Callable, Callable]] = {}
+        # Outputs and ends of requests submit_to returned but attach has not wired up yet.
+        self._pending: dict[int, list] = {}
+        self._sink_lock = threading.RLock()
+        self._submitting: Optional[int] = None  # the thread inside submit_to's submit()
+        super().__init__(model, **kw)
+
+    def submit_to(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
+                  priority: int = 0) -> int:
+        """Submits; outputs wait until :meth:`attach` says where they go. Returns the id.
+
+        The sink lock is held across the submit, so a worker's first output for this request
+        waits until the request is known to be expecting a sink (it is buffered, not dropped).
+        """
+        with self._sink_lock:
+            self._submitting = threading.get_ident()
+            try:
+                rid = self.submit(inputs, deadline=deadline, priority=priority).id
+            finally:
+                self._submitting = None
+            self._pending.setdefault(rid, [])
+            return rid
+
+    def attach(self, rid: int, emit: Callable, end: Callable) -> None:
+        """Sends the request's outputs (those so far, then the rest as they come) and its end."""
+        with self._sink_lock:
+            self._sinks[rid] = (emit, end)
+            for event in self._pending.pop(rid, []):
+                self._forward(rid, event)
+
+    def cancel_request(self, rid: int) -> bool:
+        with self._lock:
+            handle = self._requests.get(rid)
+        return handle.cancel() if handle is not None else False
+
+    def _forward(self, rid: int, event: tuple) -> None:
+        sink = self._sinks.get(rid)
+        if sink is None:  # a request submitted from Python (plain submit) has no sink: skip it
+            if rid in self._pending or self._submitting == threading.get_ident():
+                self._pending.setdefault(rid, []).append(event)
+            return
+        if event[0] == "emit":
+            _, name, node, value = event
+            try:
+                sink[0](name, node, to_array(value))
+            except Exception as e:  # an output C++ cannot take fails the request, not the runtime
+                self._handle(self.conductor.fail(rid, f"EMIT output '{name}': {e}"))
+        else:
+            self._sinks.pop(rid, None)
+            sink[1](*event[1:])
+
+    def _handle(self, outcome: tuple) -> None:
+        emits = outcome[0]
+        if emits:
+            with self._sink_lock:
+                for rid, name, value in emits:
+                    self._forward(rid, ("emit", name, "", value))
+        super()._handle(outcome)
+
+    def _end(self, rid: int, error: Optional[BaseException]) -> None:
+        with self._lock:
+            handle = self._requests.get(rid)
+        super()._end(rid, error)
+        if handle is None:
+            return
+        if error is None:
+            status, message = "finished", ""
+        elif isinstance(error, RequestCancelled):
+            status, message = "cancelled", str(error)
+        else:
+            status, message = "failed", str(error)
+        timeline = [(r["node"], r["walk"], r["iteration"], r["batch_size"], int(r["queued"] * 1e9),
+                     int(r["started"] * 1e9), int(r["finished"] * 1e9)) for r in handle.stats()]
+        with self._sink_lock:
+            self._forward(rid, ("end", status, message, timeline))

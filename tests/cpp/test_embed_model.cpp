@@ -1,0 +1,107 @@
+// mstar_rt::embed: a model defined in Python (tests/cpp/embed_tiny_model.py) served from C++
+// through the embedded interpreter; outputs come back as C++ tensors. Not run under the
+// sanitizers: libpython and numpy are not instrumented (see tests/cpp/CMakeLists.txt).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "mstar/embed.hpp"
+
+#ifndef MSTAR_TEST_MODEL
+#error "MSTAR_TEST_MODEL must name embed_tiny_model.py"
+#endif
+
+namespace {
+
+using namespace std::chrono_literals;
+using mstar::DType;
+using mstar::PythonModel;
+using mstar::RequestStatus;
+using mstar::Tensor;
+
+TEST(EmbedModel, ServesAPythonModelAndReturnsCppTensors) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"factor": 3.0, "steps": 4})");
+  EXPECT_EQ(model.inputs(), std::vector<std::string>{"x"});
+  auto r = model.submit({{"x", Tensor::from<float>({1, 2}, {2})}});
+  mstar::Output out;
+  std::vector<std::string> order;
+  std::vector<double> steps;
+  Tensor y;
+  while (r.next(&out, std::chrono::seconds(30))) {
+    order.push_back(out.name);
+    if (out.name == "y") y = out.value;
+    else steps.push_back(out.value.data<double>()[0]);
+  }
+  ASSERT_EQ(r.status(), RequestStatus::finished) << r.error();
+  EXPECT_EQ(order, (std::vector<std::string>{"y", "step", "step", "step", "step"}));
+  ASSERT_EQ(y.describe(), "float32[2]");
+  EXPECT_EQ(y.data<float>()[1], 6.0f);
+  EXPECT_EQ(steps, (std::vector<double>{9, 10, 11, 12}));  // iteration + sum(y) = i + 9
+  EXPECT_FALSE(r.timeline().empty());
+  EXPECT_NE(mstar::PythonInterpreter::version().find("3."), std::string::npos);
+}
+
+TEST(EmbedModel, BadInputIsRefusedAndANodeErrorFailsOnlyItsRequest) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel");
+  try {
+    model.submit({{"x", Tensor::from<float>({1, 2, 3, 4}, {2, 2})}});
+    FAIL() << "a 2-d x was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("x must be 1-d, got shape (2, 2)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(model.submit({{"nope", Tensor::scalar<float>(1)}}), std::invalid_argument);
+  auto bad = model.submit({{"x", Tensor::from<float>({-1}, {1})}});
+  auto good = model.submit({{"x", Tensor::from<float>({1}, {1})}});
+  EXPECT_EQ(bad.wait(std::chrono::seconds(30)), RequestStatus::failed);
+  EXPECT_NE(bad.error().find("x[0] is -1.0; this model takes x[0] >= 0"), std::string::npos) << bad.error();
+  EXPECT_THROW(bad.result(), mstar::RequestError);
+  auto res = good.result();
+  EXPECT_EQ(res.at("y").at(0).data<float>()[0], 2.0f);
+  EXPECT_EQ(res.at("step").size(), 3u);
+}
+
+TEST(EmbedModel, CancelStopsAPythonRequest) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 1000, "delay_s": 0.005})");
+  auto r = model.submit({{"x", Tensor::from<float>({1}, {1})}});
+  mstar::Output out;
+  ASSERT_TRUE(r.next(&out, std::chrono::seconds(30)));
+  EXPECT_TRUE(r.cancel());
+  EXPECT_EQ(r.wait(std::chrono::seconds(30)), RequestStatus::cancelled);
+  EXPECT_FALSE(r.cancel());
+  model.close();
+  EXPECT_THROW(model.submit({{"x", Tensor::from<float>({1}, {1})}}), std::logic_error);
+}
+
+TEST(EmbedModel, OutputsReachACallbackFromAPythonThread) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 2})");
+  std::mutex mu;
+  std::vector<std::string> names;
+  mstar::RequestOptions opt;
+  opt.on_output = [&](mstar::RequestId, const mstar::Output& o) {
+    std::lock_guard<std::mutex> lock(mu);
+    names.push_back(o.name);
+  };
+  auto r = model.submit({{"x", Tensor::from<std::int64_t>({5}, {1})}}, opt);
+  EXPECT_EQ(r.wait(std::chrono::seconds(30)), RequestStatus::finished) << r.error();
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(names, (std::vector<std::string>{"y", "step", "step"}));
+}
+
+TEST(EmbedModel, LoadErrorsNameWhatFailed) {
+  try {
+    PythonModel m(MSTAR_TEST_MODEL, "NoSuchModel");
+    FAIL();
+  } catch (const mstar::PythonError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no class 'NoSuchModel'"), std::string::npos) << e.what();
+  }
+  try {
+    PythonModel m(MSTAR_TEST_MODEL, "TinyModel", R"({"colour": 1})");
+    FAIL();
+  } catch (const mstar::PythonError& e) {
+    EXPECT_NE(std::string(e.what()).find("colour"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(PythonModel("no_such_module_xyz", "M"), mstar::PythonError);
+}
+
+}  // namespace
