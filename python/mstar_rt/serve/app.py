@@ -1,0 +1,435 @@
+"""The HTTP front-end (FastAPI): health, models, OpenAI-compatible speech, NDJSON generate,
+Prometheus metrics — and the openpi policy websocket (``mstar_rt.serve.openpi``) on the same
+port. Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from typing import Any, AsyncIterator, Mapping, Optional
+
+import anyio
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+
+from mstar_rt.serve.bridge import AtCapacity, Bridge, RequestTimeout
+from mstar_rt.serve.deployment import Deployment
+from mstar_rt.serve.metrics import ServerMetrics
+from mstar_rt.serve.wire import as_array, decode_input, encode_value, pcm16, wav_header
+
+SPEECH_FORMATS = ("pcm", "wav")
+OPEN_PATHS = ("/health", "/healthz")  # for load balancers: no key needed
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = (status, message, kind,
+                                                                       param, code)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status, headers=headers)
+
+
+def key_error(headers: Mapping[str, str], api_key: Optional[str]) -> Optional[str]:
+    """None if the request carries the key (``Authorization: Bearer K``, ``Authorization:
+    Api-Key K`` as openpi sends it, or ``x-api-key: K``), else what is wrong."""
+    if api_key is None:
+        return None
+    given = headers.get("x-api-key")
+    auth = headers.get("authorization")
+    if given is None and auth:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() in ("bearer", "api-key"):
+            given = token.strip()
+    if not given:
+        return ("missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>', "
+                "or openpi's 'Authorization: Api-Key <key>')")
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        return "wrong API key"
+    return None
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that watches for the client leaving while it waits for the model,
+    and always closes its body and calls ``on_close`` (which ends the request) however the
+    stream ends."""
+
+    on_close: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-send
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.on_close()
+
+
+class _KeyCheck:
+    """Plain ASGI middleware: HTTP requests outside OPEN_PATHS need the API key (the websocket
+    checks it itself, to answer the handshake the openpi way)."""
+
+    def __init__(self, app: Any, api_key: str, state: "ServeState") -> None:
+        self.app, self.api_key, self.state = app, api_key, state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            problem = key_error(Headers(scope=scope), self.api_key)
+            if problem is not None:
+                self.state.metrics.requests.inc(scope["path"], "unauthorized")
+                await ApiError(401, problem, "authentication_error",
+                               code="invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ServeState:
+    """What the routes share: the deployment, the bridge to its runtime, the metrics."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self.bridge = Bridge(deployment.runtime, deployment.max_concurrent_requests,
+                             deployment.request_timeout_s)
+        self.metrics = ServerMetrics(deployment.runtime, lambda: self.bridge.admission.in_flight)
+
+    def close(self) -> None:
+        self.bridge.close()
+
+    def outcome(self, endpoint: str, error: Optional[BaseException]) -> str:
+        """Records a finished request by the kind of its end; returns that kind."""
+        from mstar_rt.runtime import RequestCancelled
+
+        cancelled = (RequestCancelled, _ClientGone, anyio.get_cancelled_exc_class())
+        status = ("ok" if error is None else "timeout" if isinstance(error, RequestTimeout)
+                  else "cancelled" if isinstance(error, cancelled) else "failed")
+        self.metrics.requests.inc(endpoint, status)
+        return status
+
+
+def create_app(deployment: Deployment) -> FastAPI:
+    """The ASGI app serving ``deployment`` (``app.state.serve`` holds the shared state; call
+    ``app.state.serve.close()`` after the server stops)."""
+    from mstar_rt.serve.openpi import add_policy_routes
+
+    app = FastAPI(title=f"mstar_rt: {deployment.name}", docs_url=None, redoc_url=None)
+    state = ServeState(deployment)
+    app.state.serve = state
+    d = deployment
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        state.metrics.requests.inc(request.url.path, _status_word(exc.status))
+        return exc.response()
+
+    if d.api_key is not None:
+        app.add_middleware(_KeyCheck, api_key=d.api_key, state=state)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": d.name, "admitted": state.bridge.admission.in_flight,
+                "max_concurrent_requests": d.max_concurrent_requests}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        info = {"id": d.name, "object": "model", "created": d.created, "owned_by": "mstar_rt",
+                "capabilities": d.capabilities, "inputs": list(d.inputs)}
+        if d.speech is not None:
+            info["voices"] = list(d.speech.voices or ())
+        return {"object": "list", "data": [info]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics.render(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        body = await _json_body(request)
+        inputs, fmt = _speech_inputs(d, body)
+        return await _start_stream(state, request, "/v1/audio/speech", inputs, 0, None,
+                                   lambda first, rest, t0: _audio(state, fmt, first, rest, t0),
+                                   "audio/wav" if fmt == "wav" else "audio/pcm",
+                                   {"X-Sample-Rate": str(d.speech.output_rate)})  # type: ignore
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await _json_body(request)
+        _only_keys(body, ("inputs", "deadline_s", "priority", "arrays"))
+        raw = body.get("inputs")
+        if not isinstance(raw, dict):
+            raise ApiError(400, "'inputs' must be an object mapping the model's input names to "
+                           f"values; the model takes {list(d.inputs)}", param="inputs")
+        try:
+            inputs = {k: decode_input(v, f"inputs.{k}") for k, v in raw.items()}
+        except ValueError as e:
+            raise ApiError(400, str(e), param="inputs") from None
+        deadline = body.get("deadline_s")
+        if deadline is not None and (not _is_number(deadline) or deadline <= 0):
+            raise ApiError(400, "'deadline_s' must be a positive number of seconds",
+                           param="deadline_s")
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ApiError(400, "'priority' must be an integer", param="priority")
+        arrays = body.get("arrays", "base64")
+        if arrays not in ("base64", "list"):
+            raise ApiError(400, "'arrays' must be 'base64' or 'list'", param="arrays")
+        return await _start_stream(state, request, "/generate", inputs, priority, deadline,
+                                   lambda first, rest, t0: _ndjson(first, rest, arrays),
+                                   "application/x-ndjson", {}, errors_inline=True)
+
+    add_policy_routes(app, state)
+    return app
+
+
+# ---- speech ------------------------------------------------------------------------------------
+
+
+def _speech_inputs(d: Deployment, body: dict) -> tuple[dict, str]:
+    spec = d.speech
+    if spec is None:
+        raise ApiError(404, f"model {d.name!r} does not serve speech; its endpoints are "
+                       "/generate and the policy websocket", code="not_speech_model")
+    _only_keys(body, ("model", "input", "voice", "response_format", "speed", "instructions",
+                      "stream_format"))
+    model = body.get("model")
+    if model is not None and model != d.name:
+        raise ApiError(404, f"model {model!r} is not served here; use {d.name!r}", param="model",
+                       code="model_not_found")
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise ApiError(400, "'input' must be a non-empty string: the text to speak", param="input")
+    voice = body.get("voice")
+    if voice is not None and not isinstance(voice, str):
+        raise ApiError(400, "'voice' must be a string", param="voice")
+    if spec.voices and voice is not None and voice not in spec.voices:
+        raise ApiError(400, f"unknown voice {voice!r}; this model speaks {list(spec.voices)}",
+                       param="voice")
+    fmt = body.get("response_format", "pcm") or "pcm"
+    if fmt not in SPEECH_FORMATS:
+        raise ApiError(400, f"response_format {fmt!r} is not served; use one of "
+                       f"{list(SPEECH_FORMATS)}", param="response_format")
+    speed = body.get("speed", 1.0)
+    if not _is_number(speed) or speed != 1.0:
+        raise ApiError(400, "only speed 1.0 is served", param="speed")
+    if body.get("stream_format", "audio") not in ("audio", None):
+        raise ApiError(400, "only stream_format 'audio' is served", param="stream_format")
+    inputs = {**spec.inputs, spec.text_input: text}
+    if spec.voice_input is not None and voice is not None:
+        inputs[spec.voice_input] = voice
+    return inputs, fmt
+
+
+async def _audio(state: ServeState, fmt: str, first: Optional[tuple], rest: AsyncIterator,
+                 started: float) -> AsyncIterator[bytes]:
+    from mstar_rt.audio.resample import Resampler
+
+    spec = state.deployment.speech
+    assert spec is not None and spec.model_rate is not None
+    resampler = Resampler(spec.model_rate, spec.output_rate)
+    samples = 0
+    if fmt == "wav":
+        yield wav_header(spec.output_rate)
+
+    async def chunks() -> AsyncIterator[tuple[str, Any]]:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+
+    async for name, value in chunks():
+        if name != spec.audio_output:
+            continue
+        audio = np.asarray(as_array(value), np.float32).reshape(-1)
+        if len(audio):
+            audio = resampler.process(audio)
+        if len(audio):
+            if samples == 0:
+                state.metrics.ttfa.observe(time.monotonic() - started)
+            samples += len(audio)
+            yield pcm16(audio)
+    if samples:
+        state.metrics.rtf.observe((time.monotonic() - started) / (samples / spec.output_rate))
+
+
+# ---- generate ----------------------------------------------------------------------------------
+
+
+async def _ndjson(first: Optional[tuple], rest: AsyncIterator, arrays: str
+                  ) -> AsyncIterator[bytes]:
+    counts: dict[str, int] = {}
+
+    def line(name: str, value: Any) -> bytes:
+        i = counts.get(name, 0)
+        counts[name] = i + 1
+        return (json.dumps({"output": name, "index": i, **encode_value(value, arrays)})
+                + "\n").encode()
+
+    if first is not None:
+        yield line(*first)
+    async for name, value in rest:
+        yield line(name, value)
+    yield (json.dumps({"done": True, "counts": counts}) + "\n").encode()
+
+
+# ---- the shared streaming path -----------------------------------------------------------------
+
+
+async def _start_stream(state: ServeState, request: Request, endpoint: str, inputs: dict,
+                        priority: int, deadline: Optional[float], render: Any, media_type: str,
+                        headers: dict, errors_inline: bool = False) -> Response:
+    """Admits and submits the request, waits for its first output (so a request that fails
+    before producing anything gets a plain HTTP error), then streams the rest."""
+    started = time.monotonic()
+    bridge = state.bridge
+    try:
+        bridge.admission.enter()
+    except AtCapacity as e:
+        raise ApiError(429, str(e), "rate_limit_error", code="max_concurrent_requests") from None
+    outputs = None
+    try:
+        try:
+            handle = await bridge.submit(inputs, deadline, priority)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"{type(e).__name__}: {e}") from None
+        outputs = bridge.outputs(handle, started)
+        try:
+            first: Optional[tuple] = await _first(outputs, request)
+        except StopAsyncIteration:
+            first = None
+        except _ClientGone:
+            raise
+        except Exception as e:
+            raise _error_of(e) from None
+    except BaseException as e:
+        bridge.admission.leave()
+        if outputs is not None:
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+        if isinstance(e, _ClientGone):
+            state.metrics.requests.inc(endpoint, "cancelled")
+            return Response(status_code=499)  # nobody reads it
+        raise
+    state.metrics.first_output.observe(time.monotonic() - started, endpoint)
+
+    closed = False
+
+    async def close(error: Optional[BaseException]) -> None:
+        """Ends the request once, however the response ends (even if it never started)."""
+        nonlocal closed
+        if closed:
+            return
+        closed = True
+        bridge.admission.leave()
+        state.outcome(endpoint, error)
+        if error is None:
+            state.metrics.latency.observe(time.monotonic() - started, endpoint)
+        with anyio.CancelScope(shield=True):  # even while the response task is cancelled
+            await outputs.aclose()  # cancels the request if it is still running
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for data in render(first, outputs, started):
+                yield data
+        except Exception as e:
+            await close(e)
+            if not errors_inline:
+                raise  # raw audio has no error frame: the client sees a broken stream
+            yield (json.dumps({"error": {"type": type(e).__name__, "message": str(e)}})
+                   + "\n").encode()
+            return
+        except BaseException:  # closed or cancelled mid-stream: the client left
+            await close(_ClientGone())
+            raise
+        await close(None)
+
+    response = _Stream(body(), media_type=media_type, headers=headers)
+    response.on_close = lambda: close(_ClientGone())
+    return response
+
+
+class _ClientGone(Exception):
+    """The client disconnected (its request is cancelled)."""
+
+
+async def _first(outputs: AsyncIterator, request: Request) -> tuple:
+    """The first output, unless the client leaves first (then the request is cancelled)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    nxt = asyncio.ensure_future(outputs.__anext__())
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({nxt, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        watch.cancel()
+        nxt.cancel()
+        raise
+    watch.cancel()
+    if not nxt.done():
+        nxt.cancel()
+        with contextlib.suppress(BaseException):
+            await nxt
+        raise _ClientGone()
+    return nxt.result()
+
+
+def _error_of(e: BaseException) -> ApiError:
+    from mstar_rt.runtime import RequestCancelled, RequestFailed
+
+    if isinstance(e, RequestTimeout):
+        return ApiError(504, str(e), "timeout_error", code="request_timeout")
+    if isinstance(e, RequestCancelled):
+        return ApiError(503, str(e), "server_error", code="cancelled")
+    if isinstance(e, RequestFailed):
+        return ApiError(500, f"the model failed on this request: {e}", "server_error",
+                        code="request_failed")
+    return ApiError(500, f"{type(e).__name__}: {e}", "server_error")
+
+
+# ---- small checks ------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _only_keys(body: dict, known: tuple[str, ...]) -> None:
+    unknown = [k for k in body if k not in known]
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r}; the fields are {list(known)}",
+                       param=unknown[0])
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _status_word(status: int) -> str:
+    return {400: "bad_request", 401: "unauthorized", 404: "bad_request", 429: "rejected",
+            500: "failed", 503: "cancelled", 504: "timeout"}.get(status, str(status))

@@ -1,0 +1,65 @@
+"""A deployment: one served model behind one runtime, with what the front-end needs to know about
+it (its name, how speech and policy requests map onto its inputs and EMITs, the limits)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from mstar_rt.serve.config import PolicySpec, ServeConfig, SpeechSpec
+
+
+@dataclass
+class Deployment:
+    """``runtime`` is anything with ``submit(inputs, deadline=, priority=) -> handle``,
+    ``close()`` and ``live`` (the in-process :class:`~mstar_rt.Runtime`, or a multi-process
+    one); ``inputs`` are the model's input names."""
+
+    runtime: Any
+    name: str
+    inputs: tuple[str, ...]
+    speech: Optional[SpeechSpec] = None
+    policy: PolicySpec = field(default_factory=PolicySpec)
+    max_concurrent_requests: int = 64
+    request_timeout_s: Optional[float] = None
+    api_key: Optional[str] = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @staticmethod
+    def for_model(model: Any, runtime: Any, name: Optional[str] = None,
+                  speech: Optional[SpeechSpec] = None, policy: Optional[PolicySpec] = None,
+                  **kw: Any) -> "Deployment":
+        """Fills what the config leaves out from the model: a model with a ``sample_rate``
+        serves speech (its ``voices``, if it has them, are the voices accepted)."""
+        if speech is None and hasattr(model, "sample_rate"):
+            speech = SpeechSpec()
+        if speech is not None:
+            missing = [k for k in (speech.text_input, speech.voice_input)
+                       if k is not None and k not in model.inputs]
+            if missing:
+                raise ValueError(f"speech: the model {type(model).__name__} has no inputs "
+                                 f"{missing}; its inputs are {list(model.inputs)} (set "
+                                 "speech.text_input / speech.voice_input)")
+            rate = speech.model_rate or getattr(model, "sample_rate", None)
+            if rate is None:
+                raise ValueError("speech.model_rate: the model has no sample_rate; give the rate "
+                                 "of its audio")
+            voices = speech.voices if speech.voices is not None else tuple(
+                getattr(model, "voices", ()) or ())
+            speech = dataclasses.replace(speech, model_rate=int(rate), voices=voices)
+        return Deployment(runtime=runtime, name=name or type(model).__name__,
+                          inputs=tuple(model.inputs), speech=speech,
+                          policy=policy or PolicySpec(), **kw)
+
+    @staticmethod
+    def from_config(config: ServeConfig, model: Any, runtime: Any) -> "Deployment":
+        return Deployment.for_model(
+            model, runtime, config.model.name, config.speech, config.policy,
+            max_concurrent_requests=config.max_concurrent_requests,
+            request_timeout_s=config.request_timeout_s, api_key=config.server.api_key)
+
+    @property
+    def capabilities(self) -> list[str]:
+        return ["generate", "policy"] + (["speech"] if self.speech is not None else [])

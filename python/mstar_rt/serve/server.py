@@ -1,0 +1,82 @@
+"""Running the app: :class:`Server` binds a socket (port 0 = any free port) and serves the app
+with uvicorn on a background thread (tests, embedding) or on the calling thread (the CLI)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+
+class Server:
+    """``Server(app, host, port)``; ``start()`` returns once it accepts connections, ``stop()``
+    shuts it down. ``port`` is the bound port (known as soon as the object exists)."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.app, self.host = app, host
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise OSError(f"cannot bind {host}:{port} ({e}); pick another server.port "
+                          "(0 = any free port)") from None
+        self.port: int = self._sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(
+            app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3,
+            ws_max_size=64 * 2**20))
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return "ws" + self.url[4:]
+
+    def run(self) -> None:
+        """Serves on this thread until interrupted (uvicorn handles SIGINT / SIGTERM)."""
+        try:
+            self._server.run(sockets=[self._sock])
+        finally:
+            self._close_state()
+
+    def start(self, timeout: float = 30.0) -> "Server":
+        self._server.config.install_signal_handlers = False  # not the main thread
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name=f"mstar-serve-{self.port}", daemon=True)
+        self._thread.start()
+        end = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(timeout)
+        self._sock.close()
+        self._close_state()
+
+    def _close_state(self) -> None:
+        state = getattr(getattr(self.app, "state", None), "serve", None)
+        if state is not None:
+            state.close()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,199 @@
+"""The serving config and the `mstar-rt serve` CLI: every example config loads, every wrong key is
+named in the error, placement is checked against the model, kv_cache sizes reach the KV engine,
+and the CLI loads, serves and stops on SIGINT (or says what is wrong and exits 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+import mstar_rt
+from mstar_rt.serve.cli import main
+from mstar_rt.serve.config import ConfigError, build_model, build_runtime, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples" / "serve").glob("*.yaml"))
+ROBOT = {"model": {"class": "policy:ChunkPolicyModel", "path": ["examples/robot"]}}
+
+
+def _load(**overrides):
+    return load_config({**ROBOT, **overrides}, base_dir=str(ROOT))
+
+
+def test_every_example_config_loads(monkeypatch):
+    monkeypatch.setenv("MSTAR_API_KEY", "k")  # speech_espeak.yaml reads its key from there
+    assert len(EXAMPLES) >= 5
+    for path in EXAMPLES:
+        config = load_config(path)
+        assert config.model.name and config.server.host == "127.0.0.1", path
+    espeak = load_config(ROOT / "examples" / "serve" / "speech_espeak.yaml")
+    assert espeak.server.api_key == "k"
+
+
+def test_robot_config_builds_the_model_and_keeps_rank_structure():
+    config = load_config(ROOT / "examples" / "serve" / "robot_policy.yaml")
+    model = build_model(config)
+    assert type(model).__name__ == "ChunkPolicyModel"
+    assert config.ranks == {0: {"device": "cpu", "process": False}}
+    assert config.policy.shapes == {"obs": (8,)} and config.policy.dtypes == {"obs": "float32"}
+    rt = build_runtime(config, model)
+    try:
+        assert isinstance(rt, mstar_rt.Runtime)
+    finally:
+        rt.close()
+
+
+def test_kv_cache_sizes_reach_the_models_kv_engine():
+    config = load_config({"model": {"class": "mstar_rt.models.orpheus:OrpheusTTS.tiny",
+                                    "args": {"constrain_codes": True}},
+                          "kv_cache": {"page_size": 8, "num_pages": 48}})
+    model = build_model(config)
+    rt = build_runtime(config, model)
+    try:
+        cache = rt.engines["lm"].cache
+        assert (cache.page_size, cache.num_pages) == (8, 48)
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({}, "model: missing"),
+    ({"model": "nocolon"}, "model.class: 'nocolon' is not 'package.module:Name'"),
+    ({"model": {"class": "a:B", "checkpoint": "x"}}, "give exactly one of"),
+    ({"model": {"class": "a:B", "argz": {}}}, "model.argz: unknown key"),
+    ({**ROBOT, "modle": 1}, "modle: unknown key"),
+    ({**ROBOT, "max_concurrent_requests": 0}, "max_concurrent_requests: must be a positive"),
+    ({**ROBOT, "max_concurrent_requests": "8"}, "max_concurrent_requests: must be a positive"),
+    ({**ROBOT, "request_timeout_s": -1}, "request_timeout_s: must be a positive"),
+    ({**ROBOT, "kv_cache": {"pages": 4}}, "kv_cache.pages: unknown key"),
+    ({**ROBOT, "kv_cache": {"num_pages": 0}}, "kv_cache.num_pages: must be a positive"),
+    ({**ROBOT, "server": {"port": 70000}}, "server.port: must be an integer in 0..65535"),
+    ({**ROBOT, "server": {"host": ""}}, "server.host"),
+    ({**ROBOT, "server": {"api_key_env": "MSTAR_TEST_UNSET_KEY"}},
+     "environment variable 'MSTAR_TEST_UNSET_KEY' is not set"),
+    ({**ROBOT, "server": {"api_key": "a", "api_key_env": "B"}}, "not both"),
+    ({**ROBOT, "node_groups": {"nodes": ["mlp"]}}, "node_groups: must be a list"),
+    ({**ROBOT, "node_groups": [{"nodes": []}]}, "node_groups[0].nodes: list at least one"),
+    ({**ROBOT, "node_groups": [{"nodes": ["mlp"], "rank": -1}]}, "node_groups[0].rank"),
+    ({**ROBOT, "node_groups": [{"nodes": ["mlp"], "process": "yes"}]},
+     "node_groups[0].process: must be true or false"),
+    ({**ROBOT, "node_groups": [{"nodes": ["mlp"], "gpu": 1}]}, "node_groups[0].gpu: unknown key"),
+    ({**ROBOT, "speech": {"voice": "x"}}, "speech.voice: unknown key"),
+    ({**ROBOT, "speech": {"output_rate": 0}}, "speech.output_rate: must be a positive"),
+    ({**ROBOT, "policy": {"shapes": {"obs": "8"}}}, "policy.shapes.obs: must be a list"),
+    ({**ROBOT, "policy": {"dtypes": {"obs": "float33"}}}, "policy.dtypes.obs"),
+    ({**ROBOT, "policy": {"observation": {"a": 1}}}, "policy.observation: must map strings"),
+])
+def test_a_wrong_key_is_named_in_the_error(raw, needle, monkeypatch):
+    monkeypatch.delenv("MSTAR_TEST_UNSET_KEY", raising=False)
+    with pytest.raises(ConfigError) as e:
+        load_config(raw, base_dir=str(ROOT))
+    assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"model": {"class": "no_such_module_xyz:Thing"}}, "cannot import module 'no_such_module_xyz'"),
+    ({"model": {"class": "policy:NoSuchClass", "path": ["examples/robot"]}},
+     "has no attribute 'NoSuchClass'"),
+    ({"model": {"class": "policy:ChunkPolicyModel", "path": ["examples/nowhere"]}},
+     "model.path: 'examples/nowhere'"),
+    ({"model": {"class": "policy:ChunkPolicyModel", "path": ["examples/robot"],
+                "args": {"layers": 3}}}, "model.args: policy:ChunkPolicyModel rejected them"),
+    ({"model": {"class": "policy:ChunkMLP", "path": ["examples/robot"]}}, "not an mstar_rt.Model"),
+    ({"node_groups": [{"nodes": ["mlp", "decoder"]}]}, "['decoder'] are not nodes of the model"),
+    ({"node_groups": [{"nodes": ["mlp"], "walks": ["speak"]}]}, "['speak'] are not walks"),
+    ({"node_groups": [{"nodes": ["mlp"], "rank": 0},
+                      {"nodes": ["mlp"], "rank": 1}]}, "node 'mlp' is already on rank 0"),
+    ({"node_groups": [{"nodes": ["mlp"], "rank": 0, "device": "cpu"},
+                      {"nodes": ["normalize"], "rank": 0, "device": "cuda:0"}]},
+     "rank 0 is already"),
+    ({"kv_cache": {"num_pages": 64}}, "has no KVCacheEngine to size"),
+])
+def test_the_config_is_checked_against_the_model(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        build_model(_load(**overrides))
+    assert needle in str(e.value), str(e.value)
+
+
+def test_one_node_may_sit_on_different_ranks_in_different_walks():
+    config = _load(node_groups=[{"nodes": ["mlp"], "rank": 0, "walks": ["act"]},
+                                {"nodes": ["normalize", "denormalize"], "rank": 1}])
+    build_model(config)
+    assert config.ranks == {0: {"device": "cpu", "process": False},
+                            1: {"device": "cpu", "process": False}}
+
+
+HAS_PLACEMENT = importlib.util.find_spec("mstar_rt.placement") is not None
+
+
+@pytest.mark.skipif(not HAS_PLACEMENT, reason="needs the placement runtime (mstar_rt.placement)")
+@pytest.mark.parametrize("groups, needle", [
+    ([{"nodes": ["mlp"], "rank": 0, "process": True}], "rank 0 is the parent process"),
+    ([{"nodes": ["mlp"], "rank": 1, "process": True, "walks": ["act"]}],
+     "node_groups[0].walks: worker processes serve a node in every walk"),
+])
+def test_process_ranks_the_placement_runtime_cannot_serve_are_config_errors(groups, needle):
+    config = _load(node_groups=groups)
+    with pytest.raises(ConfigError) as e:
+        build_runtime(config, build_model(config))
+    assert needle in str(e.value)
+
+
+# ---- the CLI -----------------------------------------------------------------------------------
+
+def test_cli_reports_a_bad_config_and_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**ROBOT, "server": {"port": "eighty"}}))
+    assert main(["serve", str(bad)]) == 2
+    assert "server.port: must be an integer" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "broken.yaml").write_text("model: [unclosed")
+    assert main(["serve", str(tmp_path / "broken.yaml")]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_cli_serves_with_progress_lines_and_an_api_key_then_stops_on_a_signal(stop):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mstar_rt.serve.cli", "serve",
+         str(ROOT / "examples" / "serve" / "robot_policy.yaml"), "--port", "0",
+         "--api-key", "cli-key"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, cwd=ROOT)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        end = time.monotonic() + 60
+        while not any("serving" in x for x in lines):
+            assert proc.poll() is None and time.monotonic() < end, (lines, proc.stderr.read())
+            time.sleep(0.05)
+        (line,) = [x for x in lines if "serving" in x]
+        assert "robot-chunk-policy" in line and "API key required" in line
+        url = re.search(r"(http://127\.0\.0\.1:\d+)", line).group(1)
+        assert httpx.get(url + "/health").json()["model"] == "robot-chunk-policy"
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"x-api-key": "cli-key"}).status_code == 200
+        proc.send_signal(stop)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
+    err = proc.stderr.read()
+    assert "[1/4" in err and "[4/4" in err and "building model policy:ChunkPolicyModel" in err
+    assert any("stopped" in x for x in lines)
