@@ -5,6 +5,14 @@ responder → Piper TTS (espeak-ng without it) → speaker, with barge-in.
                                                         # the left", "open the gripper", "hello"
   python examples/voice/agent.py --wav in.wav --out reply.wav
 
+Models from local checkpoint directories (nothing is downloaded) replace the defaults:
+
+  --lm DIR          a Llama-family chat LM answers (config.json, safetensors, tokenizer.json,
+                    tokenizer_config.json); its reply is spoken sentence by sentence as it writes
+  --orpheus DIR --snac DIR   Orpheus speech LM + SNAC 24 kHz decoder speak, frame by frame
+  --orpheus-tiny    a tiny random Orpheus instead (noise-like sound: tries the pipeline)
+  --whisper DIR     a Whisper checkpoint recognizes (open vocabulary)
+
 The headless mode runs the same agent on real PortAudio streams through the virtual devices of
 scripts/virtual_audio.sh (started here): in.wav is played into the virtual microphone
 (paplay --device=mstar_mic) and whatever the agent says is recorded from the virtual speaker
@@ -34,10 +42,41 @@ def report(agent) -> None:
               + (f"; error {t.error}" if t.error else ""))
 
 
-def live(args) -> int:
+def components(args) -> dict:
+    """open_agent keyword arguments for the model flags (each loads its checkpoint once)."""
+    parts: dict = {}
+    if args.whisper:
+        from mstar_rt.audio.whisper import WhisperASR
+
+        parts["asr"] = WhisperASR(args.whisper, language=args.language, device=args.device)
+    if args.lm:
+        from mstar_rt.audio.lm_responder import LMResponder
+
+        parts["responder"] = LMResponder(args.lm, max_new_tokens=args.max_new_tokens,
+                                         temperature=args.temperature, device=args.device)
+    if args.orpheus:
+        from mstar_rt.audio.orpheus_tts import OrpheusSpeech
+
+        parts["tts"] = OrpheusSpeech.from_pretrained(args.orpheus, args.snac, voice=args.voice,
+                                                     device=args.device)
+    elif args.orpheus_tiny:
+        from mstar_rt.audio.orpheus_tts import OrpheusSpeech
+
+        parts["tts"] = OrpheusSpeech.tiny()
+    return parts
+
+
+def make_agent(args, *streams):
     from mstar_rt.audio.agent import open_agent
 
-    agent = open_agent(barge_in=not args.no_barge_in)
+    parts = components(args)
+    agent = open_agent(*streams, barge_in=not args.no_barge_in, **parts)
+    agent.owned += [p for p in parts.values() if hasattr(p, "close")]  # their own runtimes
+    return agent
+
+
+def live(args) -> int:
+    agent = make_agent(args)
     print("listening (Ctrl-C to stop); try: 'move the arm to the left', 'open the gripper'")
     print("without headphones the agent hears itself: --no-barge-in makes it ignore speech "
           "while it talks")
@@ -55,12 +94,12 @@ def headless(args) -> int:
     subprocess.run(["bash", str(ROOT / "scripts/virtual_audio.sh"), "start"], check=True,
                    timeout=60, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     from mstar_rt.audio import devices
-    from mstar_rt.audio.agent import Tap, open_agent, speech_spans
+    from mstar_rt.audio.agent import Tap, speech_spans
 
     with wave.open(args.wav) as w:
         seconds = w.getnframes() / w.getframerate()
     tap = Tap(devices, "mstar_spk.monitor")
-    agent = open_agent("mstar_mic.monitor", "mstar_spk", barge_in=not args.no_barge_in)
+    agent = make_agent(args, "mstar_mic.monitor", "mstar_spk")
     try:
         tap.wait_flowing()
         with agent:
@@ -95,7 +134,22 @@ def main() -> int:
     p.add_argument("--out", default="reply.wav", help="headless: the recorded reply (WAV)")
     p.add_argument("--timeout", type=float, default=20.0, help="headless: wait for replies")
     p.add_argument("--no-barge-in", action="store_true", help="half-duplex: ignore speech while talking")
+    models = p.add_argument_group("models from local checkpoint directories")
+    models.add_argument("--lm", metavar="DIR", help="Llama-family chat LM as the responder")
+    models.add_argument("--max-new-tokens", type=int, default=48, help="--lm: reply length cap")
+    models.add_argument("--temperature", type=float, default=0.0, help="--lm: 0 is greedy")
+    models.add_argument("--orpheus", metavar="DIR",
+                        help="Orpheus speech LM as the TTS (needs --snac)")
+    models.add_argument("--snac", metavar="DIR", help="--orpheus: the SNAC 24 kHz checkpoint")
+    models.add_argument("--voice", default="tara", help="--orpheus: the voice name")
+    models.add_argument("--orpheus-tiny", action="store_true",
+                        help="a tiny random Orpheus as the TTS (no checkpoint; noise-like)")
+    models.add_argument("--whisper", metavar="DIR", help="Whisper checkpoint as the recognizer")
+    models.add_argument("--language", help="--whisper: force a language (e.g. en)")
+    models.add_argument("--device", default="cpu", help="where the models run (cpu, cuda)")
     args = p.parse_args()
+    if args.orpheus and not args.snac:
+        p.error("--orpheus needs --snac DIR (the SNAC 24 kHz decoder checkpoint)")
     if args.live:
         return live(args)
     if args.wav:

@@ -1,5 +1,7 @@
 """Real-time audio: PortAudio streams over C++ rings, a streaming resampler, voice activity
-detection with endpointing, and speech recognition. Device and model modules load on first use
+detection with endpointing, speech recognition (PocketSphinx, or Whisper from a local
+checkpoint), text to speech (Piper, espeak-ng, or Orpheus) and the voice agent, whose response
+node is a command responder or an LM walk. Device and model modules load on first use
 (sounddevice loads libportaudio; the VAD and recognizer load their bundled models)."""
 
 import importlib
@@ -12,6 +14,10 @@ _LAZY = {
     "SileroVAD": "vad", "Endpointer": "vad", "VADEvent": "vad", "VADNode": "vad",
     "PocketSphinxASR": "asr", "ASRNode": "asr", "Recognition": "asr",
     "ROBOT_COMMANDS_JSGF": "asr",
+    "PiperTTS": "tts", "EspeakTTS": "tts", "default_tts": "tts",
+    "VoiceAgent": "agent", "ReplyModel": "agent", "CommandResponder": "agent",
+    "open_agent": "agent",
+    "LMResponder": "lm_responder", "WhisperASR": "whisper", "OrpheusSpeech": "orpheus_tts",
 }
 
 __all__ = ["Resampler", *_LAZY]

@@ -5,9 +5,11 @@ Listening is a walk graph too: :class:`ListenModel` is one long request whose ``
 DynamicLoop on its own engine) reads one 32 ms block per iteration and streams it, one block per
 ``Fixed(1)`` window, into the ``vad`` node (Silero + endpointer), which EMITs the endpointer's
 events. The agent's mic thread only turns those events into turns; it never waits on the reply,
-so it hears the user while the agent talks. The reply thread submits each utterance to a Runtime serving
-:class:`ReplyModel` (walk ``asr → respond → DynamicLoop(tts)``, EMITting the text, the reply and
-one audio chunk per sentence) and streams the chunks into the speaker ring as they come.
+so it hears the user while the agent talks. The reply thread submits each utterance to a
+Runtime serving :class:`ReplyModel` (walk ``asr → respond → DynamicLoop(tts)``, EMITting the
+text, the reply and the audio chunks as the TTS makes them; with an LM responder the LM's
+decode loop streams into a sentence splitter that feeds the speech loop) and streams the chunks
+into the speaker ring as they come.
 Barge-in (speech starting while a reply is queued or playing) cancels the request in the
 Conductor and flushes the output ring, and writes tagged with the old epoch are dropped.
 """
@@ -18,15 +20,16 @@ import queue
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Parallel, Sequential,
                             StreamingGraphEdge)
 from mstar_rt.model import Model, NodeSubmodule
-from mstar_rt.audio.tts import TTS, TTSNode
+from mstar_rt.audio.tts import TTS, split_sentences
 
 RATE = 16000  # VAD and recognizer rate
 WINDOW = 512  # 32 ms
@@ -89,25 +92,198 @@ class _Call(NodeSubmodule):
         return [{self.out: self.fn(x[self.inp])} for x in batch]
 
 
+class SpeechQueue:
+    """The sentences one request's ``tts`` loop still has to speak, filled by the walk (all at
+    once from a fixed reply, or one by one as an LM writes them), and the chunk iterator of the
+    sentence being spoken. Thread-safe; :meth:`shutdown` (the request ended) wakes a waiting
+    loop and closes the iterator, or, while a chunk is being made, calls the iterator's
+    ``cancel()`` if it has one (thread-safe, e.g. OrpheusChunks) and leaves closing to its
+    maker."""
+
+    def __init__(self) -> None:
+        self._sentences: deque[str] = deque()
+        self._cv = threading.Condition()
+        self.closed = False  # no more sentences will come
+        self.ended = False  # the request is over
+        self.chunks: Optional[Iterator[np.ndarray]] = None
+        self._making = False
+
+    def put(self, sentence: str) -> None:
+        with self._cv:
+            self._sentences.append(sentence)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+
+    def take(self, timeout: float) -> Optional[str]:
+        """The next sentence, or None if none came within ``timeout`` (or none will)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._sentences or self.closed or self.ended, timeout)
+            return self._sentences.popleft() if self._sentences and not self.ended else None
+
+    @property
+    def finished(self) -> bool:
+        with self._cv:
+            return self.ended or (self.closed and not self._sentences and self.chunks is None)
+
+    def speak(self, chunks: Iterator[np.ndarray]) -> None:
+        """Makes ``chunks`` (a sentence's) the current iterator; closed at once if ended."""
+        with self._cv:
+            if not self.ended:
+                self.chunks = chunks
+                return
+        getattr(chunks, "close", lambda: None)()
+
+    def next_chunk(self) -> Optional[np.ndarray]:
+        """The current sentence's next chunk; None when it is spoken (or the request ended)."""
+        with self._cv:
+            if self.ended or self.chunks is None:
+                return None
+            self._making, chunks = True, self.chunks
+        chunk = None
+        try:
+            chunk = next(chunks, None)
+        finally:  # also when the TTS raised: the request fails with it, nothing stays "making"
+            with self._cv:
+                self._making = False
+                close = chunk is None or self.ended
+                if close:
+                    self.chunks = None
+        if close:
+            getattr(chunks, "close", lambda: None)()
+        return None if self.ended else chunk
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self.ended = True
+            self._cv.notify_all()
+            chunks, making = self.chunks, self._making
+            self.chunks = None if not making else self.chunks  # else its maker closes it
+        if chunks is None:
+            return
+        if not making:
+            getattr(chunks, "close", lambda: None)()
+        elif hasattr(chunks, "cancel"):  # wakes a maker blocked in a slow synthesis
+            chunks.cancel()
+
+
+_QUEUE = "_speech_queue"
+
+
+def speech_queue(state: dict) -> SpeechQueue:
+    """The request's :class:`SpeechQueue` (made on first use) in its ``request.state``."""
+    q = state.get(_QUEUE)
+    if q is None:
+        q = state.setdefault(_QUEUE, SpeechQueue())
+    return q
+
+
+class SpeakNode(NodeSubmodule):
+    """Body of the DynamicLoop ``loop``: each iteration EMITs the next ``audio`` chunk of the
+    request's :class:`SpeechQueue` as ``tts.synthesize_stream`` makes it (Piper and espeak-ng:
+    one chunk a sentence; Orpheus: one per decoded frame), or nothing after waiting up to
+    ``wait_s`` for a sentence. With ``text`` set, the node reads that input and queues its
+    sentences itself on the first iteration; without, another node fills the queue. A
+    cancelled request stops at the next chunk and its iterator is closed (which cancels an
+    Orpheus side request)."""
+
+    max_batch = 1  # a chunk iterator runs on one thread; one request at a time
+
+    def __init__(self, tts: TTS, loop: str = "speak", text: Optional[str] = "reply",
+                 audio: str = "audio_out", wait_s: float = 0.2) -> None:
+        self.tts, self.loop, self.text, self.audio, self.wait_s = tts, loop, text, audio, wait_s
+
+    def prepare_inputs(self, ctx: Any, inputs: dict[str, Any]) -> Any:
+        q = speech_queue(ctx.request.state)
+        if self.text is not None and ctx.iteration == 0:
+            for s in split_sentences(str(inputs[self.text] or "")):
+                q.put(s)
+            q.close()
+        return q
+
+    def forward(self, batch: list[SpeechQueue]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for q in batch:
+            chunk = q.next_chunk()
+            while chunk is None and not q.finished:
+                sentence = q.take(self.wait_s)
+                if sentence is None:
+                    break
+                q.speak(iter(self.tts.synthesize_stream(sentence)))
+                chunk = q.next_chunk()
+            out.append({} if chunk is None else {self.audio: np.asarray(chunk, np.float32)})
+        return out
+
+    def check_stop(self, batch: list[SpeechQueue], outputs: list[Any]) -> list[tuple[str, ...]]:
+        return [(self.loop,) if q.finished else () for q in batch]
+
+    def cleanup(self, request: Any) -> None:
+        q = request.state.get(_QUEUE)
+        if q is not None:
+            q.shutdown()
+
+
 class ReplyModel(Model):
     """Input ``audio`` (16 kHz float32 utterance); EMITs ``text`` (the recognition), ``reply``
-    and one ``audio_out`` chunk per sentence at ``tts.sample_rate``. Cancelling the request stops
-    it at the next node boundary: at worst one sentence is synthesised for nothing."""
+    and the ``audio_out`` chunks at ``tts.sample_rate`` as they are made (one a sentence for
+    Piper / espeak-ng). Cancelling the request stops it at the next chunk.
+
+    With a deterministic ``responder`` the walk is ``asr -> respond -> DynamicLoop(tts)``. With
+    an LM responder (:class:`~mstar_rt.audio.lm_responder.LMResponder`) the LM is part of the
+    walk graph: ``reply = asr -> chat -> prefill``, then ``speak = Parallel(DynamicLoop(decode),
+    split, DynamicLoop(tts))``, the decode node streaming tokens (also EMITted as ``token``)
+    into the sentence splitter, which feeds the speech loop sentence by sentence and EMITs the
+    ``reply`` so far; the KV pages are freed when the request ends, cancelled or not.
+    ``max_sentences`` caps the speech loop's iterations (one a chunk)."""
 
     inputs = ("audio",)
 
     def __init__(self, asr: Any, responder: Callable[[str], str], tts: TTS,
-                 max_sentences: int = 64) -> None:
+                 max_sentences: int = 2**31 - 1) -> None:
+        recognize = _Call(lambda a: asr.recognize(np.asarray(a, np.float32)).text, "audio", "text")
+        if getattr(responder, "is_lm", False):
+            self._lm_walks(recognize, responder, tts)
+            return
         self.nodes = [GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text")]),
                       GraphNode("respond", ["text"], [GraphEdge(EMIT, "reply")]),
                       GraphNode("tts", ["reply"], [GraphEdge(EMIT, "audio_out")])]
         self.walks = {"reply": Sequential("asr", "respond",
                                           DynamicLoop("tts", max_sentences, "speak"))}
-        self.submodules = {
-            "asr": _Call(lambda a: asr.recognize(np.asarray(a, np.float32)).text, "audio", "text"),
-            "respond": _Call(responder, "text", "reply"),
-            "tts": TTSNode(tts, loop="speak", text="reply", audio="audio_out"),
-        }
+        self.submodules = {"asr": recognize, "respond": _Call(responder, "text", "reply"),
+                           "tts": SpeakNode(tts, loop="speak", text="reply")}
+        self.engines = {"tts": "tts"}
+
+    def _lm_walks(self, asr: NodeSubmodule, lm: Any, tts: TTS) -> None:
+        from mstar_rt.audio.lm_responder import ChatPrompt, SentenceSplitter
+        from mstar_rt.models.causal_lm import LOOP
+        from mstar_rt.streaming import Fixed
+
+        node = lm.lm_node()
+        self.nodes = [
+            GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text"), "text"]),
+            GraphNode("chat", ["text"], ["prompt", "params"]),
+            GraphNode("prefill", ["prompt", "params"],
+                      [GraphEdge("decode", "token", persist=True)]),
+            GraphNode("decode", ["token"], [GraphEdge(EMIT, "token"), "token",
+                                            StreamingGraphEdge("split", "token", Fixed(1))]),
+            GraphNode("split", ["token"], [GraphEdge(EMIT, "reply")]),
+            GraphNode("tts", [], [GraphEdge(EMIT, "audio_out")]),
+        ]
+        self.walks = {"reply": Sequential("asr", "chat", "prefill"),
+                      "speak": Parallel(DynamicLoop("decode", lm.max_seq_len, LOOP), "split",
+                                        DynamicLoop("tts", 2**31 - 1, "speak"))}
+        self.submodules = {"asr": asr, "chat": ChatPrompt(lm), "prefill": node, "decode": node,
+                           "split": SentenceSplitter(lm), "tts": SpeakNode(tts, text=None)}
+        self.engines = {"prefill": "lm", "decode": "lm", "tts": "tts"}
+        self.engine_specs = {"lm": lm.engine()}
+
+    def next_walk(self, request: Any, finished_walk: str, persisted: Any) -> Optional[str]:
+        if finished_walk == "reply" and "speak" in self.walks:
+            return "speak"
+        return None
 
 
 class _MicReader(NodeSubmodule):
@@ -277,7 +453,11 @@ class VoiceAgent:
             stream.close()
 
     def __enter__(self) -> "VoiceAgent":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # e.g. a failed warm-up: still close the streams and runtimes
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -376,10 +556,14 @@ class VoiceAgent:
             turn.text = self.asr.recognize(audio).text
             turn.recognized_at = time.monotonic()
             turn.reply = self.responder(turn.text)
-            for chunk in self.tts.synthesize_stream(turn.reply):
-                if self._cancel.is_set():
-                    return
-                yield chunk
+            chunks = iter(self.tts.synthesize_stream(turn.reply))
+            try:
+                for chunk in chunks:
+                    if self._cancel.is_set():
+                        return
+                    yield chunk
+            finally:  # an iterator with a request in flight (Orpheus) cancels it
+                getattr(chunks, "close", lambda: None)()
             return
         from mstar_rt.runtime import RequestCancelled
 
@@ -438,10 +622,12 @@ class VoiceAgent:
 def open_agent(mic_source: Optional[str] = None, speaker_sink: Optional[str] = None,
                rate: int = 48000, blocksize: int = 480, tts: Optional[TTS] = None,
                responder: Optional[Callable[[str], str]] = None, output_latency: float = 0.1,
-               **kwargs: Any) -> VoiceAgent:
+               asr: Any = None, **kwargs: Any) -> VoiceAgent:
     """An agent on its own streams: PulseAudio ``mic_source``/``speaker_sink`` (the virtual
     devices) or, when both are None, the default devices; Silero VAD, PocketSphinx with the robot
-    command grammar, :class:`CommandResponder`, and Piper (espeak-ng without it) unless given.
+    command grammar, :class:`CommandResponder`, and Piper (espeak-ng without it) unless given
+    (e.g. ``asr=WhisperASR(dir)``, ``responder=LMResponder(dir)``,
+    ``tts=OrpheusSpeech.tiny()``; the output resamples ``tts.sample_rate`` to ``rate``).
     ``stop()`` closes the streams. Imports sounddevice: start virtual devices first."""
     from mstar_rt.audio import devices
     from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
@@ -449,7 +635,7 @@ def open_agent(mic_source: Optional[str] = None, speaker_sink: Optional[str] = N
     from mstar_rt.audio.vad import Endpointer, SileroVAD
 
     tts = tts or default_tts()
-    asr = PocketSphinxASR(ROBOT_COMMANDS_JSGF)
+    asr = asr if asr is not None else PocketSphinxASR(ROBOT_COMMANDS_JSGF)
     vad, endpointer = SileroVAD(RATE), Endpointer(sample_rate=RATE, window=WINDOW)
     inp = devices.AudioInput(rate, blocksize=blocksize, pulse_source=mic_source,
                              target_rate=RATE, ring_seconds=8.0)
