@@ -130,7 +130,7 @@ def _wait(pred, timeout: float) -> bool:
 
 def _measure(mic, spk, t0: float) -> float:
     """Seconds from the end of the user's speech to the first reply sample heard."""
-    from mstar_rt.audio.agent import speech_spans
+    from mstar_rt.audio.tap import speech_spans
 
     def spans(tap, t):
         start = max(tap.frame_at(t), 0)
@@ -177,7 +177,8 @@ def main() -> int:
     subprocess.run(["bash", str(ROOT / "scripts/virtual_audio.sh"), "start"], check=True,
                    timeout=60, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     from mstar_rt.audio import devices
-    from mstar_rt.audio.agent import Tap, open_agent
+    from mstar_rt.audio.agent import open_agent
+    from mstar_rt.audio.tap import Tap
     from mstar_rt.audio.tts import default_tts
 
     turns = 10 if args.quick else 18

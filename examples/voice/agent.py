@@ -94,7 +94,7 @@ def headless(args) -> int:
     subprocess.run(["bash", str(ROOT / "scripts/virtual_audio.sh"), "start"], check=True,
                    timeout=60, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     from mstar_rt.audio import devices
-    from mstar_rt.audio.agent import Tap, speech_spans
+    from mstar_rt.audio.tap import Tap, speech_spans
 
     with wave.open(args.wav) as w:
         seconds = w.getnframes() / w.getframerate()

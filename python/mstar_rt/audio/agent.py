@@ -20,16 +20,16 @@ import queue
 import re
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Parallel, Sequential,
                             StreamingGraphEdge)
 from mstar_rt.model import Model, NodeSubmodule
-from mstar_rt.audio.tts import TTS, split_sentences
+from mstar_rt.audio.speak import SpeakNode
+from mstar_rt.audio.tts import TTS
 
 RATE = 16000  # VAD and recognizer rate
 WINDOW = 512  # 32 ms
@@ -90,140 +90,6 @@ class _Call(NodeSubmodule):
 
     def forward(self, batch: list[Any]) -> list[dict[str, Any]]:
         return [{self.out: self.fn(x[self.inp])} for x in batch]
-
-
-class SpeechQueue:
-    """The sentences one request's ``tts`` loop still has to speak, filled by the walk (all at
-    once from a fixed reply, or one by one as an LM writes them), and the chunk iterator of the
-    sentence being spoken. Thread-safe; :meth:`shutdown` (the request ended) wakes a waiting
-    loop and closes the iterator, or, while a chunk is being made, calls the iterator's
-    ``cancel()`` if it has one (thread-safe, e.g. OrpheusChunks) and leaves closing to its
-    maker."""
-
-    def __init__(self) -> None:
-        self._sentences: deque[str] = deque()
-        self._cv = threading.Condition()
-        self.closed = False  # no more sentences will come
-        self.ended = False  # the request is over
-        self.chunks: Optional[Iterator[np.ndarray]] = None
-        self._making = False
-
-    def put(self, sentence: str) -> None:
-        with self._cv:
-            self._sentences.append(sentence)
-            self._cv.notify_all()
-
-    def close(self) -> None:
-        with self._cv:
-            self.closed = True
-            self._cv.notify_all()
-
-    def take(self, timeout: float) -> Optional[str]:
-        """The next sentence, or None if none came within ``timeout`` (or none will)."""
-        with self._cv:
-            self._cv.wait_for(lambda: self._sentences or self.closed or self.ended, timeout)
-            return self._sentences.popleft() if self._sentences and not self.ended else None
-
-    @property
-    def finished(self) -> bool:
-        with self._cv:
-            return self.ended or (self.closed and not self._sentences and self.chunks is None)
-
-    def speak(self, chunks: Iterator[np.ndarray]) -> None:
-        """Makes ``chunks`` (a sentence's) the current iterator; closed at once if ended."""
-        with self._cv:
-            if not self.ended:
-                self.chunks = chunks
-                return
-        getattr(chunks, "close", lambda: None)()
-
-    def next_chunk(self) -> Optional[np.ndarray]:
-        """The current sentence's next chunk; None when it is spoken (or the request ended)."""
-        with self._cv:
-            if self.ended or self.chunks is None:
-                return None
-            self._making, chunks = True, self.chunks
-        chunk = None
-        try:
-            chunk = next(chunks, None)
-        finally:  # also when the TTS raised: the request fails with it, nothing stays "making"
-            with self._cv:
-                self._making = False
-                close = chunk is None or self.ended
-                if close:
-                    self.chunks = None
-        if close:
-            getattr(chunks, "close", lambda: None)()
-        return None if self.ended else chunk
-
-    def shutdown(self) -> None:
-        with self._cv:
-            self.ended = True
-            self._cv.notify_all()
-            chunks, making = self.chunks, self._making
-            self.chunks = None if not making else self.chunks  # else its maker closes it
-        if chunks is None:
-            return
-        if not making:
-            getattr(chunks, "close", lambda: None)()
-        elif hasattr(chunks, "cancel"):  # wakes a maker blocked in a slow synthesis
-            chunks.cancel()
-
-
-_QUEUE = "_speech_queue"
-
-
-def speech_queue(state: dict) -> SpeechQueue:
-    """The request's :class:`SpeechQueue` (made on first use) in its ``request.state``."""
-    q = state.get(_QUEUE)
-    if q is None:
-        q = state.setdefault(_QUEUE, SpeechQueue())
-    return q
-
-
-class SpeakNode(NodeSubmodule):
-    """Body of the DynamicLoop ``loop``: each iteration EMITs the next ``audio`` chunk of the
-    request's :class:`SpeechQueue` as ``tts.synthesize_stream`` makes it (Piper and espeak-ng:
-    one chunk a sentence; Orpheus: one per decoded frame), or nothing after waiting up to
-    ``wait_s`` for a sentence. With ``text`` set, the node reads that input and queues its
-    sentences itself on the first iteration; without, another node fills the queue. A
-    cancelled request stops at the next chunk and its iterator is closed (which cancels an
-    Orpheus side request)."""
-
-    max_batch = 1  # a chunk iterator runs on one thread; one request at a time
-
-    def __init__(self, tts: TTS, loop: str = "speak", text: Optional[str] = "reply",
-                 audio: str = "audio_out", wait_s: float = 0.2) -> None:
-        self.tts, self.loop, self.text, self.audio, self.wait_s = tts, loop, text, audio, wait_s
-
-    def prepare_inputs(self, ctx: Any, inputs: dict[str, Any]) -> Any:
-        q = speech_queue(ctx.request.state)
-        if self.text is not None and ctx.iteration == 0:
-            for s in split_sentences(str(inputs[self.text] or "")):
-                q.put(s)
-            q.close()
-        return q
-
-    def forward(self, batch: list[SpeechQueue]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for q in batch:
-            chunk = q.next_chunk()
-            while chunk is None and not q.finished:
-                sentence = q.take(self.wait_s)
-                if sentence is None:
-                    break
-                q.speak(iter(self.tts.synthesize_stream(sentence)))
-                chunk = q.next_chunk()
-            out.append({} if chunk is None else {self.audio: np.asarray(chunk, np.float32)})
-        return out
-
-    def check_stop(self, batch: list[SpeechQueue], outputs: list[Any]) -> list[tuple[str, ...]]:
-        return [(self.loop,) if q.finished else () for q in batch]
-
-    def cleanup(self, request: Any) -> None:
-        q = request.state.get(_QUEUE)
-        if q is not None:
-            q.shutdown()
 
 
 class ReplyModel(Model):
@@ -647,80 +513,3 @@ def open_agent(mic_source: Optional[str] = None, speaker_sink: Optional[str] = N
                        **kwargs)
     agent.owned = [inp, out]
     return agent
-
-
-# ---- measurement ---------------------------------------------------------------------------
-
-class Tap:
-    """Records a PulseAudio source (e.g. ``mstar_spk.monitor``) through an AudioInput on its own
-    thread and maps recorded frames to time.monotonic(), so what was heard can be timed against
-    what the agent logged. ``time_of`` uses the earliest delivery of each block (the callback's
-    arrival time less the block's length), which excludes scheduling delays; the device's own
-    capture latency is common to every Tap and cancels in differences between Taps."""
-
-    def __init__(self, devices: Any, source: str, rate: int = 48000, blocksize: int = 480) -> None:
-        self.rate = rate
-        self.input = devices.AudioInput(rate, blocksize=blocksize, pulse_source=source,
-                                        ring_seconds=8.0)
-        self._parts: list[np.ndarray] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"tap-{source}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._parts.append(self.input.read(self.input.blocksize, timeout=0.5))
-            except TimeoutError:
-                pass
-
-    @property
-    def frames(self) -> int:
-        return sum(map(len, self._parts))
-
-    def wait_flowing(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.frames < self.rate // 10:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the tap recorded nothing")
-            time.sleep(0.01)
-
-    def audio(self) -> np.ndarray:
-        parts = list(self._parts)
-        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
-
-    def _offset(self) -> float:
-        ts = self.input.timestamps()  # (current, adc, position of first frame, monotonic)
-        return float(np.min(ts[:, 3] - (ts[:, 2] + self.input.blocksize) / self.rate))
-
-    def time_of(self, frame: float) -> float:
-        return self._offset() + frame / self.rate
-
-    def frame_at(self, t: float) -> int:
-        return int(round((t - self._offset()) * self.rate))
-
-    def close(self) -> np.ndarray:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        x = self.audio()
-        self.input.close()
-        return x
-
-
-def speech_spans(x: np.ndarray, rate: int, threshold: float = 0.01, gap_s: float = 0.4,
-                 hop_s: float = 0.01) -> list[tuple[int, int]]:
-    """``(start, end)`` frames of stretches whose 10 ms RMS exceeds ``threshold``, merging
-    gaps shorter than ``gap_s`` (pauses between words and sentences)."""
-    hop = max(1, int(rate * hop_s))
-    n = len(x) // hop
-    if n == 0:
-        return []
-    rms = np.sqrt(np.mean(np.asarray(x[:n * hop], np.float64).reshape(n, hop) ** 2, axis=1))
-    loud = np.nonzero(rms > threshold)[0]
-    spans: list[list[int]] = []
-    for i in loud:
-        if spans and (i - spans[-1][1]) * hop_s <= gap_s:
-            spans[-1][1] = i + 1
-        else:
-            spans.append([i, i + 1])
-    return [(a * hop, b * hop) for a, b in spans]

@@ -211,7 +211,7 @@ class SentenceSplitter(NodeSubmodule):
         self.responder, self.input_name = responder, input_name
 
     def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> Any:
-        from mstar_rt.audio.agent import speech_queue
+        from mstar_rt.audio.speak import speech_queue
 
         window = inputs[self.input_name]
         if not isinstance(window, StreamWindow):
