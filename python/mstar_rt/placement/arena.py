@@ -1,0 +1,220 @@
+"""A byte ring in POSIX shared memory: how tensors cross between the parent and one worker.
+
+One arena per direction. The sending side owns ``head`` (it alone allocates), the receiving side
+owns ``tail`` (it alone frees); each is one aligned 64-bit word in the segment, so neither side
+ever takes a lock the other holds. Messages are consumed in the order they were sent (one ZeroMQ
+pipe keeps order), so a message only says where its allocations end (``span_end``) and the
+receiver frees everything before that point once it has copied the data out.
+
+Segments are plain files under /dev/shm (no multiprocessing resource tracker, whose extra process
+and exit-time unlinking fight a worker that may be killed); the parent creates and unlinks them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import time
+from typing import Optional
+
+SHM_DIR = "/dev/shm"
+_MAGIC = 0x6D73_7461_7231_0001  # "mstar1", version 1
+_HEAD = 64     # own cache lines: the two sides write them from different processes
+_TAIL = 128
+_DATA = 192
+ALIGN = 64
+
+
+class ArenaFull(RuntimeError):
+    """The receiving side did not free space in time (it is stuck, or the arena is too small)."""
+
+
+def _round_up(n: int) -> int:
+    return (max(n, 1) + ALIGN - 1) // ALIGN * ALIGN
+
+
+class ShmArena:
+    """A mapped segment ``/dev/shm/<name>`` of ``capacity`` data bytes plus a small header.
+
+    ``ShmArena.create`` makes it (the parent), ``ShmArena.attach`` maps an existing one (the
+    worker). The writer calls :meth:`alloc` / :meth:`publish`; the reader :meth:`view` /
+    :meth:`free_to`.
+    """
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool) -> None:
+        self.name = name
+        self.owner = owner
+        self.mm: Optional[mmap.mmap] = mmap.mmap(fd, size)
+        os.close(fd)
+        self.capacity = size - _DATA
+        self._head = 0  # the writer's private copy; published to the segment per message
+
+    @staticmethod
+    def create(name: str, capacity: int) -> "ShmArena":
+        capacity = _round_up(capacity)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, _DATA + capacity)
+        except BaseException:
+            os.close(fd)
+            os.unlink(os.path.join(SHM_DIR, name))
+            raise
+        arena = ShmArena(name, fd, _DATA + capacity, owner=True)
+        struct.pack_into("<QQ", arena.mm, 0, _MAGIC, capacity)
+        return arena
+
+    @staticmethod
+    def attach(name: str) -> "ShmArena":
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        size = os.fstat(fd).st_size
+        arena = ShmArena(name, fd, size, owner=False)
+        magic, capacity = struct.unpack_from("<QQ", arena.mm, 0)
+        if magic != _MAGIC or capacity != arena.capacity:
+            arena.close()
+            raise ValueError(f"shared-memory segment '{name}' is not an mstar_rt arena "
+                             "(bad magic or size)")
+        return arena
+
+    # ---- the two counters ------------------------------------------------------------------
+
+    @property
+    def published_head(self) -> int:
+        return struct.unpack_from("<Q", self.mm, _HEAD)[0]
+
+    @property
+    def tail(self) -> int:
+        return struct.unpack_from("<Q", self.mm, _TAIL)[0]
+
+    @property
+    def in_use(self) -> int:
+        """Bytes sent and not yet freed by the receiver (as this side sees them)."""
+        return self.published_head - self.tail
+
+    # ---- writer ------------------------------------------------------------------------------
+
+    def mark(self) -> int:
+        return self._head
+
+    def rollback(self, mark: int) -> None:
+        """Forgets allocations after ``mark`` (a message that was never sent)."""
+        self._head = mark
+
+    def alloc(self, nbytes: int, timeout_s: float) -> int:
+        """Offset (from the data start) of ``nbytes`` contiguous free bytes; waits up to
+        ``timeout_s`` for the receiver to free space, then raises :class:`ArenaFull`."""
+        size = _round_up(nbytes)
+        cap = self.capacity
+        if size > cap:
+            raise ArenaFull(f"a {nbytes}-byte tensor does not fit the {cap}-byte shared-memory "
+                            "arena; raise shm_bytes")
+        deadline = None
+        pause = 20e-6
+        while True:
+            off, tail = self._head % cap, self.tail
+            wrap = off + size > cap  # the end is too short: skip it, start over at 0
+            need = cap - off + size if wrap else size
+            if self._head + need - tail <= cap:
+                break
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout_s
+            elif now > deadline:
+                raise ArenaFull(f"the shared-memory arena '{self.name}' stayed full for "
+                                f"{timeout_s} s ({self.in_use} of {cap} bytes in flight); the "
+                                "other side is not consuming, or shm_bytes is too small")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        if wrap:
+            self._head += cap - off
+            off = 0
+        self._head += size
+        return off
+
+    def publish(self) -> int:
+        """Makes this side's allocations visible; returns the span end a message carries."""
+        struct.pack_into("<Q", self.mm, _HEAD, self._head)
+        return self._head
+
+    def data(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self.mm)[_DATA + offset:_DATA + offset + nbytes]
+
+    # ---- reader ------------------------------------------------------------------------------
+
+    def check_span(self, offset: int, nbytes: int) -> None:
+        if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset
+                and 0 <= nbytes and offset + nbytes <= self.capacity):
+            raise ValueError(f"tensor bytes [{offset}, +{nbytes}) lie outside the "
+                             f"{self.capacity}-byte arena '{self.name}'")
+
+    def free_to(self, span_end: int) -> None:
+        """Frees everything sent before ``span_end`` (after the data was copied out)."""
+        tail = self.tail
+        if not isinstance(span_end, int) or not tail <= span_end <= self.published_head:
+            raise ValueError(f"span end {span_end} is outside [{tail}, {self.published_head}] "
+                             f"of arena '{self.name}'")
+        struct.pack_into("<Q", self.mm, _TAIL, span_end)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+                pass
+            self.mm = None
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+
+def unlink_quietly(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+_OURS = re.compile(r"^mstar_(\d+)_[0-9a-f]+_r\d+_g\d+_(p2w|w2p)$")
+_WORKDIR = re.compile(r"^mstar-placement-(\d+)-\w+$")
+
+
+def _gone(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        pass
+    return False
+
+
+def sweep_stale(tmp_dir: Optional[str] = None) -> list[str]:
+    """Removes arenas, and socket directories under ``tmp_dir`` (default: the system's), whose
+    parent process is gone -- a parent and its workers all killed at once (e.g. by the OOM
+    killer) leave them behind; returns their paths. Those of live processes are left alone."""
+    import shutil
+    import tempfile
+
+    removed = []
+    for where, pattern in ((SHM_DIR, _OURS), (tmp_dir or tempfile.gettempdir(), _WORKDIR)):
+        try:
+            names = os.listdir(where)
+        except OSError:
+            continue
+        for name in names:
+            m = pattern.match(name)
+            if m is None or not _gone(m.group(1)):
+                continue
+            path = os.path.join(where, name)
+            if where == SHM_DIR:
+                unlink_quietly(name)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -1,0 +1,264 @@
+"""Values across the process boundary: msgpack for structure, the shared-memory arena for bytes.
+
+Never pickle: a message is a msgpack map. Plain data (None, bool, int, float, str, bytes, list,
+dict) is msgpack itself; a few extension types carry the rest:
+
+* tensor (torch or numpy): ``[kind, dtype, shape, offset, nbytes]`` -- the bytes lie in the
+  sender's arena at ``offset``; the receiver copies them out before it frees the span;
+* tuple: a packed list (kept apart from lists, so outputs compare equal to in-process ones);
+* registered dataclass: ``["module:QualName", {field: value}]``, rebuilt only for types that the
+  receiving process registered too (:func:`register_type`), never by importing what a message
+  names;
+* numpy scalar: ``[dtype, raw bytes]``.
+
+GPU tensors cross as host copies today; a CUDA IPC handle (``torch.multiprocessing``'s
+``share_cuda``) or a torch.distributed send would be one more tensor ``kind`` (see
+docs/placement.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Optional
+
+import msgpack
+import numpy as np
+
+from mstar_rt.placement.arena import ShmArena
+
+EXT_TENSOR, EXT_TUPLE, EXT_DATACLASS, EXT_NPSCALAR = 1, 2, 3, 4
+_TORCH, _NUMPY = 0, 1
+
+_NUMPY_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128")}
+
+_TYPES: dict[str, type] = {}
+_TORCH_DTYPES: Optional[dict[str, Any]] = None
+
+
+class CodecError(ValueError):
+    """A value cannot cross the process boundary, or a message is malformed."""
+
+
+def register_type(cls: type) -> type:
+    """Lets instances of dataclass ``cls`` cross between processes (by fields). Call it in the
+    module that defines ``cls``, so the parent and every worker that imports it register it;
+    usable as a class decorator."""
+    if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
+        raise TypeError(f"register_type: {cls!r} is not a dataclass type")
+    _TYPES[f"{cls.__module__}:{cls.__qualname__}"] = cls
+    return cls
+
+
+def _torch_dtypes() -> dict[str, Any]:
+    global _TORCH_DTYPES
+    if _TORCH_DTYPES is None:
+        import torch
+
+        _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
+            torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+            torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+            torch.complex128)}
+    return _TORCH_DTYPES
+
+
+def _register_builtin_types() -> None:
+    from mstar_rt.model import StreamWindow
+
+    register_type(StreamWindow)
+    try:
+        from mstar_rt.engines.sampling import SamplingParams
+    except ImportError:  # torch missing: no LM, no SamplingParams to send
+        return
+    register_type(SamplingParams)
+
+
+class Encoder:
+    """Packs messages; tensors go into ``arena`` (the caller marks / publishes around it)."""
+
+    def __init__(self, arena: Optional[ShmArena], timeout_s: float = 10.0) -> None:
+        self.arena = arena
+        self.timeout_s = timeout_s
+        self._torch: Any = None
+
+    def pack(self, message: dict) -> bytes:
+        try:
+            return msgpack.packb(message, default=self._default, strict_types=True,
+                                 use_bin_type=True)
+        except CodecError:
+            raise
+        except OverflowError as e:
+            raise CodecError(f"cannot send an integer outside the 64-bit range ({e})") from None
+        except (TypeError, ValueError) as e:
+            raise CodecError(str(e)) from None
+
+    def _default(self, obj: Any) -> msgpack.ExtType:
+        t = type(obj)
+        if t is tuple:
+            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+        if t is np.ndarray:
+            return msgpack.ExtType(EXT_TENSOR, self._pack_numpy(obj))
+        if isinstance(obj, np.generic):
+            dt = str(obj.dtype)
+            if dt not in _NUMPY_DTYPES:
+                raise CodecError(f"cannot send a numpy scalar of dtype {dt}")
+            return msgpack.ExtType(EXT_NPSCALAR, msgpack.packb([dt, obj.tobytes()]))
+        torch = sys.modules.get("torch")  # no tensor can exist unless torch was imported
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return msgpack.ExtType(EXT_TENSOR, self._pack_torch(obj))
+        # strict_types sends subclasses here: cross as their plain base (torch.Size: tuple)
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+        for base in (bool, int, float, str, bytes, list, dict):
+            if isinstance(obj, base):
+                return base(obj)
+        if isinstance(obj, (bytearray, memoryview)):
+            return bytes(obj)
+        key = f"{t.__module__}:{t.__qualname__}"
+        if _TYPES.get(key) is t:
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            return msgpack.ExtType(EXT_DATACLASS, self.pack([key, fields]))
+        hint = (" (register the dataclass with mstar_rt.placement.register_type)"
+                if dataclasses.is_dataclass(obj) else "")
+        raise CodecError(f"cannot send a value of type {t.__module__}.{t.__qualname__} between "
+                         "processes; send tensors, numpy arrays, numbers, strings, bytes, lists, "
+                         f"tuples, dicts or registered dataclasses{hint}")
+
+    def _alloc(self, nbytes: int) -> int:
+        if self.arena is None:
+            raise CodecError("this message cannot carry tensors")
+        return self.arena.alloc(nbytes, self.timeout_s)
+
+    def _pack_torch(self, t: Any) -> bytes:
+        import torch
+
+        dt = str(t.dtype).removeprefix("torch.")
+        if dt not in _torch_dtypes():
+            raise CodecError(f"cannot send a torch tensor of dtype {t.dtype}")
+        if t.layout != torch.strided:
+            raise CodecError(f"cannot send a {t.layout} tensor; make it dense first")
+        src = t.detach()
+        if src.device.type != "cpu":  # host copy today; CUDA IPC would be another kind
+            src = src.cpu()
+        src = src.resolve_conj().resolve_neg().contiguous().reshape(-1)
+        nbytes = src.numel() * src.element_size()
+        offset = 0
+        if nbytes:
+            offset = self._alloc(nbytes)
+            # a plain memcpy: torch's copy_ would wake its OpenMP pool, which costs far more
+            # than the copy on a busy machine
+            self.arena.data(offset, nbytes)[:] = src.view(torch.uint8).numpy()
+        return msgpack.packb([_TORCH, dt, list(t.shape), offset, nbytes])
+
+    def _pack_numpy(self, a: np.ndarray) -> bytes:
+        dt = str(a.dtype)
+        if dt not in _NUMPY_DTYPES or a.dtype.byteorder == ">":
+            raise CodecError(f"cannot send a numpy array of dtype {a.dtype!r}")
+        nbytes = a.nbytes
+        offset = 0
+        if nbytes:
+            offset = self._alloc(nbytes)
+            self.arena.data(offset, nbytes)[:] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        return msgpack.packb([_NUMPY, dt, list(a.shape), offset, nbytes])
+
+
+class Decoder:
+    """Unpacks messages; tensors are copied out of ``arena`` (validated against its bounds)."""
+
+    def __init__(self, arena: Optional[ShmArena]) -> None:
+        self.arena = arena
+
+    def unpack(self, data: bytes) -> Any:
+        try:
+            return msgpack.unpackb(data, ext_hook=self._ext, raw=False, strict_map_key=False,
+                                   use_list=True)
+        except CodecError:
+            raise
+        except Exception as e:  # msgpack raises several types for garbage
+            raise CodecError(f"not a valid msgpack message ({type(e).__name__}: {e})") from None
+
+    def _ext(self, code: int, data: bytes) -> Any:
+        if code == EXT_TUPLE:
+            value = self.unpack(data)
+            if not isinstance(value, list):
+                raise CodecError("a tuple extension must hold a list")
+            return tuple(value)
+        if code == EXT_TENSOR:
+            return self._tensor(msgpack.unpackb(data))
+        if code == EXT_DATACLASS:
+            value = self.unpack(data)
+            if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+                    and isinstance(value[1], dict)):
+                raise CodecError("a dataclass extension must hold [type name, fields]")
+            cls = _TYPES.get(value[0])
+            if cls is None:
+                raise CodecError(f"type {value[0]} is not registered in this process; call "
+                                 "mstar_rt.placement.register_type on it in the module that "
+                                 "defines it")
+            try:
+                return cls(**value[1])
+            except Exception as e:
+                raise CodecError(f"cannot rebuild {value[0]}: {type(e).__name__}: {e}") from None
+        if code == EXT_NPSCALAR:
+            value = msgpack.unpackb(data)
+            if not (isinstance(value, list) and len(value) == 2 and value[0] in _NUMPY_DTYPES
+                    and isinstance(value[1], bytes)
+                    and len(value[1]) == _NUMPY_DTYPES[value[0]].itemsize):
+                raise CodecError("malformed numpy scalar")
+            return np.frombuffer(value[1], dtype=_NUMPY_DTYPES[value[0]])[0]
+        raise CodecError(f"unknown msgpack extension type {code}")
+
+    def _tensor(self, h: Any) -> Any:
+        if not (isinstance(h, list) and len(h) == 5 and h[0] in (_TORCH, _NUMPY)
+                and isinstance(h[1], str) and isinstance(h[2], list)
+                and all(isinstance(d, int) and d >= 0 for d in h[2])):
+            raise CodecError("malformed tensor header; expected [kind, dtype, shape, offset, "
+                             "nbytes]")
+        kind, dt, shape, offset, nbytes = h
+        if kind == _NUMPY:
+            dtype = _NUMPY_DTYPES.get(dt)
+            itemsize = dtype.itemsize if dtype is not None else 0
+        else:
+            dtype = _torch_dtypes().get(dt)
+            itemsize = dtype.itemsize if dtype is not None else 0
+        if dtype is None:
+            raise CodecError(f"tensor dtype '{dt}' is not allowed")
+        count = 1
+        for d in shape:
+            count *= d
+        if count * itemsize != nbytes:
+            raise CodecError(f"tensor of shape {shape} and dtype {dt} needs {count * itemsize} "
+                             f"bytes, the header says {nbytes}")
+        if nbytes:
+            if self.arena is None:
+                raise CodecError("this message cannot carry tensors")
+            try:
+                self.arena.check_span(offset, nbytes)
+            except ValueError as e:
+                raise CodecError(str(e)) from None
+        if kind == _NUMPY:
+            out = np.empty(shape, dtype=dtype)
+            if nbytes:
+                memoryview(out.reshape(-1).view(np.uint8))[:] = self.arena.data(offset, nbytes)
+            return out
+        import torch
+
+        out = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            memoryview(out.reshape(-1).view(torch.uint8).numpy())[:] = \
+                self.arena.data(offset, nbytes)
+        return out
+
+
+def scalar_items(state: dict) -> dict:
+    """The entries of a request's state that are plain scalars (what the parent mirrors)."""
+    return {k: v for k, v in state.items()
+            if isinstance(k, str) and (v is None or type(v) in (bool, int, float, str))
+            and not (type(v) is int and not -2**63 <= v < 2**64)}
+
+
+_register_builtin_types()
+
+__all__ = ["CodecError", "Decoder", "Encoder", "register_type", "scalar_items"]

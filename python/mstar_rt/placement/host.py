@@ -1,0 +1,234 @@
+"""The worker's side of placement: its engines run the placed nodes exactly as the in-process
+Runtime would, fed by a :class:`LocalQueue` that stands in for the Conductor.
+
+:class:`WorkerHost` is a Runtime without a Conductor: it reuses the Runtime's batch path
+(``_run``, ``_prepare``) so a node behaves bit for bit as it does in one process, and holds the
+per-request contexts (and, through its engines, KV pages) until the parent says the request
+ended. Results leave through ``reply`` (the worker's sender)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from mstar_rt.engines.base import Engine, StatelessEngine
+from mstar_rt.graph import StreamingGraphEdge
+from mstar_rt.model import Model, RequestContext
+from mstar_rt.runtime import Runtime, _Hooks, compile_model
+from mstar_rt.placement.codec import scalar_items
+
+_EMPTY: tuple = ((), (), ())  # an outcome with nothing for the (absent) Conductor to act on
+
+
+class _Request:
+    __slots__ = ("context", "key")
+
+    def __init__(self, context: RequestContext, key: tuple) -> None:
+        self.context = context
+        self.key = key  # queue order, as the Conductor's: deadline, then priority, then arrival
+
+
+class LocalQueue:
+    """Ready items per engine; ``next_batch`` takes the most urgent one (deadline, then
+    priority, then request arrival, as the Conductor orders) and batches it with the next most
+    urgent items of the same node and walk."""
+
+    def __init__(self, host: "WorkerHost", num_engines: int, engine_of_node: dict[int, int],
+                 reply: Callable[..., None]) -> None:
+        self._host = host
+        self._cv = threading.Condition()
+        self._ready: list[collections.deque] = [collections.deque() for _ in range(num_engines)]
+        self._engine_of_node = engine_of_node
+        self._item_rid: dict[int, int] = {}  # items handed to an engine -> request
+        self._reply = reply
+        self._stopping = False
+        self.batches = 0
+
+    def put(self, node: int, walk: int, items: Sequence[tuple]) -> None:
+        with self._cv:
+            q = self._ready[self._engine_of_node[node]]
+            for item in items:
+                q.append((node, walk, item))
+            self._cv.notify_all()
+
+    def next_batch(self, engine: int, max_batch: int, timeout_s: float) -> Optional[tuple]:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            q = self._ready[engine]
+            while not q and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+            if self._stopping:
+                return None
+            requests = self._host._requests
+            late = (2**63 - 1, 0, 0)
+
+            def key(entry: tuple) -> tuple:
+                r = requests.get(entry[2][1])
+                return r.key if r is not None else late
+
+            node, walk, _ = min(q, key=key)  # min() keeps arrival order among equals
+            limit = min(max(max_batch, 1), self._host.graph.nodes[node][2])
+            same = sorted((e for e in q if e[0] == node and e[1] == walk), key=key)[:limit]
+            chosen = {id(e) for e in same}
+            self._ready[engine] = collections.deque(e for e in q if id(e) not in chosen)
+            taken = [e[2] for e in same]
+            for item in taken:
+                self._item_rid[item[0]] = item[1]
+            self.batches += 1
+            return node, walk, taken
+
+    def purge(self, rid: int) -> None:
+        """Drops the queued items of an ended request (the parent already reported them)."""
+        with self._cv:
+            for e, q in enumerate(self._ready):
+                if any(entry[2][1] == rid for entry in q):
+                    self._ready[e] = collections.deque(x for x in q if x[2][1] != rid)
+
+    @property
+    def queued(self) -> int:
+        with self._cv:
+            return sum(len(q) for q in self._ready)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    def _take(self, ids: Sequence[int]) -> list[Optional[int]]:
+        with self._cv:
+            return [self._item_rid.pop(i, None) for i in ids]
+
+    # ---- what engines report (the Conductor's complete / fail_items) ----------------------------
+
+    def complete(self, node: int, ids: Sequence[int], outputs: list, stops: Any) -> tuple:
+        ids = list(ids)
+        if len(outputs) != len(ids):
+            raise ValueError(f"complete: {len(outputs)} results for {len(ids)} items")
+        rids = self._take(ids)
+        requests = self._host._requests
+        states = {}
+        for rid in set(rids):
+            handle = requests.get(rid) if rid is not None else None
+            if handle is not None:
+                states[rid] = scalar_items(handle.context.state)
+        self._reply("done", node=node, items=ids, outputs=list(outputs),
+                    stops=None if stops is None else [list(s) for s in stops], states=states)
+        return _EMPTY
+
+    def fail_items(self, ids: Sequence[int], message: str) -> tuple:
+        ids = list(ids)
+        self._take(ids)
+        self._reply("failed", items=ids, message=message)
+        return _EMPTY
+
+
+class WorkerHost(Runtime):
+    """Runs ``nodes`` of ``model`` on their engines (from ``model.engine_specs``, else
+    stateless; ``kv_settings`` names KVCacheEngines to build with other settings), one thread
+    per engine, like the Runtime does."""
+
+    def __init__(self, model: Model, nodes: Sequence[str], reply: Callable[..., None],
+                 kv_settings: Optional[dict[str, dict]] = None, poll_s: float = 0.05) -> None:
+        # Deliberately not Runtime.__init__: no Conductor; the parent's routes the work.
+        self.model = model
+        self.graph = g = compile_model(model)
+        self._poll_s = poll_s
+        self._node_names = list(g.node_ids)
+        self._walk_names = list(g.walk_ids)
+        self._name_of = list(g.names)
+        self._submodules = [model.submodules[n] for n in self._node_names]
+        self._hooks = [_Hooks(sub) for sub in self._submodules]
+        # check_stop's loop names go back to the parent as names; it maps them to its own ids.
+        self._loop_ids = {name: name for name in g.name_ids}
+        self._engine_of_node = {n: model.engines.get(n, "default") for n in self._node_names}
+        self._stream_input: list = [None] * len(self._node_names)
+        for n in model.nodes:
+            for out in n.outputs:
+                if isinstance(out, StreamingGraphEdge):
+                    self._stream_input[g.node_ids[out.to]] = out.name
+        self._requests: dict[int, _Request] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.node_ids = [g.node_ids[n] for n in nodes]
+        self._unique_submodules = list({id(self._submodules[i]): self._submodules[i]
+                                        for i in self.node_ids}.values())
+        names = sorted({self._engine_of_node[n] for n in nodes})
+        engine_of_node = {i: names.index(self._engine_of_node[self._node_names[i]])
+                          for i in self.node_ids}
+        self.conductor = LocalQueue(self, len(names), engine_of_node, reply)
+        self.engines: dict[str, Engine] = {}
+        for engine_id, name in enumerate(names):
+            if kv_settings and name in kv_settings:
+                from mstar_rt.engines.kv_engine import KVCacheEngine
+
+                engine: Engine = KVCacheEngine(**kv_settings[name])
+            else:
+                engine = model.engine_specs.get(name) or StatelessEngine()
+            engine.attach(self, engine_id, name,
+                          [i for i in self.node_ids if engine_of_node[i] == engine_id])
+            self.engines[name] = engine
+        self._workers = [threading.Thread(target=e.serve, name=f"mstar-engine-{e.name}",
+                                          daemon=True) for e in self.engines.values()]
+        for t in self._workers:
+            t.start()
+
+    def _handle(self, outcome: tuple) -> None:
+        """Outcomes are the parent's business; the LocalQueue already sent the results."""
+
+    # ---- requests, as the parent announces them ------------------------------------------------
+
+    def open(self, rid: int, inputs: Optional[dict], state: dict,
+             order: tuple = (2**63 - 1, 0)) -> None:
+        """``order``: the request's (deadline_ns, priority)."""
+        with self._lock:
+            if rid not in self._requests:
+                ctx = RequestContext(id=rid, inputs=inputs or {})
+                ctx.state.update(state)
+                self._requests[rid] = _Request(ctx, (order[0], -order[1], rid))
+
+    def set_walk(self, rid: int, walk: int) -> None:
+        handle = self._requests.get(rid)
+        if handle is not None:
+            handle.context.walk = self._walk_names[walk]
+
+    def release(self, rid: int) -> bool:
+        """The request ended in the parent: free its pages, queued items and node state."""
+        with self._lock:
+            handle = self._requests.pop(rid, None)
+        if handle is None:
+            return False
+        self.conductor.purge(rid)
+        for engine in self.engines.values():
+            engine.release(rid)
+        for sub in self._unique_submodules:
+            try:
+                sub.cleanup(handle.context)
+            except Exception:  # as in the Runtime: a cleanup failure must not stop the worker
+                pass
+        return True
+
+    def stats(self) -> dict:
+        kv = {}
+        for name, engine in self.engines.items():
+            cache = getattr(engine, "cache", None)
+            if cache is not None:
+                kv[name] = dict(pages_in_use=cache.num_pages - cache.free_pages,
+                                num_pages=cache.num_pages, sequences=cache.live_sequences)
+        return dict(live_requests=len(self._requests), queued_items=self.conductor.queued,
+                    batches=self.conductor.batches, kv=kv,
+                    kv_pages_in_use=sum(v["pages_in_use"] for v in kv.values()))
+
+    def close(self) -> None:
+        self._closed = True
+        self.conductor.shutdown()
+        for t in self._workers:
+            t.join(timeout=10)
+        with self._lock:
+            rids = list(self._requests)
+        for rid in rids:
+            self.release(rid)

@@ -1,0 +1,83 @@
+"""A worker's operating-system process: how it is started, what it prints, how it ended."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+
+class WorkerStartError(RuntimeError):
+    """A worker process did not come up (it could not import or build the model, crashed, or
+    missed the ready timeout); the message says which and quotes its last output."""
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-code} ({name})"
+    return f"exited with code {code}"
+
+
+def say(rank: int, text: str) -> None:
+    print(f"[mstar worker rank {rank}] {text}", file=sys.stderr, flush=True)
+
+
+class WorkerProcess:
+    """``python -m mstar_rt.placement.worker CONFIG`` in a session of its own (Ctrl-C at a
+    terminal reaches the parent, which then shuts the worker down), with the parent's sys.path,
+    and the given GPU alone visible for ``cuda:N``. Its output is kept (the last lines explain
+    a failed start) and, with ``progress``, forwarded to stderr prefixed with the rank."""
+
+    def __init__(self, rank: int, config_path: str, device: str, progress: bool) -> None:
+        self.rank = rank
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+        # subprocess, never fork: torch's thread pools survive only a fresh interpreter
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mstar_rt.placement.worker", config_path],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
+        self.pid = self.proc.pid
+        self._output: collections.deque = collections.deque(maxlen=30)
+        self._progress = progress
+        self.pump = threading.Thread(target=self._pump, daemon=True,
+                                     name=f"mstar-worker{rank}-output")
+        self.pump.start()
+
+    def _pump(self) -> None:
+        stdout = self.proc.stdout
+        assert stdout is not None
+        for raw in stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self._output.append(line)
+            if self._progress:
+                say(self.rank, line)
+        stdout.close()
+
+    def last_output(self) -> str:
+        self.pump.join(timeout=1.0)  # after an exit: let it read the last lines
+        lines = list(self._output)
+        return ("its last output:\n  " + "\n  ".join(lines)) if lines else "it printed nothing"
+
+    def stop(self, graceful: bool) -> None:
+        """Waits up to 5 s for a graceful exit (if asked), then kills."""
+        if graceful:
+            try:
+                self.proc.wait(timeout=5)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass

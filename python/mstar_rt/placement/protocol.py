@@ -1,0 +1,87 @@
+"""The messages between the parent and a worker, and their validation.
+
+Every message is two ZeroMQ frames: a fixed binary header (the sender's generation, its rank
+when it is a worker, and ``span``: where its arena allocations for this message end), then a
+msgpack map ``{"v": 1, "kind": ..., ...}`` whose tensors are arena references (codec.py). A
+receiver checks every field it reads before acting, so a malformed or foreign message gets an
+error reply and changes nothing.
+
+parent -> worker (worker's ROUTER socket)::
+
+    batch    gen node walk items=[[item, request, iteration, {input: value}, chunk|None]]
+             open={request: {"inputs": {..}|None, "state": {..},
+                             "order": [deadline_ns, priority]}}
+    release  gen requests=[request]
+    stats    gen token
+    shutdown gen
+
+worker -> parent (the parent's PULL socket)::
+
+    ready    rank gen pid nodes=[name] walks=[name]
+    fatal    rank gen message                 (the worker could not start)
+    done     rank gen node items=[item] outputs=[{name: value}] stops=[[loop]]|None
+             states={request: {key: scalar}}
+    failed   rank gen items=[item] message
+    stats    rank gen token stats={..}
+    error    rank gen message                 (it got a malformed message)
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+VERSION = 1
+PARENT_ID = b"parent"                        # the parent's routing id at a worker's ROUTER
+TO_WORKER_HEADER = struct.Struct("<IQ")     # generation, span end of the parent's arena
+TO_PARENT_HEADER = struct.Struct("<IIQ")    # rank, generation, span end of the worker's arena
+
+TO_WORKER = ("batch", "release", "stats", "shutdown")
+TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error")
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; the text says which field is wrong."""
+
+
+def check_header(msg: Any, kinds: tuple[str, ...]) -> str:
+    """The message's kind, after checking it is a map of this protocol version."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message must be a msgpack map, not {type(msg).__name__}")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"protocol version {msg.get('v')!r} is not {VERSION}")
+    kind = msg.get("kind")
+    if kind not in kinds:
+        raise ProtocolError(f"unknown message kind {kind!r}; expected one of {list(kinds)}")
+    return kind
+
+
+def field(msg: dict, name: str, types: Any, optional: bool = False) -> Any:
+    """``msg[name]`` checked against ``types`` (bool never passes for int)."""
+    if name not in msg:
+        if optional:
+            return None
+        raise ProtocolError(f"'{msg.get('kind')}' message lacks field '{name}'")
+    value = msg[name]
+    if value is None and optional:
+        return None
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        raise ProtocolError(f"field '{name}' of a '{msg.get('kind')}' message is "
+                            f"{type(value).__name__}, expected {_names(types)}")
+    return value
+
+
+def int_list(msg: dict, name: str) -> list[int]:
+    values = field(msg, name, list)
+    if not all(type(v) is int and v >= 0 for v in values):
+        raise ProtocolError(f"field '{name}' of a '{msg.get('kind')}' message must list "
+                            "non-negative integers")
+    return values
+
+
+def _as_tuple(types: Any) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _names(types: Any) -> str:
+    return " or ".join(t.__name__ for t in _as_tuple(types))

@@ -1,0 +1,86 @@
+"""The parent's side of a placed node: the model view the parent's Runtime serves, in which a
+node placed in a worker has a stand-in submodule and a :class:`RemoteEngine` instead of its own
+engine. The boundary is the engine: everything per node (prepare_inputs, forward, check_stop,
+split_batch, cleanup) and per engine (batching, the KV cache) happens in the worker, so
+request state such as KV pages lives there; the parent's Conductor only routes work items."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+from mstar_rt.engines.base import Engine
+from mstar_rt.model import Model, NodeSubmodule, RequestContext
+
+if TYPE_CHECKING:
+    from mstar_rt.placement.link import WorkerLink
+
+
+class RemoteSubmodule(NodeSubmodule):
+    """Stands in the parent for a node that runs in worker ``rank``; it is never called."""
+
+    def __init__(self, node: str, rank: int, max_batch: int) -> None:
+        self.node, self.rank, self.max_batch = node, rank, max_batch
+
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        raise RuntimeError(f"node '{self.node}' runs in worker process rank {self.rank}; the "
+                           "parent never runs it")
+
+
+class PlacedModel(Model):
+    """``model`` as the parent serves it: same graph, walks and state machine; placed nodes'
+    submodules and engines swapped for stand-ins."""
+
+    def __init__(self, model: Model, node_rank: Mapping[str, int], workers: set[int],
+                 parent_engines: Mapping[str, str],
+                 on_submit: Optional[Callable[[RequestContext], None]] = None) -> None:
+        self.inner = model
+        self.on_submit = on_submit
+        self.nodes = model.nodes
+        self.walks = model.walks
+        self.inputs = model.inputs
+        self.input_defaults = model.input_defaults
+        self.submodules = {
+            n: (RemoteSubmodule(n, node_rank[n], max(1, int(getattr(s, "max_batch", 1))))
+                if node_rank.get(n, 0) in workers else s)
+            for n, s in model.submodules.items()}
+        self.engines = dict(parent_engines)
+        used = set(parent_engines.values())
+        self.engine_specs = {e: spec for e, spec in model.engine_specs.items() if e in used}
+
+    def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
+        self.inner.validate_inputs(inputs)
+
+    def initial_walk(self, request: RequestContext) -> str:
+        if self.on_submit is not None:  # the one call per submit that sees the new context
+            self.on_submit(request)
+        return self.inner.initial_walk(request)
+
+    def next_walk(self, request: RequestContext, finished_walk: str,
+                  persisted: Mapping[str, Any]) -> Optional[str]:
+        return self.inner.next_walk(request, finished_walk, persisted)
+
+
+class RemoteEngine(Engine):
+    """Feeds a worker's engine: pulls batches from the parent's Conductor in its usual order
+    (deadline, priority, arrival) and hands them to the worker link at once, so the worker's
+    engine sees everything ready (continuous batching works across the boundary). Results come
+    back through the link's receiver, which reports them to the Conductor."""
+
+    def __init__(self, link: "WorkerLink") -> None:
+        super().__init__(None)
+        self.link = link
+
+    def serve(self) -> None:
+        rt = self.runtime
+        assert rt is not None
+        conductor, engine, poll = rt.conductor, self.engine_id, rt._poll_s
+        max_batch = self.max_batch
+        while not rt._closed:
+            batch = conductor.next_batch(engine, max_batch, poll)
+            if batch is None:
+                continue
+            node, walk, items = batch
+            self.link.send_batch(node, walk, items)
+
+    def release(self, request_id: int) -> None:
+        self.link.release(request_id)

@@ -1,0 +1,287 @@
+"""PlacedRuntime: a Runtime whose nodes may run in worker processes.
+
+The parent keeps the Conductor, the state machine and every node no NodeGroup sends away; each
+worker process runs its group's nodes on their own engines (a KV cache lives with its engine, in
+the worker). The caller sees the Runtime's interface unchanged: ``submit`` returns a
+RequestHandle, results and errors arrive the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import zmq
+
+from mstar_rt.engines.base import Engine
+from mstar_rt.placement.arena import sweep_stale
+from mstar_rt.placement.config import ModelSpec, NodeGroup, make_plan, read_config
+from mstar_rt.placement.link import WorkerLink
+from mstar_rt.placement.remote import PlacedModel, RemoteEngine
+from mstar_rt.placement.protocol import TO_PARENT_HEADER
+from mstar_rt.model import RequestContext
+from mstar_rt.runtime import _NO_DEADLINE, RequestHandle, Runtime
+
+_LIVE: "weakref.WeakSet[PlacedRuntime]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # no orphan workers or shared memory, whatever the caller forgot
+    for rt in list(_LIVE):
+        try:
+            rt.close()
+        except Exception:
+            traceback.print_exc()
+
+
+class _Hub:
+    """The parent's one receiving socket: every worker pushes its replies here, tagged with its
+    rank and generation; one thread reads them and hands them to the worker's link."""
+
+    def __init__(self, zctx: zmq.Context, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.sock = zctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.bind(endpoint)
+        self.links: dict[int, WorkerLink] = {}
+        self.bad_frames = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="mstar-placement-hub", daemon=True)
+
+    def start(self, links: Mapping[int, WorkerLink]) -> None:
+        self.links = dict(links)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock, header = self.sock, TO_PARENT_HEADER
+        while not self._stop:
+            if not sock.poll(100):
+                continue
+            frames = sock.recv_multipart()
+            if len(frames) != 2 or len(frames[0]) != header.size:
+                self.bad_frames += 1
+                continue
+            rank, gen, span = header.unpack(frames[0])
+            link = self.links.get(rank)
+            if link is None:
+                self.bad_frames += 1
+                continue
+            try:
+                link.on_message(gen, span, frames[1])
+            except Exception:  # a bug here must not stop every worker's replies
+                traceback.print_exc()
+
+    def close(self) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.sock.close(0)
+
+
+def split_engines(model: Any, plan: Any, engines: Mapping[str, Engine]
+                  ) -> tuple[dict[str, Engine], dict[int, dict[str, dict]]]:
+    """``engines`` overrides (Runtime(engines=...)) for the parent, and for each worker rank the
+    settings of the KVCacheEngines it should build instead of the model's (an engine object
+    cannot cross processes; its settings can)."""
+    rank_of = {model.engines.get(n, "default"): r for n, r in plan.node_rank.items()
+               if r in plan.workers}
+    local: dict[str, Engine] = {}
+    remote: dict[int, dict[str, dict]] = {}
+    for name, engine in engines.items():
+        if name not in rank_of:
+            local[name] = engine
+            continue
+        from mstar_rt.engines.kv_engine import KVCacheEngine
+
+        if type(engine) is not KVCacheEngine:
+            raise ValueError(f"engine '{name}' serves nodes placed in worker rank "
+                             f"{rank_of[name]}; only a KVCacheEngine's settings can be sent "
+                             f"there, not a {type(engine).__name__}; configure it in the "
+                             "model's engine_specs, which every worker builds")
+        remote.setdefault(rank_of[name], {})[name] = dict(
+            page_size=engine.page_size, num_pages=engine.num_pages, max_batch=engine.max_batch,
+            max_tokens_per_step=engine.max_tokens_per_step,
+            attention_backend=engine.attention_backend,
+            num_threads="auto" if engine._auto_threads else engine.num_threads)
+    return local, remote
+
+
+class PlacedRuntime(Runtime):
+    """Serves a model with some node groups in worker processes.
+
+    ``model``: a :class:`ModelSpec` or its ``"package.module:factory"`` string (with
+    ``model_kwargs``); every process builds it from there. ``node_groups``: where nodes run
+    (:class:`NodeGroup`); nodes in no group run in this process. ``shm_bytes``: size of each
+    shared-memory arena (one per direction per worker; a tensor larger than it cannot cross).
+    ``ready_timeout_s``: how long a worker may take to build the model. ``restart``:
+    ``"manual"`` (:meth:`restart_worker`) or ``"auto"`` (at most ``max_restarts`` times per
+    worker). ``progress``: forward worker output, prefixed with its rank, to stderr.
+    ``engines`` overrides engines as the Runtime's does; a KVCacheEngine for nodes placed in a
+    worker travels as its settings (page size, pages, ...) and is rebuilt there. Other
+    arguments are the :class:`~mstar_rt.Runtime`'s.
+
+    A worker that dies fails the requests it was serving or held state for (RequestFailed
+    naming the rank, node and exit status) within a second; other requests continue.
+    """
+
+    def __init__(self, model: Union[ModelSpec, str], node_groups: Sequence[NodeGroup],
+                 model_kwargs: Optional[Mapping[str, Any]] = None, poll_s: float = 0.05,
+                 engines: Optional[Mapping[str, Engine]] = None, shm_bytes: int = 64 << 20,
+                 ready_timeout_s: float = 120.0, restart: str = "manual", max_restarts: int = 3,
+                 progress: bool = True) -> None:
+        self._links: dict[int, WorkerLink] = {}
+        self._hub: Optional[_Hub] = None
+        self._zctx: Optional[zmq.Context] = None
+        self._workdir: Optional[str] = None
+        self._runtime_started = False
+        self._closed = False
+        self.shm_prefix = ""
+        # (deadline_ns, priority) of each request, so workers order their queues as the
+        # Conductor does; keyed by the request's context until it has an id
+        self._tls = threading.local()
+        self._order_of: dict[int, tuple[int, int]] = {}
+        if restart not in ("manual", "auto"):
+            raise ValueError(f"restart={restart!r}; use 'manual' or 'auto'")
+        self.restart_policy, self.max_restarts = restart, max_restarts
+        if isinstance(model, str):
+            model = ModelSpec(model, dict(model_kwargs or {}))
+        elif model_kwargs:
+            raise ValueError("give model_kwargs inside the ModelSpec, not beside it")
+        self.spec = model
+        self.user_model = model.build(model.parent_kwargs)
+        self.plan = plan = make_plan(self.user_model, node_groups)
+        local_engines, worker_engines = split_engines(self.user_model, plan, engines or {})
+        sweep_stale()
+        try:
+            self._workdir = tempfile.mkdtemp(prefix=f"mstar-placement-{os.getpid()}-")
+            self._zctx = zmq.Context()
+            self._hub = _Hub(self._zctx, f"ipc://{self._workdir}/parent.sock")
+            self.shm_prefix = tag = f"mstar_{os.getpid()}_{secrets.token_hex(3)}"
+            for rank, rank_plan in plan.workers.items():
+                self._links[rank] = WorkerLink(self, rank_plan, model, self._zctx, self._workdir,
+                                               self._hub.endpoint, tag, shm_bytes,
+                                               ready_timeout_s, progress,
+                                               worker_engines.get(rank, {}))
+            remote: dict[str, Engine] = {}
+            for n, rank in plan.node_rank.items():
+                if rank in plan.workers:
+                    remote.setdefault(plan.parent_engines[n], RemoteEngine(self._links[rank]))
+            placed = PlacedModel(self.user_model, plan.node_rank, set(plan.workers),
+                                 plan.parent_engines, self._note_order)
+            super().__init__(placed, poll_s, {**remote, **local_engines})
+            self._runtime_started = True
+            self._hub.start(self._links)
+            _LIVE.add(self)
+            for link in self._links.values():  # in parallel: each builds its model meanwhile
+                link.spawn()
+            for link in self._links.values():
+                link.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
+               priority: int = 0) -> RequestHandle:
+        """As :meth:`Runtime.submit`; workers also learn the deadline and priority."""
+        self._tls.order = (_NO_DEADLINE if deadline is None
+                           else time.monotonic_ns() + int(deadline * 1e9), int(priority))
+        self._tls.noted = None
+        try:
+            return super().submit(inputs, deadline, priority)
+        except BaseException:
+            if self._tls.noted is not None:
+                self._order_of.pop(self._tls.noted, None)
+            raise
+        finally:
+            self._tls.order = None
+
+    def _note_order(self, ctx: RequestContext) -> None:
+        order = getattr(self._tls, "order", None)
+        if order is not None:
+            self._order_of[id(ctx)] = order
+            self._tls.noted = id(ctx)
+
+    def order_of(self, ctx: RequestContext) -> tuple[int, int]:
+        """``(deadline_ns, priority)`` the request was submitted with."""
+        return self._order_of.get(id(ctx), (_NO_DEADLINE, 0))
+
+    def _end(self, rid: int, error: Optional[BaseException]) -> None:
+        handle = self._requests.get(rid)
+        super()._end(rid, error)
+        if handle is not None:
+            self._order_of.pop(id(handle.context), None)
+
+    @classmethod
+    def from_config(cls, source: Union[str, Mapping[str, Any]],
+                    **overrides: Any) -> "PlacedRuntime":
+        """Starts a PlacedRuntime from a placement config (YAML path or mapping; see
+        :func:`mstar_rt.placement.read_config`); ``overrides`` win over the config."""
+        return cls(**{**read_config(source), **overrides})
+
+    # ---- workers -------------------------------------------------------------------------------
+
+    def restart_worker(self, rank: int) -> None:
+        """Stops worker ``rank`` if it runs (its requests fail) and starts a fresh one; returns
+        once it is ready (WorkerStartError if it cannot start)."""
+        self._link(rank).restart()
+
+    def worker_stats(self, rank: int, timeout: float = 5.0) -> dict:
+        """What worker ``rank`` holds now: ``live_requests``, ``queued_items``,
+        ``kv_pages_in_use`` (and per engine in ``kv``), arena bytes in use each way
+        (``p2w_bytes_in_use``, ``w2p_bytes_in_use``), ``bad_messages``, ``pid``."""
+        return self._link(rank).stats(timeout)
+
+    @property
+    def workers(self) -> dict[int, dict]:
+        """Per worker rank: nodes, device, state (up / starting / down), pid, endpoint, shared
+        memory segments, restarts, last exit, items in flight and requests whose state it
+        holds."""
+        return {rank: link.info() for rank, link in self._links.items()}
+
+    def _link(self, rank: int) -> WorkerLink:
+        link = self._links.get(rank)
+        if link is None:
+            raise ValueError(f"rank {rank} is not a worker process; worker ranks are "
+                             f"{sorted(self._links)}")
+        return link
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancels what runs, stops the engine threads, shuts every worker down (killing one
+        that does not exit within 5 s) and removes its sockets and shared memory."""
+        if getattr(self, "_placement_closed", False):
+            return
+        self._placement_closed = True
+        _LIVE.discard(self)
+        if self._runtime_started:
+            super().close()
+        self._closed = True
+        for link in self._links.values():
+            try:
+                link.close()
+            except Exception:
+                traceback.print_exc()
+        if self._hub is not None:
+            self._hub.close()
+        if self._zctx is not None:
+            self._zctx.term()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __enter__(self) -> "PlacedRuntime":
+        return self
+
+
+__all__ = ["PlacedRuntime"]

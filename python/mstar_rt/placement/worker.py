@@ -1,0 +1,311 @@
+"""A worker process: ``python -m mstar_rt.placement.worker CONFIG.json``.
+
+Started by the parent (subprocess, never fork: torch's threads survive only a fresh
+interpreter). It builds the model from the config's import spec, keeps the engines of its node
+group, reports ``ready`` (or ``fatal`` with the reason), then serves messages on its ROUTER
+socket until ``shutdown`` or until its parent is gone. Progress goes to stderr, which the parent
+prefixes with the rank and forwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+import zmq
+
+from mstar_rt.placement.arena import ArenaFull, ShmArena
+from mstar_rt.placement.codec import CodecError, Decoder, Encoder
+from mstar_rt.placement.config import ModelSpec
+from mstar_rt.placement.protocol import (
+    PARENT_ID,
+    TO_PARENT_HEADER,
+    TO_WORKER,
+    TO_WORKER_HEADER,
+    VERSION,
+    ProtocolError,
+    check_header,
+    field,
+    int_list,
+)
+
+
+def say(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:  # the parent (reading our output) is gone
+        pass
+
+
+class Outbox:
+    """Sends to the parent from any thread: one lock keeps arena allocations in message order."""
+
+    def __init__(self, sock: zmq.Socket, arena: Optional[ShmArena], rank: int, gen: int) -> None:
+        self._sock, self._arena, self.rank, self.gen = sock, arena, rank, gen
+        self._encoder = Encoder(arena)
+        self._plain = Encoder(None)
+        self._lock = threading.Lock()
+
+    def send(self, kind: str, **fields: Any) -> None:
+        msg = {"v": VERSION, "kind": kind, "rank": self.rank, "gen": self.gen, **fields}
+        with self._lock:
+            if self._arena is None:
+                self._sock.send_multipart([TO_PARENT_HEADER.pack(self.rank, self.gen, 0),
+                                           self._plain.pack(msg)])
+                return
+            mark = self._arena.mark()
+            try:
+                payload = self._encoder.pack(msg)
+            except (CodecError, ArenaFull) as e:
+                self._arena.rollback(mark)
+                if kind != "done" or len(fields["items"]) == 1:
+                    failed = {"v": VERSION, "kind": "failed", "rank": self.rank, "gen": self.gen,
+                              "items": list(fields.get("items", ())),
+                              "message": f"its outputs cannot go back to the parent: {e}"}
+                    payload = self._plain.pack(failed)
+                else:
+                    payload = None
+            if payload is not None:
+                span = self._arena.publish()
+                self._sock.send_multipart([TO_PARENT_HEADER.pack(self.rank, self.gen, span),
+                                           payload])
+                return
+        # isolate the culprit: one message per item, so only its request fails
+        for i, item in enumerate(fields["items"]):
+            stops = fields["stops"]
+            self.send("done", node=fields["node"], items=[item], outputs=[fields["outputs"][i]],
+                      stops=None if stops is None else [stops[i]], states=fields["states"])
+
+
+class Worker:
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.rank, self.gen = int(cfg["rank"]), int(cfg["gen"])
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 100_000)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.connect(cfg["parent"])
+        self.p2w: Optional[ShmArena] = None
+        self.w2p: Optional[ShmArena] = None
+        self.outbox = Outbox(self.push, None, self.rank, self.gen)
+        self.router: Optional[zmq.Socket] = None
+        self.host: Any = None
+        self.bad_messages = 0
+        self.messages = 0
+
+    # ---- startup -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg, t0 = self.cfg, time.monotonic()
+        self.p2w, self.w2p = ShmArena.attach(cfg["p2w"]), ShmArena.attach(cfg["w2p"])
+        self.outbox = Outbox(self.push, self.w2p, self.rank, self.gen)
+        self.decoder, self.plain = Decoder(self.p2w), Decoder(None)
+        say(f"building {cfg['factory']} for nodes {cfg['nodes']} on {cfg['device']}")
+        model = ModelSpec(cfg["factory"], cfg["kwargs"]).build()
+        from mstar_rt.placement.host import WorkerHost
+
+        self.host = WorkerHost(model, cfg["nodes"], self.outbox.send, cfg.get("engines") or {})
+        engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.engines.items())
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(cfg["endpoint"])
+        g = self.host.graph
+        self.outbox.send("ready", pid=os.getpid(), nodes=list(g.node_ids), walks=list(g.walk_ids))
+        say(f"ready in {time.monotonic() - t0:.1f} s (engines {engines})")
+
+    # ---- serving -----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        ppid = int(self.cfg["parent_pid"])
+        while True:
+            if os.getppid() != ppid:
+                self.orphan_cleanup()
+                say("the parent process is gone; exiting")
+                return
+            if not poller.poll(200):
+                continue
+            frames = self.router.recv_multipart()
+            ident, frames = frames[0], frames[1:]
+            self.messages += 1
+            try:
+                if self.handle(ident == PARENT_ID, frames) == "shutdown":
+                    return
+            except (ProtocolError, CodecError) as e:
+                self.reject(ident, str(e))
+            except Exception as e:  # a bug here must not take the worker down
+                traceback.print_exc()
+                self.reject(ident, f"{type(e).__name__}: {e}")
+
+    def reject(self, ident: bytes, message: str) -> None:
+        self.bad_messages += 1
+        text = f"worker rank {self.rank} rejected a message: {message}"
+        if ident == PARENT_ID:
+            self.outbox.send("error", message=text)
+        else:
+            reply = {"v": VERSION, "kind": "error", "rank": self.rank, "gen": self.gen,
+                     "message": text}
+            self.router.send_multipart([ident, Encoder(None).pack(reply)])
+
+    def handle(self, from_parent: bool, frames: list) -> Optional[str]:
+        if len(frames) != 2 or len(frames[0]) != TO_WORKER_HEADER.size:
+            raise ProtocolError(f"a message is two frames, a {TO_WORKER_HEADER.size}-byte header "
+                                f"(generation, span end) and a msgpack map; got {len(frames)} "
+                                "frames")
+        gen, span = TO_WORKER_HEADER.unpack(frames[0])
+        if gen != self.gen:
+            raise ProtocolError(f"generation {gen} is not this worker's ({self.gen})")
+        if not from_parent:  # only the parent may hand over arena bytes
+            msg = self.plain.unpack(frames[1])
+        else:
+            try:
+                msg = self.decoder.unpack(frames[1])
+            finally:  # copied out (or unusable): free the parent's arena up to here
+                try:
+                    self.p2w.free_to(span)
+                except ValueError as e:
+                    raise ProtocolError(str(e)) from None
+        kind = check_header(msg, TO_WORKER)
+        if kind == "batch":
+            self.batch(msg, from_parent)
+        elif kind == "release":
+            rids = int_list(msg, "requests")
+            self.only_parent(from_parent, kind)
+            for rid in rids:
+                self.host.release(rid)
+        elif kind == "stats":
+            token = field(msg, "token", int)
+            self.only_parent(from_parent, kind)
+            self.outbox.send("stats", token=token, stats=self.stats())
+        elif kind == "shutdown":
+            self.only_parent(from_parent, kind)
+            return "shutdown"
+        return None
+
+    @staticmethod
+    def only_parent(from_parent: bool, kind: str) -> None:
+        # Checked after the message's own fields, so a stranger learns what was malformed.
+        if not from_parent:
+            raise ProtocolError(f"only the parent process may send '{kind}' messages")
+
+    def batch(self, msg: dict, from_parent: bool) -> None:
+        host = self.host
+        items = field(msg, "items", list)
+        ids = [it[0] for it in items if isinstance(it, list) and it and type(it[0]) is int]
+        try:
+            node = field(msg, "node", int)
+            walk = field(msg, "walk", int)
+            if node not in host.node_ids:
+                names = [host._node_names[i] for i in host.node_ids]
+                raise ProtocolError(f"node id {node} is not one of this worker's nodes {names}")
+            if not 0 <= walk < len(host._walk_names):
+                raise ProtocolError(f"walk id {walk} is out of range")
+            inputs = set(host.graph.node_inputs[node])
+            work = []
+            for it in items:
+                if not (isinstance(it, list) and len(it) == 5
+                        and all(type(x) is int and x >= 0 for x in it[:3])
+                        and isinstance(it[3], dict) and set(it[3]) <= inputs
+                        and (it[4] is None
+                             or (isinstance(it[4], (list, tuple)) and len(it[4]) == 4))):
+                    raise ProtocolError("a batch item must be [item, request, iteration, "
+                                        "{input: value}, chunk or None] with the node's inputs")
+                chunk = None if it[4] is None else tuple(it[4])
+                work.append((it[0], it[1], it[2], it[3], chunk))
+            opens = field(msg, "open", dict)
+            for rid, o in opens.items():
+                if type(rid) is not int or not isinstance(o, dict):
+                    raise ProtocolError("'open' maps request ids to {inputs, state}")
+                inputs_ = o.get("inputs")
+                state = o.get("state") or {}
+                order = o.get("order", [2**63 - 1, 0])
+                if not isinstance(inputs_, (dict, type(None))) or not isinstance(state, dict):
+                    raise ProtocolError("'open' entries hold inputs (a map or nil) and state")
+                if not (isinstance(order, list) and len(order) == 2
+                        and all(type(v) is int for v in order)):
+                    raise ProtocolError("'open' order must be [deadline_ns, priority]")
+            self.only_parent(from_parent, "batch")
+        except (ProtocolError, CodecError) as e:
+            if from_parent and ids:  # tell the parent so those items do not wait forever
+                self.outbox.send("failed", items=ids, message=f"malformed batch: {e}")
+            raise
+        for rid, o in opens.items():
+            host.open(rid, o.get("inputs"), o.get("state") or {},
+                      tuple(o.get("order", (2**63 - 1, 0))))
+        known, unknown = [], []
+        for w in work:
+            (known if w[1] in host._requests else unknown).append(w)
+        if unknown:
+            self.outbox.send("failed", items=[w[0] for w in unknown],
+                             message=f"worker rank {self.rank} holds no state for this request "
+                                     "(it ended, or the worker restarted)")
+        for w in known:
+            host.set_walk(w[1], walk)
+        if known:
+            host.conductor.put(node, walk, known)
+
+    def stats(self) -> dict:
+        return dict(self.host.stats(), pid=os.getpid(), rank=self.rank, gen=self.gen,
+                    messages=self.messages, bad_messages=self.bad_messages,
+                    p2w_bytes_in_use=self.p2w.in_use, w2p_bytes_in_use=self.w2p.in_use)
+
+    # ---- shutdown ----------------------------------------------------------------------------
+
+    def orphan_cleanup(self) -> None:
+        """The parent died without closing us: remove what it would have removed -- our arenas
+        and its socket directory (everything in it was the dead parent's)."""
+        for arena in (self.p2w, self.w2p):
+            if arena is not None:
+                arena.unlink()
+        workdir = os.path.dirname(self.cfg["endpoint"].removeprefix("ipc://"))
+        if os.path.basename(workdir).startswith(f"mstar-placement-{self.cfg['parent_pid']}-"):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        if self.router is not None:
+            self.router.close(0)
+        self.push.close(2000)
+        self.ctx.term()
+        for arena in (self.p2w, self.w2p):
+            if arena is not None:
+                arena.close()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        say("usage: python -m mstar_rt.placement.worker CONFIG.json (the parent writes it)")
+        return 2
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    cfg["config_path"] = argv[0]
+    worker = Worker(cfg)
+    try:
+        worker.start()
+    except BaseException as e:
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        traceback.print_exc()
+        worker.outbox.send("fatal", message=f"could not build {cfg['factory']} for nodes "
+                                            f"{cfg['nodes']}: {detail}")
+        worker.push.close(2000)
+        worker.ctx.term()
+        return 3
+    try:
+        worker.serve()
+    finally:
+        worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
