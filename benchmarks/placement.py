@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))
+sys.path.insert(0, str(HERE))
+from bench_common import use_source_tree  # noqa: E402
+
+use_source_tree()
 
 import torch  # noqa: E402
 

@@ -41,7 +41,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_common import machine  # noqa: E402
+from bench_common import child_pythonpath, machine  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "serve.json"
 CONFIG = ROOT / "examples" / "serve" / "vision_policy.yaml"
@@ -92,7 +92,7 @@ def reference_server(host: str, port: int) -> None:
 
 def start(cmd: list[str]) -> tuple[subprocess.Popen, int]:
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=child_pythonpath())
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=env, cwd=ROOT)
     found: list[int] = []

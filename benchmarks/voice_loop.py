@@ -35,9 +35,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_common import machine  # noqa: E402
+from bench_common import machine, use_source_tree  # noqa: E402
+
+use_source_tree()
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "voice_loop.json"
 COMMANDS = ["move the arm to the left", "open the gripper", "pick up the cup",

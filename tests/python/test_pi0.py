@@ -8,7 +8,6 @@ checkpoints round-trip; the benchmark runs."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from child_env import child_env
 import torch
 
 from mstar_rt import RequestCancelled
@@ -244,8 +244,7 @@ def test_checkpoint_directory_round_trips(tmp_path, module):
 
 def test_vla_benchmark_quick_tiny_writes_its_result(tmp_path):
     out = tmp_path / "vla.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"),
-                                                        str(ROOT / "benchmarks")])}
+    env = child_env(ROOT / "benchmarks")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vla.py"), "--quick",
                            "--tiny", "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=300)

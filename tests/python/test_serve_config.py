@@ -5,7 +5,6 @@ and the CLI loads, serves and stops on SIGINT (or says what is wrong and exits 2
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import signal
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from child_env import child_env
 import yaml
 
 import mstar_rt
@@ -166,8 +166,7 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_cli_serves_with_progress_lines_and_an_api_key_then_stops_on_a_signal(stop):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mstar_rt.serve.cli", "serve",
          str(ROOT / "examples" / "serve" / "robot_policy.yaml"), "--port", "0",

@@ -6,13 +6,13 @@ cancels and ends give every KV page back; checkpoints round-trip; the benchmark 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 import torch
 
 from mstar_rt import RequestCancelled, RequestFailed
@@ -210,8 +210,7 @@ def test_checkpoint_directory_round_trips_and_a_mismatch_is_an_error(tmp_path, p
 
 def test_world_model_benchmark_quick_tiny_writes_its_result(tmp_path):
     out = tmp_path / "world_model.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"),
-                                                        str(ROOT / "benchmarks")])}
+    env = child_env(ROOT / "benchmarks")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_model.py"), "--quick",
                            "--tiny", "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=300)
