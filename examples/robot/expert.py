@@ -37,11 +37,27 @@ def expert_chunk(obs: np.ndarray, horizon: int = HORIZON, rate_hz: float = RATE_
     return (goal + (q - goal) * np.exp(-k / (rate_hz * TAU))).astype(np.float32)
 
 
-
-
-def actions_left(buffer: mstar_rt.ActionChunkBuffer, tick: int) -> int:
-    """How many planned actions are left from `tick` on (call it from the loop's thread)."""
-    return len(buffer.remaining(tick))
+def expert_continuation(obs: np.ndarray, plan: np.ndarray, delay: np.ndarray,
+                        horizon: int = HORIZON, rate_hz: float = RATE_HZ) -> np.ndarray:
+    """The expert's chunk when its first `delay` actions are already fixed (real-time chunking):
+    (N, H, 2) for observations (N, 8), fixed plans (N, >= max delay, 2) and delays (N,). Rows
+    below d are the plan's; from d on the same exponential approach continues from the last
+    fixed set-point (from q when d = 0, which is expert_chunk). Continuing the plan rather than
+    restarting from the measured q (which lags the servo's set-point) is what keeps a switch
+    smooth: with the goal unchanged, the continuation is the old plan itself."""
+    obs = np.asarray(obs, dtype=np.float64)
+    plan = np.asarray(plan, dtype=np.float64)
+    d = np.asarray(delay, dtype=np.int64)
+    n = len(obs)
+    goal = inverse_kinematics(obs[:, 4:6])[:, None]
+    last = plan[np.arange(n), np.maximum(d - 1, 0)]
+    start = np.where((d > 0)[:, None], last, obs[:, 0:2])[:, None]
+    k = np.arange(horizon)[None, :, None]
+    steps = (k - d[:, None, None] + 1) / (rate_hz * TAU)
+    out = goal + (start - goal) * np.exp(-np.maximum(steps, 0))
+    fixed = k < d[:, None, None]
+    rows = np.minimum(np.arange(horizon), plan.shape[1] - 1)
+    return np.where(fixed, plan[:, rows], out).astype(np.float32)
 
 
 def substeps(rate_hz: float) -> int:
@@ -52,7 +68,9 @@ def substeps(rate_hz: float) -> int:
 def rollout(env: ArmEnv, chunk_fn: Callable[[np.ndarray], np.ndarray], seed: int, delay: int = 0,
             mode: str = "rtc", max_ticks: int = 150, rate_hz: float = RATE_HZ,
             action_noise: float = 0.0, rng: Optional[np.random.Generator] = None,
-            record: Optional[list] = None, stop_on_success: bool = True) -> tuple[bool, int]:
+            record: Optional[list] = None, stop_on_success: bool = True,
+            horizon: int = HORIZON, plan_aware: bool = False,
+            plans: Optional[list] = None) -> tuple[bool, int]:
     """One episode of chunked execution on simulated ticks; returns (success, ticks used).
 
     chunk_fn(obs) -> (H, A) is the policy. `delay` is the injected inference delay in ticks (the
@@ -60,19 +78,28 @@ def rollout(env: ArmEnv, chunk_fn: Callable[[np.ndarray], np.ndarray], seed: int
     `action_noise` (rad, Gaussian, held for a few ticks) perturbs the executed set-points so the
     states visited stray off the expert's path — what lets behaviour cloning recover from its own
     errors. Every observation is appended to `record` when given.
+
+    `horizon` is the buffer's H. With `plan_aware` the policy is called as chunk_fn(obs, delay,
+    plan), plan being the actions the loop will still execute from the observation's tick on
+    (what real-time chunking conditions on); `plans` collects that plan for every observation
+    recorded.
     """
     rng = rng or np.random.default_rng(seed)
-    buffer = mstar_rt.ActionChunkBuffer(horizon=HORIZON, action_dim=ACTION_DIM, mode=mode)
+    buffer = mstar_rt.ActionChunkBuffer(horizon=horizon, action_dim=ACTION_DIM, mode=mode)
     obs = env.reset(seed)
     n_sub = substeps(rate_hz)
     pending: list[tuple[int, np.ndarray, int]] = []  # (publish at tick, chunk, obs tick)
     noise = np.zeros(ACTION_DIM)
     for tick in range(max_ticks):
         # Ask for a chunk when the plan runs low and none is on its way (as the demo's thread).
+        plan = buffer.remaining(tick)  # pop(tick) has not run: this is the plan from tick on
         if record is not None:
             record.append(obs)
-        if not pending and actions_left(buffer, tick) < HORIZON // 2:
-            pending.append((tick + delay, chunk_fn(obs), tick))
+        if plans is not None:
+            plans.append(plan)
+        if not pending and len(plan) < horizon // 2:
+            chunk = chunk_fn(obs, delay, plan) if plan_aware else chunk_fn(obs)
+            pending.append((tick + delay, chunk, tick))
         while pending and pending[0][0] <= tick:
             _, chunk, obs_tick = pending.pop(0)
             buffer.publish(chunk, obs_tick)

@@ -1,5 +1,7 @@
-"""The robot reaching demo: env + expert, the shipped policy weights and walk graph, and the demo
-end to end (real-time ControlLoop, asynchronous inference through the Runtime, injected delays)."""
+"""The robot reaching demo: env + expert, the shipped MLP policy weights and walk graph, and the
+demo end to end (real-time ControlLoop, asynchronous inference of the mini-pi0 through the
+Runtime with d and the frozen actions as request inputs, injected delays). The mini-pi0 itself:
+test_robot_pi0.py."""
 
 import pathlib
 import subprocess
@@ -80,8 +82,12 @@ def test_demo_runs_and_reports(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["delay", "mode", "success"])
+    header = next(i for i, line in enumerate(lines)
+                  if line.split()[:4] == ["policy", "delay", "mode", "success"])
     rows = [lines[header + 2 + i].split() for i in range(3)]
-    assert [r[0] for r in rows] == ["0", "2", "5"]
-    assert all(r[1] == "rtc" for r in rows)
+    assert [r[:3] for r in rows] == [["pi0", d, "rtc"] for d in ("0", "2", "5")]
+    # d passed to the policy (d_given) follows the injected delay: the tracker measured it, and
+    # at delay 5 the chunks after the first one it timed carry d >= 5
+    column = lines[header].split().index("d_given") + 1  # "success" spans two row fields
+    assert int(rows[2][column].split("-")[-1]) >= 5, rows[2]
     assert out.exists() and out.stat().st_size > 10_000

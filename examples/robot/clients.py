@@ -1,0 +1,86 @@
+"""The demo's two policies behind one client interface: what a request holds and how its EMITted
+chunk becomes joint set-points.
+
+    pi0  the miniature pi0-style VLA (pi0_policy.py) served as mstar_rt.models.pi0.Pi0Policy --
+         prefix walk + action_gen Loop of flow steps -- with trained real-time chunking: each
+         request carries the delay d and the actions the loop still executes (run-time inputs:
+         a new d is a new request, never a new graph).
+    mlp  the behaviour-cloned ChunkMLP (policy.py), a 3-node walk; it has no RTC inputs, so d and
+         the plan are not sent (the ActionChunkBuffer's rtc merge still applies).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+import mstar_rt
+
+
+class PolicyClient:
+    name = ""
+    horizon = 0
+    uses_delay = False  # does the request carry d and the frozen actions?
+
+    def model(self) -> mstar_rt.Model:
+        raise NotImplementedError
+
+    def request(self, obs: np.ndarray, delay: int, plan: Optional[np.ndarray],
+                seed: int) -> dict:
+        raise NotImplementedError
+
+    def decode(self, out: dict[str, Any], obs: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class Pi0Client(PolicyClient):
+    name = "pi0"
+    uses_delay = True
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        from pi0_policy import WEIGHTS_DIR, MiniPi0
+
+        self.policy = MiniPi0.load(path or WEIGHTS_DIR)
+        self.horizon = self.policy.horizon
+
+    def model(self) -> mstar_rt.Model:
+        from mstar_rt.models.pi0 import Pi0Policy
+
+        return Pi0Policy(self.policy.module, max_batch=4)
+
+    def request(self, obs, delay, plan, seed):
+        return self.policy.request(obs, delay, plan, seed)
+
+    def decode(self, out, obs):
+        return self.policy.from_model(out["actions"][0].numpy(), obs)
+
+
+class MlpClient(PolicyClient):
+    name = "mlp"
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        from policy import WEIGHTS, ChunkMLP
+
+        self.net = ChunkMLP.load(path or WEIGHTS)
+        self.horizon = self.net.horizon
+
+    def model(self) -> mstar_rt.Model:
+        from policy import ChunkPolicyModel
+
+        return ChunkPolicyModel(self.net)
+
+    def request(self, obs, delay, plan, seed):
+        return {"obs": obs}
+
+    def decode(self, out, obs):
+        return np.asarray(out["actions"][0], np.float32)
+
+
+CLIENTS = {"pi0": Pi0Client, "mlp": MlpClient}
+
+
+def make_client(name: str) -> PolicyClient:
+    if name not in CLIENTS:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(CLIENTS)}")
+    return CLIENTS[name]()
