@@ -94,7 +94,8 @@ def test_action_chunks_equal_the_recompute_reference_for_batched_requests(serve,
     rt = serve(Pi0Policy(module, engine=engine, rtc=rtc))
     cases = [request(c, 0), request(c, 1, cameras=2, prompt_len=3, delay=2),
              request(c, 2, cameras=3, prompt_len=11, delay=5),
-             {**request(c, 3, prompt_len=0), "prev_actions": None}]
+             {**request(c, 3, prompt_len=0), "prev_actions": None},
+             {k: v for k, v in request(c, 4, delay=1).items() if k != "images"}]  # state only
     handles = [rt.submit(r) for r in cases]
     for r, h in zip(cases, handles):
         out = h.result(timeout=TIMEOUT)
@@ -190,7 +191,7 @@ def test_seed_draws_the_noise_when_none_is_given(serve, module):
     (dict(delay=4, prev_actions=torch.zeros(2, 7)), ["'prev_actions'", "[>= 4, 7]"]),
     (dict(prev_actions=torch.zeros(3, 5)), ["'prev_actions'", "[>= 1, 7]"]),
     (dict(images=[np.zeros((8, 8, 3), dtype=np.float32)]), ["'images'[0]", "uint8"]),
-    (dict(images=[np.zeros((8, 8, 3), dtype=np.uint8)] * 4), ["'images'", "1 to 3"]),
+    (dict(images=[np.zeros((8, 8, 3), dtype=np.uint8)] * 4), ["'images'", "0 to 3"]),
     (dict(prompt=[1, 2, 99]), ["'prompt'", "[0, 64)"]),
     (dict(noise=torch.full((8, 7), float("inf"))), ["'noise'", "infinite"]),
 ])

@@ -84,13 +84,15 @@ def _int(value: Any, name: str, low: int) -> int:
 def check_images(c: Any, images: Any) -> list:
     """``images`` as a list of uint8 ``[H, W, 3]`` arrays (a list, a dict by camera or one
     array); a ValueError names what is wrong."""
-    if isinstance(images, Mapping):
+    if images is None:  # a state-only prefix
+        images = []
+    elif isinstance(images, Mapping):
         images = list(images.values())
     elif isinstance(images, np.ndarray) and images.ndim == 3:
         images = [images]
     images = list(images)
-    if not 1 <= len(images) <= c.max_images:
-        raise ValueError(f"'images' must hold 1 to {c.max_images} camera images; got "
+    if len(images) > c.max_images:
+        raise ValueError(f"'images' must hold 0 to {c.max_images} camera images; got "
                          f"{len(images)}")
     for i, im in enumerate(images):
         a = np.asarray(im)
@@ -104,10 +106,10 @@ def check_pi0_inputs(module: Pi0Module, inputs: Mapping[str, Any]) -> Pi0Request
     """Validates a request; raises a ValueError naming the input and what it needs."""
     c = module.config
     dev, dt = module.device, module.dtype
-    for key in ("images", "prompt", "state"):
+    for key in ("prompt", "state"):
         if inputs.get(key) is None:
             raise ValueError(f"pi0 input '{key}' is missing")
-    images = check_images(c, inputs["images"])
+    images = check_images(c, inputs.get("images"))
     prompt = torch.as_tensor(inputs["prompt"]).reshape(-1)
     if prompt.numel() == 0:  # an empty list comes out as float
         prompt = prompt.long()
@@ -154,6 +156,8 @@ def check_pi0_inputs(module: Pi0Module, inputs: Mapping[str, Any]) -> Pi0Request
 def encode_images(module: Pi0Module, images: list) -> torch.Tensor:
     """Preprocesses (OpenCV) and encodes images -> tokens ``[len * num_patches, width]``."""
     size = module.config.vision.image_size
+    if not images:  # a state-only prefix
+        return torch.zeros(0, module.config.width, device=module.device, dtype=module.dtype)
     pixels = torch.stack([preprocess_image(im, size) for im in images])
     tokens = module.image_tokens(pixels.to(device=module.device, dtype=module.dtype))
     return tokens.flatten(0, 1)
@@ -268,7 +272,7 @@ class Pi0Policy(Model):
     """
 
     inputs = ("images", "prompt", "state", "noise", "seed", "delay", "prev_actions")
-    input_defaults = {"noise": None, "seed": 0, "delay": 0, "prev_actions": None}
+    input_defaults = {"images": None, "noise": None, "seed": 0, "delay": 0, "prev_actions": None}
 
     def __init__(self, module: Pi0Module, engine: Optional[KVCacheEngine] = None,
                  max_batch: int = 32, rtc: str = "trained", guidance_beta: float = 5.0) -> None:
