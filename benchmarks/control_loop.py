@@ -7,7 +7,8 @@ loop, while an inference workload runs on another thread of the same process.
 The workload (one Python thread, continuously): Python pre-processing (a numpy observation,
 normalisation, per-joint Python bookkeeping, a tokenised prompt), a torch forward of a small
 conv + MLP policy (torch.set_num_threads(1)) and Python post-processing (un-normalise and clip
-a 50 x 7 action chunk, per-action Python checks), then publish the chunk into an
+a 50 x 7 action chunk, and a per-action safety filter: forward kinematics and obstacle
+clearance in pure Python, as robot wrappers do), then publish the chunk into an
 ActionChunkBuffer stamped with the current control tick.
 
 Loops measured beside it, each popping one action per tick from that buffer, at 100 Hz and 500 Hz:
@@ -91,6 +92,30 @@ A_MEAN = [0.02 * i for i in range(ACTION_DIM)]
 A_STD = [0.5 + 0.1 * i for i in range(ACTION_DIM)]
 
 
+LINKS = [(0.0, 0.333, -math.pi / 2), (0.0, 0.0, math.pi / 2), (0.0825, 0.316, math.pi / 2),
+         (-0.0825, 0.0, -math.pi / 2), (0.0, 0.384, math.pi / 2), (0.088, 0.0, math.pi / 2)]
+OBSTACLES = [(0.5, 0.0, 0.1, 0.08), (0.3, 0.3, 0.2, 0.05), (0.4, -0.3, 0.15, 0.06)]
+
+
+def workspace_ok(q: list) -> bool:
+    """Forward kinematics of a 6-joint arm (Denavit-Hartenberg, pure Python, as many robot
+    wrappers check each commanded action) and a clearance test of every joint position against
+    a few spherical obstacles. This is the Python-heavy part of the workload: the GIL is held
+    throughout, which is what a Python control loop on the same interpreter has to wait for."""
+    t = [[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
+    for (a, d, alpha), theta in zip(LINKS, q):
+        ct, st, ca, sa = math.cos(theta), math.sin(theta), math.cos(alpha), math.sin(alpha)
+        link = [[ct, -st * ca, st * sa, a * ct], [st, ct * ca, -ct * sa, a * st],
+                [0.0, sa, ca, d]]
+        t = [[sum(t[i][k] * link[k][j] for k in range(3)) + (t[i][3] if j == 3 else 0.0)
+              for j in range(4)] for i in range(3)]
+        x, y, z = t[0][3], t[1][3], t[2][3]
+        for ox, oy, oz, r in OBSTACLES:
+            if (x - ox) ** 2 + (y - oy) ** 2 + (z - oz) ** 2 < r * r:
+                return False
+    return z > -0.1
+
+
 class Inference(threading.Thread):
     """Runs pre-processing -> forward -> post-processing -> publish until stopped."""
 
@@ -123,6 +148,8 @@ class Inference(threading.Thread):
         for row in raw.tolist():  # per-action Python checks, as robot wrappers do
             act = [max(-1.0, min(1.0, a * sd + mu)) for a, mu, sd in zip(row, A_MEAN, A_STD)]
             act[-1] = 1.0 if act[-1] > 0 else -1.0  # gripper open / closed
+            if not workspace_ok(act[:-1]):  # a safety filter: hold the previous action
+                act = list(chunk[-1]) if chunk else [0.0] * ACTION_DIM
             chunk.append(act)
         return np.asarray(chunk, dtype=np.float32)
 
