@@ -26,6 +26,9 @@ class Server:
             self._sock.close()
             raise OSError(f"cannot bind {host}:{port} ({e}); pick another server.port "
                           "(0 = any free port)") from None
+        # Listening now, not when uvicorn starts: a client that connects as soon as the URL is
+        # printed waits in the backlog instead of being refused.
+        self._sock.listen(2048)
         self.port: int = self._sock.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(
             app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3,
