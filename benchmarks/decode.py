@@ -73,6 +73,7 @@ MODEL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidd
 FULL = dict(max_tokens=64, reps=5, reruns=3)
 QUICK = dict(max_tokens=16, reps=2, reruns=0)
 TARGET_16REQ = 5.0
+THREADS = torch.get_num_threads()  # torch's default for this machine: both sides get it
 # Two torch threads on two vCPUs: while another process holds a core, each parallel op waits for
 # the descheduled OpenMP thread, and HF on the main thread (spinning OpenMP workers) fell to 3-5
 # tokens/s here (and lost a quarter at 10-20 % of a CPU of load). A cell run under such load says
@@ -103,7 +104,10 @@ def build_models(path: str) -> tuple[Any, CausalLM, float]:
 def make_ours(module: torch.nn.Module) -> CausalLM:
     """A fresh CausalLM (and engine) around an already loaded module."""
     # 16 requests x (32 + 64 tokens) need 96 pages of 16; 256 leaves room without a large cache.
-    return CausalLM(module, engine=KVCacheEngine(page_size=16, num_pages=256, max_batch=64))
+    # The engine's worker gets every core (the main thread keeps torch at one thread, so the
+    # worker's OpenMP pool is the only one alive while it runs; see main()).
+    return CausalLM(module, engine=KVCacheEngine(page_size=16, num_pages=256, max_batch=64,
+                                                 num_threads=THREADS))
 
 
 def make_prompts(count: int, vocab: int) -> list[list[int]]:
@@ -150,6 +154,25 @@ def serve_once(module: torch.nn.Module, prompts: list, max_tokens: int) -> dict:
 
 
 def run_hf(hf: Any, prompts: list, max_tokens: int) -> dict:
+    """HF's requests on a fresh thread with every core; its OpenMP pool ends with the thread."""
+    result: dict = {}
+
+    def body() -> None:
+        torch.set_num_threads(THREADS)
+        try:
+            result.update(_run_hf(hf, prompts, max_tokens))
+        except BaseException as e:  # re-raised on the calling thread
+            result["error"] = e
+
+    t = threading.Thread(target=body, name="hf-generate")
+    t.start()
+    t.join()
+    if "error" in result:
+        raise result["error"]
+    return result
+
+
+def _run_hf(hf: Any, prompts: list, max_tokens: int) -> dict:
     tokens = []
     t0 = time.perf_counter()
     for p in prompts:
@@ -384,7 +407,12 @@ def main() -> int:
     cfg = QUICK if args.quick else FULL
     max_tokens, reps = cfg["max_tokens"], cfg["reps"]
     transformers.logging.set_verbosity_error()
-    threads = torch.get_num_threads()  # the default, the same for both (one process)
+    threads = THREADS  # the default, the same for both sides (each on a thread of its own)
+    # Libgomp keeps one OpenMP pool per thread that ran a parallel op, and with more pool threads
+    # than cores every op pays a futex wake (docs/engines.md). So the main thread keeps torch at
+    # one thread (loading, setup), and each side runs with every core on a thread whose pool
+    # ends with it: HF on a fresh thread per cell, ours on the engine worker of a fresh Runtime.
+    torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as tmp:
         hf, lm, params_m = build_models(tmp)
