@@ -11,6 +11,8 @@ chunk becomes joint set-points.
 
 from __future__ import annotations
 
+import abc
+
 from typing import Any, Optional
 
 import numpy as np
@@ -18,20 +20,25 @@ import numpy as np
 import mstar_rt
 
 
-class PolicyClient:
+class PolicyClient(abc.ABC):
+    """A policy behind one request/decode interface (the demo serves either kind)."""
+
     name = ""
     horizon = 0
     uses_delay = False  # does the request carry d and the frozen actions?
 
+    @abc.abstractmethod
     def model(self) -> mstar_rt.Model:
-        raise NotImplementedError
+        """The walk-graph model the Runtime serves."""
 
+    @abc.abstractmethod
     def request(self, obs: np.ndarray, delay: int, plan: Optional[np.ndarray],
                 seed: int) -> dict:
-        raise NotImplementedError
+        """The request inputs for one observation (with d and the frozen plan if uses_delay)."""
 
+    @abc.abstractmethod
     def decode(self, out: dict[str, Any], obs: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """The action chunk [H, A] in joint space from the request's outputs."""
 
 
 class Pi0Client(PolicyClient):

@@ -16,7 +16,7 @@ use it to check the expert.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -112,3 +112,14 @@ def rollout(env: ArmEnv, chunk_fn: Callable[[np.ndarray], np.ndarray], seed: int
         if stop_on_success and env.success():
             return True, tick + 1
     return env.success(), max_ticks
+
+
+def success_rate(env: ArmEnv, chunk_fn: Callable, seeds: Iterable[int], delay: int,
+                 **rollout_kw: object) -> tuple[float, float]:
+    """(success rate, mean ticks to success) of rtc-merged rollouts (at most 150 ticks) from
+    ``seeds`` — how the training scripts judge a policy on held-out seeds."""
+    seeds = list(seeds)
+    results = [rollout(env, chunk_fn, s, delay=delay, mode="rtc", max_ticks=150, **rollout_kw)
+               for s in seeds]
+    ok = [t for s, t in results if s]
+    return len(ok) / len(seeds), float(np.mean(ok)) if ok else float("nan")

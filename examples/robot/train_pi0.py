@@ -37,7 +37,7 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from arm_env import ArmEnv  # noqa: E402
-from expert import expert_chunk, expert_continuation, rollout  # noqa: E402
+from expert import expert_chunk, expert_continuation, rollout, success_rate  # noqa: E402
 from pi0_policy import (HORIZON, MAX_DELAY, WEIGHTS_DIR, MiniPi0, NormStats,  # noqa: E402
                         batched_velocity, encode_prefix, frozen_mask, frozen_rows,
                         mini_pi0_config, pixels_for)
@@ -151,15 +151,11 @@ def policy_fn(policy: MiniPi0):
 
 def evaluate(policy: MiniPi0, env: ArmEnv, episodes: int,
              delays: tuple[int, ...] = (0, 2, 5, 8)) -> dict[int, tuple[float, float]]:
-    out = {}
-    for delay in delays:
-        fn = policy_fn(policy)
-        results = [rollout(env, fn, EVAL_SEED0 + s, delay=delay, mode="rtc", max_ticks=150,
-                           horizon=HORIZON, plan_aware=True)
-                   for s in tqdm(range(episodes), desc=f"eval delay {delay}", leave=False)]
-        ok = [t for s, t in results if s]
-        out[delay] = (len(ok) / episodes, float(np.mean(ok)) if ok else float("nan"))
-    return out
+    seeds = range(EVAL_SEED0, EVAL_SEED0 + episodes)
+    return {delay: success_rate(env, policy_fn(policy),
+                                tqdm(seeds, desc=f"eval delay {delay}", leave=False), delay,
+                                horizon=HORIZON, plan_aware=True)
+            for delay in delays}
 
 
 def main() -> None:

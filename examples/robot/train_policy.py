@@ -34,7 +34,7 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from arm_env import ArmEnv  # noqa: E402
-from expert import HORIZON, expert_chunk, rollout  # noqa: E402
+from expert import HORIZON, expert_chunk, rollout, success_rate  # noqa: E402
 from policy import WEIGHTS, ChunkMLP  # noqa: E402
 
 TRAIN_SEED0 = 100_000  # training episodes use seeds from here on; the demo uses 0, 1, 2, ...
@@ -80,13 +80,8 @@ def train(net: ChunkMLP, obs: np.ndarray, steps: int, lr: float, batch: int, des
 
 def evaluate(net: ChunkMLP, env: ArmEnv, episodes: int) -> dict[int, tuple[float, float]]:
     """delay -> (success rate, mean ticks to success) on held-out seeds, rtc merging."""
-    out = {}
-    for delay in (0, 2, 5):
-        results = [rollout(env, net.act, EVAL_SEED0 + s, delay=delay, mode="rtc", max_ticks=150)
-                   for s in range(episodes)]
-        ok = [t for s, t in results if s]
-        out[delay] = (len(ok) / episodes, float(np.mean(ok)) if ok else float("nan"))
-    return out
+    return {delay: success_rate(env, net.act, range(EVAL_SEED0, EVAL_SEED0 + episodes), delay)
+            for delay in (0, 2, 5)}
 
 
 def main() -> None:

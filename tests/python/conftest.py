@@ -31,3 +31,15 @@ def devices():
     from virtual_audio import start_devices
 
     return start_devices()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch at one intra-op thread for the module (the robot-model tests: deterministic timing
+    of nothing, but no OpenMP pool fighting the engine workers on 2 cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

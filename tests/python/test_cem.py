@@ -15,14 +15,7 @@ from mstar_rt.models.world_model_layers import WorldModelConfig, random_world_mo
 from walk_models import ZERO_LIVE, settled
 
 TIMEOUT = 60.0
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

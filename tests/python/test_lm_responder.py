@@ -8,7 +8,6 @@ bad checkpoints and over-long prompts fail with errors that say what to fix; the
 from __future__ import annotations
 
 import io
-import shutil
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ pytest.importorskip("transformers")
 import mstar_rt  # noqa: E402
 from mstar_rt.audio.lm_responder import LMResponder  # noqa: E402
 from tiny_checkpoints import CHAT_TEMPLATE, llama_dir, tokenizer_dir  # noqa: E402
+from virtual_audio import require_tool  # noqa: E402
 from walk_models import wait_until  # noqa: E402
 
 T = 60.0
@@ -161,8 +161,7 @@ class _Gate:
 
 @pytest.fixture(scope="module")
 def reply_model(plain):
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed")
+    require_tool("espeak-ng")
     pytest.importorskip("pocketsphinx")
     from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
 

@@ -7,13 +7,13 @@ Orpheus refuses fails its reply request alone."""
 from __future__ import annotations
 
 import io
-import shutil
 import subprocess
 import threading
 import wave
 
 import numpy as np
 import pytest
+from virtual_audio import require_tool
 import torch
 
 import mstar_rt
@@ -34,8 +34,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def parts():
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed")
+    require_tool("espeak-ng")
     pytest.importorskip("pocketsphinx")
     from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
     from mstar_rt.audio.resample import Resampler

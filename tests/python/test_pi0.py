@@ -28,14 +28,7 @@ from walk_models import ZERO_LIVE, settled, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60.0
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ and the CLI loads, serves and stops on SIGINT (or says what is wrong and exits 2
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import signal
 import subprocess
@@ -134,10 +133,6 @@ def test_one_node_may_sit_on_different_ranks_in_different_walks():
                             1: {"device": "cpu", "process": False}}
 
 
-HAS_PLACEMENT = importlib.util.find_spec("mstar_rt.placement") is not None
-
-
-@pytest.mark.skipif(not HAS_PLACEMENT, reason="needs the placement runtime (mstar_rt.placement)")
 @pytest.mark.parametrize("groups, needle", [
     ([{"nodes": ["mlp"], "rank": 0, "process": True}], "rank 0 is the parent process"),
     ([{"nodes": ["mlp"], "rank": 1, "process": True, "walks": ["act"]}],

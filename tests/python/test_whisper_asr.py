@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from virtual_audio import require_tool
 import torch
 
 pytest.importorskip("transformers")
@@ -93,10 +94,8 @@ def test_whisper_as_the_agents_asr_fails_only_the_bad_request(checkpoint):
     from mstar_rt.audio.tts import EspeakTTS
 
     path, model, tokenizer = checkpoint
-    try:
-        tts = EspeakTTS()
-    except RuntimeError:
-        pytest.skip("espeak-ng is not installed")
+    require_tool("espeak-ng")
+    tts = EspeakTTS()
     asr = WhisperASR(path, max_new_tokens=NEW)
     x = _speechlike(1.5)
     with mstar_rt.Runtime(ReplyModel(asr, CommandResponder(), tts), poll_s=0.01) as rt:

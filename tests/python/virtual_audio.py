@@ -15,6 +15,15 @@ ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def require_tool(tool: str) -> None:
+    """Skips locally when ``tool`` is not on PATH; fails in CI, where scripts/setup.sh installs
+    it (so a missing install step cannot pass as a skip)."""
+    if shutil.which(tool) is None:
+        if IN_CI:
+            pytest.fail(f"{tool} is not installed in CI (scripts/setup.sh installs it)")
+        pytest.skip(f"{tool} is not installed (scripts/setup.sh installs it)")
+
+
 def unavailable(why: str) -> None:
     """Skips locally; fails in CI, which installs everything (scripts/setup.sh)."""
     if IN_CI:

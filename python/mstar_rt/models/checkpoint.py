@@ -68,3 +68,20 @@ def load_weights(module: nn.Module, path: Union[str, os.PathLike], progress: boo
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"{len(missing)} parameters missing from the checkpoint at {path}: "
                          f"{shown}")
+
+
+def save_checkpoint(module: nn.Module, config: dict, path: Union[str, os.PathLike]) -> None:
+    """Writes ``config.json`` (``config``) and ``model.safetensors`` (the module's state)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()},
+              os.path.join(path, "model.safetensors"))
+
+
+def read_config(path: Union[str, os.PathLike]) -> dict:
+    """The ``config.json`` of a checkpoint directory."""
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)

@@ -14,7 +14,6 @@ real-time chunking uses (:mod:`mstar_rt.models.pi0_rtc`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -167,23 +166,18 @@ class Pi0Module(nn.Module):
 
 def save_pi0(module: Pi0Module, path: Union[str, os.PathLike]) -> None:
     """Writes ``config.json`` and ``model.safetensors``."""
-    from safetensors.torch import save_file
+    from mstar_rt.models.checkpoint import save_checkpoint
 
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(module.config.to_dict(), f, indent=2)
-    save_file({k: v.contiguous() for k, v in module.state_dict().items()},
-              os.path.join(path, "model.safetensors"))
+    save_checkpoint(module, module.config.to_dict(), path)
 
 
 def load_pi0(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
              device: str = "cpu", progress: bool = True) -> Pi0Module:
     """Builds a :class:`Pi0Module` from a checkpoint directory written by :func:`save_pi0`."""
-    from mstar_rt.models.checkpoint import load_weights
+    from mstar_rt.models.checkpoint import load_weights, read_config
 
-    with open(os.path.join(path, "config.json")) as f:
-        config = Pi0Config.from_dict(json.load(f))
-    module = Pi0Module(config).to(device=device, dtype=dtype or torch.float32)
+    module = Pi0Module(Pi0Config.from_dict(read_config(path)))
+    module = module.to(device=device, dtype=dtype or torch.float32)
     load_weights(module, path, progress=progress)
     return module.eval()
 

@@ -16,7 +16,6 @@ derived from each token's sequence position, so all three give the same numbers.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
@@ -277,24 +276,19 @@ class ContextKV:
 def save_world_model(module: ACPredictor, path: Union[str, os.PathLike]) -> None:
     """Writes ``config.json`` and ``model.safetensors`` (the layout :func:`load_world_model`
     and ``checkpoint.load_weights`` read)."""
-    from safetensors.torch import save_file
+    from mstar_rt.models.checkpoint import save_checkpoint
 
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(module.config.to_dict(), f, indent=2)
-    save_file({k: v.contiguous() for k, v in module.state_dict().items()},
-              os.path.join(path, "model.safetensors"))
+    save_checkpoint(module, module.config.to_dict(), path)
 
 
 def load_world_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
                      device: str = "cpu", progress: bool = True) -> ACPredictor:
     """Builds an :class:`ACPredictor` from a checkpoint directory (``config.json`` with the
     :class:`WorldModelConfig` fields, safetensors weights)."""
-    from mstar_rt.models.checkpoint import load_weights
+    from mstar_rt.models.checkpoint import load_weights, read_config
 
-    with open(os.path.join(path, "config.json")) as f:
-        config = WorldModelConfig.from_dict(json.load(f))
-    module = ACPredictor(config).to(device=device, dtype=dtype or torch.float32)
+    module = ACPredictor(WorldModelConfig.from_dict(read_config(path)))
+    module = module.to(device=device, dtype=dtype or torch.float32)
     load_weights(module, path, progress=progress)
     return module.eval()
 
