@@ -11,10 +11,12 @@ on CPU, codes constrained to valid frames. Every request speaks exactly UTTERANC
 (70 frames = 490 tokens = 5.97 s of audio, a sentence or two) with Orpheus' sampling settings
 (temperature 0.6, top-p 0.8, repetition penalty 1.3, seeded) and end of speech off.
 
-  * streaming      the OrpheusTTS walk graph: decoded tokens flow through the exact chunk policy
-                   LeftContext(42, 7) into the SNAC node, which EMITs each frame as soon as its
-                   right context is in. Time to first audio (TTFA) = submit -> the first chunk with
-                   a sample above 1e-4, measured by the client (SpeechMeter).
+  * streaming      the OrpheusTTS walk graph: decoded tokens flow through the model's chunk policy
+                   (its default, Orpheus' SlidingWindow(28, 7); the SNAC node carries the left
+                   context the windows lack, so it is exact) into the SNAC node, which EMITs each
+                   frame as soon as its right context is in. Time to first audio (TTFA) = submit
+                   -> the first chunk with a sample above 1e-4, measured by the client
+                   (SpeechMeter).
   * non-streaming  the same LM (same weights, prompt, sampling, seed; CausalLM with the same
                    non-sampling prefill and code constraint) generates every token, then the
                    client decodes them in one SNAC call: TTFA = submit -> that decode's end.
@@ -285,7 +287,7 @@ def main() -> int:
     figures.update({
         "full_snac_decode_4frames_ms": round(full_ms[4], 1),
         "full_snac_decode_7frames_ms": round(full_ms[7], 1),
-        # the exact policy decodes a 7-frame window per new frame (85.3 ms of audio)
+        # an exact stream decodes 7 frames (3 + 1 + 3) per new frame (85.3 ms of audio)
         "full_snac_stream_rtf_1req": round(full_ms[7] / frame_ms, 3),
         "full_snac_decoder_params_millions": round(full_params_m, 2),
         "reduced_snac_decode_4frames_ms": round(small_ms[4], 1),
@@ -305,7 +307,8 @@ def main() -> int:
               "snac": {**tts.decoder.config.to_dict(), "params_millions":
                        round(snac_params_m, 3), "receptive_field_frames":
                        list(tts.decoder.receptive_field_frames())},
-              "policy": str(tts.policy), "sampling": str(params(0)),
+              "policy": str(tts.policy), "carry_context": tts.codec.carry_context,
+              "sampling": str(params(0)),
               "utterance_frames": UTTERANCE_FRAMES, "concurrency": list(CONCURRENCY),
               "repetitions": {k: v for k, v in cfg.items()}, "torch_threads": args.threads,
               "dtype": "float32", "device": "cpu", "torch": torch.__version__}
@@ -318,8 +321,9 @@ def main() -> int:
                             "(from /proc/stat); own_cpu_cores: this process's CPU s per wall s "
                             "in the concurrent cells",
              "full_snac": "the 24 kHz SNAC decoder at full width, random weights, batch 1, "
-                          "noise off, on this CPU with the same torch threads; the exact policy "
-                          "decodes 7 frames per new frame, Orpheus' own window 4 (not exact)"}
+                          "noise off, on this CPU with the same torch threads; an exact stream "
+                          "decodes 7 frames per new frame, Orpheus' reference decoder 4 (not "
+                          "exact)"}
 
     print(f"\nLM: random Llama {LM['hidden_size']}h x {LM['num_hidden_layers']}L "
           f"({lm_params_m:.1f} M params); SNAC: decoder_dim {SNAC_WIDTH['decoder_dim']} "

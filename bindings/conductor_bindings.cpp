@@ -10,6 +10,7 @@
 
 #include "mstar/conductor.hpp"
 #include "waiting.hpp"
+#include "work_context.hpp"
 
 namespace mstar::py_bind {
 
@@ -118,6 +119,10 @@ class PyConductor {
 
   /// (emits [(request, name, value)], walks_done [request], failed [(request, message)])
   py::tuple outcome(const Outcome& o) {
+    if (o.emits.empty() && o.walks_done.empty() && o.failed.empty()) {
+      for (Handle h : o.released) drop(h);
+      return empty_outcome_;  // most completions change nothing the caller acts on
+    }
     py::list emits, done, failed;
     for (const Emit& e : o.emits) emits.append(py::make_tuple(e.request, names_[e.name], value(e.handle)));
     for (RequestId r : o.walks_done) done.append(r);
@@ -144,47 +149,121 @@ class PyConductor {
   py::object next_batch(EngineId engine, std::size_t max_batch, double timeout_s) {
     // One vector per worker thread, reused: workers wait here concurrently without the GIL.
     static thread_local std::vector<const WorkItem*> batch;
-    {
-      py::gil_scoped_release nogil;
-      c_->next_batch(engine, max_batch, to_timeout(timeout_s), &batch);
-    }
+    wait_batch(engine, max_batch, timeout_s, &batch);
     if (batch.empty()) return py::none();
-    const NodeSpec& node = c_->graph().nodes[batch.front()->node];
-    py::list items;
-    for (const WorkItem* w : batch) {
-      py::dict inputs;
-      for (std::size_t k = 0; k < node.inputs.size(); ++k) {
-        const py::str& name = names_[node.inputs[k]];
-        if (w->list_input[k]) {
-          py::list l;
-          for (std::uint32_t i = w->offsets[k]; i < w->offsets[k + 1]; ++i) l.append(value(w->handles[i]));
-          inputs[name] = l;
-        } else {
-          inputs[name] = value(w->handles[w->offsets[k]]);
-        }
-      }
-      py::object chunk = py::none();
-      if (w->windowed)
-        chunk = py::make_tuple(w->chunk.begin, w->chunk.new_begin, w->chunk.end, w->chunk.last);
-      items.append(py::make_tuple(w->id, w->request, w->iteration, inputs, chunk));
+    return batch_tuple(batch);
+  }
+
+  /// Tells run_batch how to call the Python nodes itself. specs[node] is None (the caller runs
+  /// that node's batches) or (submodule, calls prepare_inputs, calls check_stop); `contexts`
+  /// maps request id -> RequestContext (read when preparing), `loop_ids` maps DynamicLoop
+  /// names to name ids.
+  /// With `finish_walks` (a model whose requests end after one walk), run_batch also finishes
+  /// the requests whose walk ended, sparing a round trip through Python per request.
+  void bind_nodes(py::list specs, py::dict contexts, py::dict loop_ids, bool finish_walks) {
+    specs_ = std::move(specs);
+    contexts_ = std::move(contexts);
+    loop_ids_ = std::move(loop_ids);
+    finish_walks_ = finish_walks;
+  }
+
+  /// One turn of a stateless worker: (batch, outcome, finished). Waits for a batch; if its node
+  /// is bound (bind_nodes) and no item carries a stream window, prepares, runs and completes it
+  /// here: returns (None, outcome | None, finished | None), finished being what finish_walks
+  /// ended. Otherwise returns ((node, walk, items), None, None), as next_batch would, for the
+  /// caller to run; or ((node, walk, items), True, None) when a hook raised or returned
+  /// something malformed, for the caller to isolate the culprit item by item. All None when
+  /// nothing came. The batch crosses into Python once, not once per bookkeeping step.
+  py::tuple run_batch(EngineId engine, std::size_t max_batch, double timeout_s) {
+    static thread_local std::vector<const WorkItem*> batch;
+    static thread_local std::vector<std::uint64_t> ids;
+    wait_batch(engine, max_batch, timeout_s, &batch);
+    if (batch.empty()) return py::make_tuple(py::none(), py::none(), py::none());
+    const NodeId node = batch.front()->node;
+    py::handle spec = node < specs_.size() ? specs_[node] : py::handle(Py_None);
+    bool plain = !spec.is_none();
+    for (const WorkItem* w : batch) plain = plain && !w->windowed;
+    if (!plain) return py::make_tuple(batch_tuple(batch), py::none(), py::none());
+    // Looked up per batch, not bound once: a submodule's methods may be replaced while it serves.
+    py::handle sub = PyTuple_GET_ITEM(spec.ptr(), 0);
+    py::object forward, prepare = py::none(), check_stop = py::none();
+    try {
+      forward = sub.attr("forward");
+      if (PyObject_IsTrue(PyTuple_GET_ITEM(spec.ptr(), 1))) prepare = sub.attr("prepare_inputs");
+      if (PyObject_IsTrue(PyTuple_GET_ITEM(spec.ptr(), 2))) check_stop = sub.attr("check_stop");
+    } catch (std::exception&) {
+      return py::make_tuple(batch_tuple(batch), py::bool_(true), py::none());
     }
-    return py::make_tuple(batch.front()->node, batch.front()->walk, items);
+    py::list inputs(batch.size());
+    ids.clear();
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      ids.push_back(batch[i]->id);
+      if (prepare.is_none()) {
+        inputs[i] = input_dict(*batch[i]);
+        continue;
+      }
+      py::object rid = py::int_(batch[i]->request);
+      PyObject* ctx = PyDict_GetItemWithError(contexts_.ptr(), rid.ptr());
+      if (ctx == nullptr) {  // submit queues work before it registers the request: rare, slow path
+        PyErr_Clear();
+        return py::make_tuple(batch_tuple(batch), py::none(), py::none());
+      }
+      try {
+        py::object work = py::reinterpret_steal<py::object>(
+            new_work_context(ctx, static_cast<Py_ssize_t>(batch[i]->iteration)));
+        if (!work) throw py::error_already_set();
+        inputs[i] = prepare(work, input_dict(*batch[i]));
+      } catch (std::exception&) {
+        return py::make_tuple(batch_tuple(batch), py::bool_(true), py::none());
+      }
+    }
+    try {
+      py::object outputs = forward(inputs);
+      if (!PyList_Check(outputs.ptr())) outputs = py::list(outputs);
+      py::object stops = py::none();
+      if (!check_stop.is_none()) {
+        stops = check_stop(inputs, outputs);
+        if (!PyList_Check(stops.ptr())) stops = py::list(stops);
+      }
+      Outcome out;
+      complete_into(node, ids, py::reinterpret_borrow<py::list>(outputs), stops, true, &out);
+      py::object finished = finish_walks(&out);
+      py::tuple o = outcome(out);
+      return py::make_tuple(py::none(), o.is(empty_outcome_) ? py::none() : py::object(o),
+                            finished);
+    } catch (std::exception&) {  // py::error_already_set included; the Python error is cleared
+      return py::make_tuple(batch_tuple(batch), py::bool_(true), py::none());
+    }
   }
 
   /// outputs[i] is item i's {output name: value}; stops[i] its DynamicLoop name ids (or None).
   py::tuple complete(NodeId node, const std::vector<std::uint64_t>& ids, const py::list& outputs,
                      const py::object& stops) {
+    Outcome out;
+    complete_into(node, ids, outputs, stops, false, &out);
+    return outcome(out);
+  }
+
+  /// complete() up to the Conductor's Outcome. With stop_names, stops[i] holds loop names
+  /// (mapped through bind_nodes' loop_ids).
+  void complete_into(NodeId node, const std::vector<std::uint64_t>& ids, const py::list& outputs,
+                     const py::object& stops, bool stop_names, Outcome* out) {
     if (node >= outputs_.size()) throw py::value_error("complete: unknown node id");
     if (outputs.size() != ids.size())
       throw py::value_error("complete: " + std::to_string(outputs.size()) + " results for " +
                             std::to_string(ids.size()) + " items");
     const auto& names = outputs_[node];
-    std::vector<Completion> done(ids.size());
-    std::vector<Handle> created;
+    // Reused per thread: completing a batch allocates nothing here once warm.
+    static thread_local std::vector<Completion> done;
+    static thread_local std::vector<Handle> created;
+    done.resize(ids.size());
+    created.clear();
     try {
       for (std::size_t i = 0; i < ids.size(); ++i) {
         done[i].item = ids[i];
-        py::handle out = outputs[i];
+        done[i].outputs.clear();
+        done[i].stop_loops.clear();
+        py::handle out = PyList_GET_ITEM(outputs.ptr(), static_cast<Py_ssize_t>(i));
         if (!PyDict_Check(out.ptr()))
           throw py::type_error("node '" + c_->graph().nodes[node].name + "' returned a " +
                                std::string(Py_TYPE(out.ptr())->tp_name) +
@@ -205,15 +284,17 @@ class PyConductor {
           throw py::value_error("node '" + c_->graph().nodes[node].name + "' returned outputs " +
                                 py::str(py::reinterpret_borrow<py::dict>(out).attr("keys")()).cast<std::string>() +
                                 " but declares " + py::str(py::cast(names)).cast<std::string>());
-        if (!stops.is_none()) done[i].stop_loops = stops.cast<py::list>()[i].cast<std::vector<NameId>>();
+        if (stop_names) {
+          if (!stops.is_none()) stop_loops_by_name(stops, i, &done[i].stop_loops);
+        } else if (!stops.is_none()) {
+          done[i].stop_loops = stops.cast<py::list>()[i].cast<std::vector<NameId>>();
+        }
       }
     } catch (...) {
       for (Handle h : created) drop(h);
       throw;
     }
-    Outcome out;
-    c_->complete(done, &out);
-    return outcome(out);
+    c_->complete(done, out);
   }
 
   py::tuple fail_items(const std::vector<std::uint64_t>& ids, const std::string& msg) {
@@ -256,7 +337,91 @@ class PyConductor {
     return store_[slot];
   }
 
+  // Waits without the GIL, takes the batch with it: whatever was queued while this thread
+  // waited for the GIL (a client submitting a burst holds it) joins the batch.
+  void wait_batch(EngineId engine, std::size_t max_batch, double timeout_s,
+                  std::vector<const WorkItem*>* batch) {
+    batch->clear();
+    bool ready;
+    {
+      py::gil_scoped_release nogil;
+      ready = c_->wait_ready(engine, to_timeout(timeout_s));
+    }
+    if (ready) c_->next_batch(engine, max_batch, std::chrono::nanoseconds(0), batch);
+  }
+
+  /// Under bind_nodes' finish_walks: finishes the requests of out->walks_done (into `out`) and
+  /// returns [(request, timeline bytes)] for them, having forgotten them; else None.
+  py::object finish_walks(Outcome* out) {
+    if (!finish_walks_ || out->walks_done.empty()) return py::none();
+    py::list finished;
+    static thread_local std::vector<RequestId> ended;
+    ended.swap(out->walks_done);
+    out->walks_done.clear();
+    for (RequestId r : ended)
+      if (c_->finish(r, out)) finished.append(py::make_tuple(r, take_timeline(r)));
+    ended.clear();
+    return finished;
+  }
+
+ public:
+  /// timeline() then forget(), as the raw records (TimelineEvent, little-endian "<IIIIqqq"): one
+  /// copy, decoded only if someone asks for the stats; a tuple per event would cost one per node
+  /// execution.
+  py::bytes take_timeline(RequestId r) {
+    static_assert(sizeof(TimelineEvent) == 40, "TimelineEvent layout changed");
+    const std::vector<TimelineEvent> t = c_->timeline(r);
+    c_->forget(r);
+    return py::bytes(reinterpret_cast<const char*>(t.data()), t.size() * sizeof(TimelineEvent));
+  }
+
+ private:
+  void stop_loops_by_name(const py::object& stops, std::size_t i, std::vector<NameId>* out) const {
+    if (i >= static_cast<std::size_t>(PyList_GET_SIZE(stops.ptr())))
+      throw py::value_error("check_stop returned fewer entries than the batch has items");
+    for (py::handle name : py::reinterpret_borrow<py::object>(PyList_GET_ITEM(stops.ptr(), i))) {
+      PyObject* id = PyDict_GetItemWithError(loop_ids_.ptr(), name.ptr());
+      if (id == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        throw py::value_error("check_stop named an unknown loop");  // the retry names it
+      }
+      out->push_back(py::handle(id).cast<NameId>());
+    }
+  }
+
+  py::dict input_dict(const WorkItem& w) const {
+    const NodeSpec& node = c_->graph().nodes[w.node];
+    py::dict inputs;
+    for (std::size_t k = 0; k < node.inputs.size(); ++k) {
+      const py::str& name = names_[node.inputs[k]];
+      if (w.list_input[k]) {
+        py::list l;
+        for (std::uint32_t i = w.offsets[k]; i < w.offsets[k + 1]; ++i) l.append(value(w.handles[i]));
+        inputs[name] = l;
+      } else {
+        inputs[name] = value(w.handles[w.offsets[k]]);
+      }
+    }
+    return inputs;
+  }
+
+  py::tuple batch_tuple(const std::vector<const WorkItem*>& batch) const {
+    py::list items;
+    for (const WorkItem* w : batch) {
+      py::object chunk = py::none();
+      if (w->windowed)
+        chunk = py::make_tuple(w->chunk.begin, w->chunk.new_begin, w->chunk.end, w->chunk.last);
+      items.append(py::make_tuple(w->id, w->request, w->iteration, input_dict(*w), chunk));
+    }
+    return py::make_tuple(batch.front()->node, batch.front()->walk, items);
+  }
+
   ConductorPtr c_;
+  py::list specs_;  // bind_nodes
+  py::dict contexts_;
+  py::dict loop_ids_;
+  bool finish_walks_ = false;
+  py::tuple empty_outcome_ = py::make_tuple(py::tuple(), py::tuple(), py::tuple());
   std::vector<py::str> names_;
   std::vector<std::vector<py::str>> outputs_;
   std::vector<py::object> store_;  // touched only with the GIL held
@@ -347,9 +512,19 @@ waiting) and report complete(); each call that changes state returns its outcome
       .def("fail", &PyConductor::fail)
       .def("next_batch", &PyConductor::next_batch, py::arg("engine"), py::arg("max_batch"),
            py::arg("timeout"))
-      .def("complete", &PyConductor::complete, py::arg("node"), py::arg("items"),
-           py::arg("outputs"), py::arg("stops") = py::none())
+      .def("bind_nodes", &PyConductor::bind_nodes, py::arg("specs"), py::arg("contexts"),
+           py::arg("loop_ids"), py::arg("finish_walks"))
+      .def("run_batch", &PyConductor::run_batch, py::arg("engine"), py::arg("max_batch"),
+           py::arg("timeout"))
+      .def("complete", [](PyConductor& c, NodeId node, const std::vector<std::uint64_t>& ids,
+                          const py::list& outputs, const py::object& stops) {
+             return c.complete(node, ids, outputs, stops);
+           }, py::arg("node"), py::arg("items"), py::arg("outputs"), py::arg("stops") = py::none())
       .def("fail_items", &PyConductor::fail_items)
+      .def("set_spin", [](PyConductor& c, double seconds) {
+             c.conductor()->set_spin(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::duration<double>(seconds)));
+           }, py::arg("seconds"), "How long an idle worker spins before it sleeps (0: never).")
       .def("shutdown", [](PyConductor& c) { c.conductor()->shutdown(); })
       .def("values", &PyConductor::values)
       .def("timeline", [](PyConductor& c, RequestId r) {
@@ -359,6 +534,7 @@ waiting) and report complete(); each call that changes state returns its outcome
                                          e.started_ns, e.finished_ns));
              return out;
            })
+      .def("take_timeline", &PyConductor::take_timeline)
       .def("forget", [](PyConductor& c, RequestId r) { c.conductor()->forget(r); })
       .def_property_readonly("live_requests", [](PyConductor& c) { return c.conductor()->live_requests(); })
       .def_property_readonly("live_handles", [](PyConductor& c) { return c.conductor()->live_handles(); })

@@ -8,6 +8,7 @@ void bind_ring(py::module_& m);
 void bind_stream(py::module_& m);
 void bind_conductor(py::module_& m);
 void bind_control(py::module_& m);
+void bind_work_context(py::module_& m);
 }  // namespace mstar::py_bind
 
 PYBIND11_MODULE(_core, m) {
@@ -16,6 +17,7 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<mstar::py_bind::StreamClosed>(m, "StreamClosedError", PyExc_RuntimeError);
   mstar::py_bind::bind_ring(m);
   mstar::py_bind::bind_stream(m);
+  mstar::py_bind::bind_work_context(m);
   mstar::py_bind::bind_conductor(m);
   mstar::py_bind::bind_control(m);
 }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "conductor_state.hpp"
+#include "cpu_relax.hpp"
 #include "handle_counts.hpp"
 
 namespace mstar {
@@ -42,8 +43,13 @@ struct Conductor::Impl {
   std::uint32_t generation = 1;
   detail::HandleCounts refs;
   std::vector<Activation*> free_acts;  // reused: no allocation per loop iteration once warm
+  static constexpr std::size_t kSpares = 256;                 // requests / timelines kept
+  static constexpr std::size_t kSpareTimelineCapacity = 4096;  // longer ones are freed
+  std::vector<std::unique_ptr<Request>> spare_requests;
+  std::vector<std::vector<TimelineEvent>> spare_timelines;
   RequestId next_request = 1;
   bool stopping = false;
+  std::chrono::nanoseconds spin = std::chrono::microseconds(100);  // wait_ready's spin
   std::size_t inflight = 0;
 
   explicit Impl(GraphSpec graph) : g(std::move(graph)), engines(g.engines.size()) { validate_and_index(); }
@@ -472,12 +478,48 @@ struct Conductor::Impl {
     finished_timelines[r.id] = std::move(r.timeline);
   }
 
+  // ---- request recycling ----------------------------------------------------------------------
+  // A finished request's buffers (names, flags, timeline) are kept for the next one, so a steady
+  // stream of short requests allocates little beyond the two map nodes per request.
+
+  std::unique_ptr<Request> new_request() {
+    if (spare_requests.empty()) return std::make_unique<Request>();
+    std::unique_ptr<Request> r = std::move(spare_requests.back());
+    spare_requests.pop_back();
+    r->id = r->seq = 0;
+    r->options = SubmitOptions{};
+    r->walk = 0;
+    r->state = Request::State::running;
+    r->live.clear();
+    r->streams.clear();
+    r->queued = r->inflight = 0;
+    r->timeline.clear();
+    if (!spare_timelines.empty()) {
+      r->timeline = std::move(spare_timelines.back());
+      spare_timelines.pop_back();
+    }
+    return r;
+  }
+
+  void recycle(std::unique_ptr<Request> r) {
+    if (spare_requests.size() < kSpares) spare_requests.push_back(std::move(r));
+  }
+
+  void recycle_timeline(std::vector<TimelineEvent>&& t) {
+    if (spare_timelines.size() >= kSpares || t.capacity() > kSpareTimelineCapacity) return;
+    t.clear();
+    spare_timelines.push_back(std::move(t));
+  }
+
   /// Erases a request that is over once no engine holds its items. Called last by each public
   /// entry point, never in the middle of walking (callers up the stack still hold `r`).
   void reap(RequestId id) {
     auto it = requests.find(id);
-    if (it != requests.end() && it->second->state == Request::State::over && it->second->inflight == 0)
+    if (it != requests.end() && it->second->state == Request::State::over && it->second->inflight == 0) {
+      std::unique_ptr<Request> r = std::move(it->second);
       requests.erase(it);
+      recycle(std::move(r));
+    }
   }
 
   void fail_request(Request& r, const std::string& message, Outcome* out) {
@@ -577,7 +619,7 @@ RequestId Conductor::submit(WalkId walk, const std::vector<NamedHandle>& inputs,
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto& m = *impl_;
   if (walk >= m.g.walks.size()) throw std::invalid_argument("submit: unknown walk id " + std::to_string(walk));
-  auto r = std::make_unique<Request>();
+  std::unique_ptr<Request> r = m.new_request();
   r->id = m.next_request++;
   r->seq = r->id;
   r->options = options;
@@ -678,6 +720,36 @@ void Conductor::next_batch(EngineId engine, std::size_t max_batch, std::chrono::
     static_cast<Item*>(const_cast<WorkItem*>(w))->batch_size = static_cast<std::uint32_t>(batch.size());
 }
 
+bool Conductor::wait_ready(EngineId engine, std::chrono::nanoseconds timeout) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  if (engine >= m.engines.size()) throw std::invalid_argument("wait_ready: unknown engine id");
+  auto& q = m.engines[engine];
+  timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
+  if (!m.stopping && q.ready.empty() && timeout > std::chrono::nanoseconds(0)) {
+    // Spin a little before sleeping: a drained queue usually refills within microseconds (the
+    // next request of a burst), and a futex sleep plus wake-up costs tens of µs on a VM, paid by
+    // the submitter too. Bounded by spin_ and the timeout; shutdown ends the wait below.
+    const std::uint64_t seen = q.inserted.load(std::memory_order_acquire);
+    const auto spin = std::min(timeout, m.spin);
+    lock.unlock();
+    const auto until = std::chrono::steady_clock::now() + spin;
+    for (unsigned i = 1; q.inserted.load(std::memory_order_acquire) == seen; ++i) {
+      detail::cpu_relax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) break;
+    }
+    lock.lock();
+    timeout -= spin;
+  }
+  q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); });
+  return !m.stopping && !q.ready.empty();
+}
+
+void Conductor::set_spin(std::chrono::nanoseconds spin) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->spin = std::max(spin, std::chrono::nanoseconds(0));
+}
+
 void Conductor::complete(const std::vector<Completion>& done, Outcome* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const std::int64_t t = now_ns();
@@ -730,7 +802,10 @@ std::vector<TimelineEvent> Conductor::timeline(RequestId id) const {
 
 void Conductor::forget(RequestId id) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->finished_timelines.erase(id);
+  auto it = impl_->finished_timelines.find(id);
+  if (it == impl_->finished_timelines.end()) return;
+  impl_->recycle_timeline(std::move(it->second));
+  impl_->finished_timelines.erase(it);
 }
 
 std::size_t Conductor::live_requests() const {

@@ -1,6 +1,7 @@
 // Internal state of the Conductor: requests, activations, streams, work items.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -92,8 +93,11 @@ struct ItemOrder {
 struct EngineQueue {
   std::vector<Item*> ready;
   std::condition_variable cv;
+  // Bumped under the mutex by every insert; read without it by a spinning wait_ready.
+  std::atomic<std::uint64_t> inserted{0};
   void insert(Item* item) {
     ready.insert(std::upper_bound(ready.begin(), ready.end(), item, ItemOrder{}), item);
+    inserted.fetch_add(1, std::memory_order_release);
   }
 };
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <thread>
 
+#include "cpu_relax.hpp"
 #include "wait_word.hpp"
 
 namespace mstar {
@@ -16,13 +17,7 @@ namespace {
 
 bool is_power_of_two(std::size_t v) { return v != 0 && (v & (v - 1)) == 0; }
 
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
+using detail::cpu_relax;
 
 }  // namespace
 

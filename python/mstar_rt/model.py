@@ -6,6 +6,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from mstar_rt import _core
 from mstar_rt.graph import GraphNode, SectionLike
 
 
@@ -35,18 +36,10 @@ class StreamWindow:
         return self.items[self.new_begin - self.begin:]
 
 
-class WorkContext:
-    """Per-execution facts a submodule may want besides the inputs: the request and the
-    iteration of the innermost enclosing loop (0 outside loops)."""
-
-    __slots__ = ("request", "iteration")  # made once per node execution: keep it cheap
-
-    def __init__(self, request: RequestContext, iteration: int) -> None:
-        self.request = request
-        self.iteration = iteration
-
-    def __repr__(self) -> str:
-        return f"WorkContext(request={self.request.id}, iteration={self.iteration})"
+#: Per-execution facts a submodule may want besides the inputs: ``request`` (the
+#: :class:`RequestContext`) and ``iteration`` (of the innermost enclosing loop, 0 outside loops).
+#: ``WorkContext(request, iteration)``. A C type: the runtime makes one per prepared item.
+WorkContext = _core.WorkContext
 
 
 class NodeSubmodule(abc.ABC):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import traceback
 import queue
+import struct
+import traceback
 import threading
 import time
 from typing import Any, Iterator, Mapping, Optional
@@ -16,6 +17,7 @@ from mstar_rt.graph import GraphError, GraphNode, StreamingGraphEdge
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext
 
 _NO_DEADLINE = 2**63 - 1
+_TIMELINE_RECORD = "<IIIIqqq"  # the C++ TimelineEvent: node, walk, iteration, batch, 3 clocks
 
 
 class RequestFailed(RuntimeError):
@@ -40,16 +42,21 @@ def compile_model(model: Model) -> CompiledGraph:
                           for n, s in model.submodules.items()})
 
 
+def _overrides(obj: object, name: str, base: type) -> bool:
+    """Whether obj's `name` (in its class or set on the instance) is not base's default."""
+    method = getattr(obj, name)
+    return getattr(method, "__func__", method) is not getattr(base, name)
+
+
 class _Hooks:
     """Which optional NodeSubmodule hooks a submodule overrides: the defaults are skipped."""
 
     __slots__ = ("prepare", "split", "stop")
 
     def __init__(self, sub: NodeSubmodule) -> None:
-        cls = type(sub)
-        self.prepare = cls.prepare_inputs is not NodeSubmodule.prepare_inputs
-        self.split = cls.split_batch is not NodeSubmodule.split_batch
-        self.stop = cls.check_stop is not NodeSubmodule.check_stop
+        self.prepare = _overrides(sub, "prepare_inputs", NodeSubmodule)
+        self.split = _overrides(sub, "split_batch", NodeSubmodule)
+        self.stop = _overrides(sub, "check_stop", NodeSubmodule)
 
 
 class RequestHandle:
@@ -60,10 +67,14 @@ class RequestHandle:
         self._runtime = runtime
         self.context = ctx
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = threading.Event()
+        # A latch: held until the request ends. A Lock costs a twentieth of an Event to make,
+        # and every request makes one.
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._finished = False
         self._error: Optional[BaseException] = None
         self._emitted: dict[str, list] = {}
-        self._timeline: list[tuple] = []
+        self._timeline: bytes | list[tuple] = b""
 
     @property
     def id(self) -> int:
@@ -74,12 +85,13 @@ class RequestHandle:
         self._emitted.setdefault(name, []).append(value)
         self._events.put((name, value))
 
-    def _end(self, error: Optional[BaseException], timeline: list[tuple]) -> None:
-        if self._done.is_set():
+    def _end(self, error: Optional[BaseException], timeline: bytes) -> None:
+        if self._finished:
             return
         self._error = error
         self._timeline = timeline
-        self._done.set()
+        self._finished = True
+        self._latch.release()
         self._events.put(None)
 
     # -- public --
@@ -96,15 +108,17 @@ class RequestHandle:
     def result(self, timeout: Optional[float] = None) -> dict[str, list]:
         """Waits for the end; returns every EMIT output by name, in order. Raises
         RequestFailed / RequestCancelled, or TimeoutError."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if not self._finished:
+            if not self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+            self._latch.release()  # for the next waiter
         if self._error is not None:
             raise self._error
         return self._emitted
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def cancel(self) -> bool:
         """Stops the request now; its queued work is dropped and its memory freed."""
@@ -114,6 +128,8 @@ class RequestHandle:
         """One record per node execution: node, walk, iteration, batch size, and the queued,
         started and finished times in seconds (monotonic clock)."""
         timeline = self._timeline if self.done else self._runtime._timeline(self.id)
+        if isinstance(timeline, bytes):
+            timeline = list(struct.iter_unpack(_TIMELINE_RECORD, timeline))
         names = self._runtime._node_names
         walks = self._runtime._walk_names
         return [dict(node=names[n], walk=walks[w], iteration=it, batch_size=b,
@@ -142,17 +158,22 @@ class Runtime:
 
     ``Runtime(model)`` compiles the model, creates the C++ Conductor and starts one worker thread
     per engine (``engines`` maps engine names to :class:`Engine` objects, overriding the
-    model's ``engine_specs``; an engine named by neither is a :class:`StatelessEngine`); ``submit(inputs)`` returns a :class:`RequestHandle`; ``close()`` stops and joins
-    every thread. Use it as a context manager.
+    model's ``engine_specs``; an engine named by neither is a :class:`StatelessEngine`);
+    ``submit(inputs)`` returns a :class:`RequestHandle`; ``close()`` stops and joins every
+    thread. Use it as a context manager. ``spin_us``: how long an idle worker polls for work
+    (without the GIL) before it sleeps.
     """
 
     def __init__(self, model: Model, poll_s: float = 0.05,
-                 engines: Optional[Mapping[str, Engine]] = None) -> None:
+                 engines: Optional[Mapping[str, Engine]] = None, spin_us: float = 100.0) -> None:
         self.model = model
         self.graph = compile_model(model)
         g = self.graph
         # The Conductor routes handles; its Python face holds the values (the tensor store).
         self.conductor = _core.Conductor(g.names, g.engines, g.nodes, g.walks)
+        # An idle worker spins this long before sleeping: work that arrives meanwhile costs no
+        # wake-up (tens of µs on a VM); 0 saves the CPU time instead.
+        self.conductor.set_spin(max(0.0, spin_us) * 1e-6)
         self._poll_s = poll_s
         self._node_names = list(g.node_ids)
         self._walk_names = list(g.walk_ids)
@@ -170,6 +191,21 @@ class Runtime:
                 if isinstance(out, StreamingGraphEdge):
                     self._stream_input[g.node_ids[out.to]] = out.name
         self._requests: dict[int, RequestHandle] = {}
+        self._contexts: dict[int, RequestContext] = {}  # what prepare_inputs hooks see
+        # Nodes whose batches the Conductor's run_batch prepares, runs and completes itself:
+        # all but those that split batches or consume a stream (those go through _run).
+        bound: list = [None] * len(self._node_names)
+        for i, (sub, hooks) in enumerate(zip(self._submodules, self._hooks)):
+            if not (hooks.split or self._stream_input[i]):
+                bound[i] = (sub, hooks.prepare, hooks.stop)
+        self._input_names = frozenset(model.inputs)
+        self._input_defaults = dict(model.input_defaults)
+        # Skip the calls a model does not override: submit and walk ends pay per request.
+        self._validates = _overrides(model, "validate_inputs", Model)
+        self._has_next_walk = _overrides(model, "next_walk", Model)
+        # Without a next_walk, run_batch also finishes the requests whose walk ended (_ended).
+        self.conductor.bind_nodes(bound, self._contexts, self._loop_ids,
+                                  not self._has_next_walk)
         self._lock = threading.Lock()
         self._closed = False
         specs = {**model.engine_specs, **(engines or {})}
@@ -183,6 +219,11 @@ class Runtime:
             engine.attach(self, engine_id, name,
                           [i for i, n in enumerate(g.nodes) if n[1] == engine_id])
             self.engines[name] = engine
+        # Only those that override the hook are called when a request ends.
+        self._releasing_engines = [e for e in self.engines.values()
+                                   if _overrides(e, "release", Engine)]
+        self._cleaning_submodules = [s for s in self._unique_submodules
+                                     if _overrides(s, "cleanup", NodeSubmodule)]
         self._workers = []
         for engine in self.engines.values():
             t = threading.Thread(target=engine.serve, name=f"mstar-engine-{engine.name}",
@@ -198,19 +239,21 @@ class Runtime:
         ``priority`` breaks ties (higher first); then the earlier request goes first."""
         if self._closed:
             raise RuntimeError("submit: the runtime is closed")
-        inputs = {**self.model.input_defaults, **inputs}
-        unknown = set(inputs) - set(self.model.inputs)
-        missing = set(self.model.inputs) - set(inputs)
-        if unknown or missing:
+        inputs = {**self._input_defaults, **inputs} if self._input_defaults else dict(inputs)
+        if inputs.keys() != self._input_names:
+            unknown = set(inputs) - self._input_names
+            missing = self._input_names - set(inputs)
             raise ValueError(f"submit: inputs {sorted(unknown)} are not declared by the model and "
                              f"{sorted(missing)} are missing; the model takes {list(self.model.inputs)}")
-        self.model.validate_inputs(inputs)
-        ctx = RequestContext(id=0, inputs=dict(inputs))
+        if self._validates:
+            self.model.validate_inputs(inputs)
+        ctx = RequestContext(id=0, inputs=inputs)
         walk = self.model.initial_walk(ctx)
         if walk not in self.graph.walk_ids:
             raise ValueError(f"initial_walk returned '{walk}', which is not a walk of the model")
         ctx.walk = walk
-        values = {self.graph.name_ids[k]: v for k, v in inputs.items()}
+        name_ids = self._loop_ids
+        values = {name_ids[k]: v for k, v in inputs.items()}
         deadline_ns = _NO_DEADLINE if deadline is None else time.monotonic_ns() + int(deadline * 1e9)
         with self._lock:  # the handle must be known before a worker can report on the request
             rid, outcome = self.conductor.submit(self.graph.walk_ids[walk], values, deadline_ns,
@@ -218,7 +261,9 @@ class Runtime:
             ctx.id = rid
             handle = RequestHandle(self, ctx)
             self._requests[rid] = handle
-        self._handle(outcome)
+            self._contexts[rid] = ctx
+        if outcome[0] or outcome[1] or outcome[2]:  # usually empty: the work is queued
+            self._handle(outcome)
         return handle
 
     def _cancel(self, handle: RequestHandle) -> bool:
@@ -231,19 +276,26 @@ class Runtime:
     def _timeline(self, rid: int) -> list:
         return self.conductor.timeline(rid)
 
-    def _end(self, rid: int, error: Optional[BaseException]) -> None:
+    def _ended(self, finished: list) -> None:
+        """Requests the Conductor finished itself: [(request, timeline bytes)]."""
+        for rid, timeline in finished:
+            self._end(rid, None, timeline)
+
+    def _end(self, rid: int, error: Optional[BaseException],
+             timeline: Optional[bytes] = None) -> None:
         with self._lock:
             handle = self._requests.pop(rid, None)
+            self._contexts.pop(rid, None)
         if handle is None:
             return
-        timeline = self.conductor.timeline(rid)
-        self.conductor.forget(rid)
-        for engine in self.engines.values():
+        if timeline is None:
+            timeline = self.conductor.take_timeline(rid)  # decoded by stats(), if ever
+        for engine in self._releasing_engines:
             try:
                 engine.release(rid)
             except Exception:  # must not take the runtime down; report it
                 traceback.print_exc()
-        for sub in self._unique_submodules:
+        for sub in self._cleaning_submodules:
             try:
                 sub.cleanup(handle.context)
             except Exception:  # a cleanup failure must not take the runtime down
@@ -265,7 +317,10 @@ class Runtime:
         for rid, message in failed:
             self._end(rid, RequestFailed(message))
         for rid in walks_done:
-            self._next_walk(rid)
+            if self._has_next_walk:
+                self._next_walk(rid)
+            else:  # one walk and done (the default state machine)
+                self._finish(rid)
 
     def _next_walk(self, rid: int) -> None:
         with self._lock:
@@ -274,8 +329,7 @@ class Runtime:
             return
         ctx = handle.context
         try:
-            persisted = self.conductor.values(rid)
-            walk = self.model.next_walk(ctx, ctx.walk, persisted)
+            walk = self.model.next_walk(ctx, ctx.walk, self.conductor.values(rid))
             if walk is not None and walk not in self.graph.walk_ids:
                 raise ValueError(f"next_walk returned '{walk}', which is not a walk of the model")
         except Exception as e:
@@ -283,14 +337,17 @@ class Runtime:
                                                   f"{type(e).__name__}: {e}"))
             return
         if walk is None:
-            ended, outcome = self.conductor.finish(rid)
-            if ended:  # else it was cancelled meanwhile, and cancel() ended the handle
-                self._end(rid, None)
-            self._handle(outcome)
+            self._finish(rid)
             return
         ctx.walk = walk
         # A request cancelled meanwhile is skipped by the Conductor (empty outcome).
         self._handle(self.conductor.start_walk(rid, self.graph.walk_ids[walk]))
+
+    def _finish(self, rid: int) -> None:
+        ended, outcome = self.conductor.finish(rid)
+        if ended:  # else it was cancelled meanwhile, and cancel() ended the handle
+            self._end(rid, None)
+        self._handle(outcome)
 
     # ---- running batches (called by engines on their worker threads) ----------------------------
 

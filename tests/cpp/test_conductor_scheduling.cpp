@@ -158,6 +158,28 @@ TEST(Conductor, NextBatchTimesOutEmpty) {
   EXPECT_THROW(c.next_batch(1, 4, 0ns), std::invalid_argument);
 }
 
+TEST(Conductor, WaitReadyLeavesTheWorkForALargerBatch) {
+  IR ir;
+  ir.node("n", "e0", {"x"}, {"y"}, 8);
+  WalkB w(ir, "main");
+  const WalkId main = w.build(w.node("n"));
+  App app(ir.g);
+  const NameId x = ir.name("x");
+  EXPECT_FALSE(app.c.wait_ready(0, 20ms));  // nothing queued: times out
+  EXPECT_THROW(app.c.wait_ready(1, 0ns), std::invalid_argument);
+  std::thread waiter([&] { EXPECT_TRUE(app.c.wait_ready(0, std::chrono::seconds(10))); });
+  std::this_thread::sleep_for(10ms);
+  app.submit(main, {{x, 1}});
+  waiter.join();
+  // What arrives between the wake-up and the take joins the batch: nothing was taken yet.
+  app.submit(main, {{x, 2}});
+  app.submit(main, {{x, 3}});
+  EXPECT_TRUE(app.c.wait_ready(0, 0ns));
+  EXPECT_EQ(app.c.next_batch(0, 8, 0ns).size(), 3u);
+  app.c.shutdown();
+  EXPECT_FALSE(app.c.wait_ready(0, std::chrono::seconds(10)));  // returns at once
+}
+
 TEST(Conductor, ShutdownWakesABlockedNextBatch) {
   IR ir;
   ir.node("n", "e0", {"x"}, {"y"});

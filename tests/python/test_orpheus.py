@@ -1,8 +1,10 @@
 """OrpheusTTS end to end through the Runtime with a tiny random LM and a reduced-width SNAC of
 the real 24 kHz receptive field: streamed audio equals one-shot decoding of the generated tokens
-(concurrent requests, two exact policies), end of speech and max_tokens stop it, constrained
-codes make only valid frames, seeded sampling does not depend on the batch, cancel frees
-everything, and the LM's non-sampling prefill equals a plain prefill."""
+(concurrent requests; Orpheus' own SlidingWindow(28, 7), the default, and other policies, the
+SNAC node carrying the context short windows lack; first audio after 28 tokens, then a frame per
+7), end of speech and max_tokens stop it, constrained codes make only valid frames, seeded
+sampling does not depend on the batch, cancel frees everything, and the LM's non-sampling
+prefill equals a plain prefill."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import mstar_rt
-from mstar_rt import RequestCancelled, SlidingWindow
+from mstar_rt import Fixed, LeftContext, RequestCancelled, SlidingWindow
 from mstar_rt.engines import KVCacheEngine, SamplingParams
 from mstar_rt.models.causal_lm import CausalLM
 from mstar_rt.models.orpheus import OrpheusTokens, OrpheusTTS, TextEncoder, tiny_lm, tiny_snac
@@ -77,9 +79,13 @@ def assert_exact(model: OrpheusTTS, result: dict) -> np.ndarray:
 
 # ---- exactness ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", [None, SlidingWindow(49, 7)], ids=["exact", "sliding49"])
-def test_streamed_audio_equals_one_shot_for_concurrent_requests(policy):
-    model = OrpheusTTS.tiny(0, constrain_codes=True, policy=policy)
+@pytest.mark.parametrize("policy, carry", [(None, True), (Fixed(7), True),
+                                           (SlidingWindow(49, 7), False),
+                                           (LeftContext(42, 7), False)],
+                         ids=["default", "fixed7", "sliding49-windows-only", "exact-windows-only"])
+def test_streamed_audio_equals_one_shot_for_concurrent_requests(policy, carry):
+    model = OrpheusTTS.tiny(0, constrain_codes=True, policy=policy, carry_context=carry)
+    assert policy is not None or str(model.policy) == "SlidingWindow(28, 7)"
     # lengths ending mid-frame, on a frame boundary, and shorter than the first window
     lengths = (60, 63, 91, 20)
     results = run(model, [{"text": f"request {i}", "params": SamplingParams(
@@ -98,21 +104,44 @@ def test_streamed_audio_equals_one_shot_for_concurrent_requests(policy):
         assert s["short_context_frames"] == 0
 
 
-def test_audio_streams_before_the_lm_is_done(tts):
-    with mstar_rt.Runtime(tts) as rt:
+def recording(model: OrpheusTTS) -> tuple[list[int], list[int]]:
+    """Instruments the SNAC node: per window it decodes, in order (one request at a time), the
+    window's end (tokens streamed so far) and the frames of audio it gave."""
+    codec, ends, frames = model.codec, [], []
+    prepare, forward = codec.prepare_inputs, codec.forward
+
+    def record_prepare(ctx, inputs):
+        ends.append(inputs["token"].end)
+        return prepare(ctx, inputs)
+
+    def record_forward(batch):
+        out = forward(batch)
+        frames.extend(len(o["audio"]) // SPF for o in out)
+        return out
+
+    codec.prepare_inputs, codec.forward = record_prepare, record_forward
+    return ends, frames
+
+
+def test_audio_streams_before_the_lm_is_done():
+    model = OrpheusTTS.tiny(0, constrain_codes=True)  # Orpheus' SlidingWindow(28, 7)
+    ends, frames = recording(model)
+    with mstar_rt.Runtime(model) as rt:
         h = rt.submit({"text": "streaming", "params": SamplingParams(
             max_tokens=140, temperature=1.0, seed=3, ignore_eos=True)})
         events, error = drain(h, timeout=T)
     assert error is None
     names = [n for n, v in events if n == "token" or (n == "audio" and len(v))]
     assert "token" in names[names.index("audio"):]  # audio came while the LM was talking
-    # exact policy for a (3, 3) field: one window per frame; frame 0 is ready in the 4th
-    sizes = [len(v) for n, v in events if n == "audio"]
-    # Frame 0 comes with the 4th window, one frame per window after; if the LM ends while the
-    # codec is behind, the flushed last window carries every frame still owed.
-    assert sizes[:4] == [0, 0, 0, SPF]
-    assert all(n % SPF == 0 for n in sizes) and sum(sizes) == 20 * SPF
-    assert sizes[-1] >= 3 * SPF
+    assert names.index("audio") >= 28  # frame 0 needs frames 1..3 after it
+    assert_exact(model, {"token": [v for n, v in events if n == "token"],
+                         "audio": [v for n, v in events if n == "audio"]})
+    # First audio once 28 tokens are in -- the first window -- then a frame per window of 7 new
+    # tokens; the last window (or the empty one after it) flushes the frames still owed.
+    assert ends[0] == 28 and frames[0] == 1, (ends, frames)
+    assert all(f == 1 and e - before == 7
+               for before, e, f in zip(ends[:-2], ends[1:-1], frames[1:-1])), (ends, frames)
+    assert ends[-1] == 140 and sum(frames) == 20 and frames[-1] >= 3, (ends, frames)
 
 
 # ---- stopping -----------------------------------------------------------------------------------
@@ -250,8 +279,9 @@ def test_prompt_format_and_input_errors(tts):
             rt.submit({"text": "a", "prompt": [1]})
         with pytest.raises(ValueError, match="either 'text'"):
             rt.submit({})
-    with pytest.raises(ValueError, match="SlidingWindow\\(49, 7\\)"):
-        OrpheusTTS.tiny(0, policy=SlidingWindow(28, 7))  # Orpheus' own window is too short
+    assert str(OrpheusTTS.tiny(0, policy=SlidingWindow(28, 7)).policy) == "SlidingWindow(28, 7)"
+    with pytest.raises(ValueError, match="SlidingWindow\\(49, 7\\)"):  # too short for windows alone
+        OrpheusTTS.tiny(0, policy=SlidingWindow(28, 7), carry_context=False)
     with pytest.raises(ValueError, match="vocabulary"):
         OrpheusTTS(tiny_lm(OrpheusTokens.tiny(), vocab_size=600), tiny_snac(), OrpheusTokens.tiny())
 

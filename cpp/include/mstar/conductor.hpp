@@ -120,6 +120,14 @@ class Conductor {
   /// per batch once warm.
   void next_batch(EngineId engine, std::size_t max_batch, std::chrono::nanoseconds timeout,
                   std::vector<const WorkItem*>* batch);
+  /// Waits up to `timeout` for work on `engine` without taking it; false on timeout or after
+  /// shutdown(). A worker that must do something slow before it can run a batch (take Python's
+  /// GIL) waits here first and takes the batch with next_batch(..., 0) afterwards, so the batch
+  /// also holds what arrived meanwhile.
+  bool wait_ready(EngineId engine, std::chrono::nanoseconds timeout);
+  /// How long wait_ready spins (without the mutex) before it sleeps: 100 µs by default; 0 never
+  /// spins. Spinning saves the submitter a wake-up system call and the worker a reschedule.
+  void set_spin(std::chrono::nanoseconds spin);
   /// Reports finished items (any subset of batches). Items of cancelled requests are ignored.
   void complete(const std::vector<Completion>& done, Outcome* out);
   /// Reports that items failed: their requests end with `message` (other requests go on).

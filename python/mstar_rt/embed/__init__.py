@@ -134,10 +134,11 @@ class EmbeddedRuntime(Runtime):
                     self._forward(rid, ("emit", name, "", value))
         super()._handle(outcome)
 
-    def _end(self, rid: int, error: Optional[BaseException]) -> None:
+    def _end(self, rid: int, error: Optional[BaseException],
+             timeline: Optional[bytes] = None) -> None:
         with self._lock:
             handle = self._requests.get(rid)
-        super()._end(rid, error)
+        super()._end(rid, error, timeline)
         if handle is None:
             return
         if error is None:

@@ -63,24 +63,37 @@ class StatelessEngine(Engine):
         conductor = rt.conductor
         engine, max_batch, poll = self.engine_id, self.max_batch, rt._poll_s
         while not rt._closed:
-            batch = conductor.next_batch(engine, max_batch, poll)
+            # Bound nodes (Runtime.__init__) are run by the Conductor; the others come back here.
+            batch, outcome, finished = conductor.run_batch(engine, max_batch, poll)
             if batch is None:
+                if outcome is not None:
+                    self._report(rt, [outcome])
+                if finished:
+                    rt._ended(finished)
                 continue
             node, _walk, items = batch
-            try:
-                outcomes = [rt._run(node, items)]
-            except Exception:  # isolate: retry one by one so only the culprit's request fails
-                outcomes = []
-                for item in items:
-                    try:
-                        outcomes.append(rt._run(node, [item]))
-                    except Exception as e:
-                        outcomes.append(conductor.fail_items([item[0]], f"{type(e).__name__}: {e}"))
-            for outcome in outcomes:
+            if outcome is None:
                 try:
-                    rt._handle(outcome)
-                except Exception:  # a bug in the runtime itself: keep the worker alive
-                    traceback.print_exc()
+                    self._report(rt, [rt._run(node, items)])
+                    continue
+                except Exception:
+                    pass
+            # The batch failed: retry one by one so only the culprit's request fails.
+            outcomes = []
+            for item in items:
+                try:
+                    outcomes.append(rt._run(node, [item]))
+                except Exception as e:
+                    outcomes.append(conductor.fail_items([item[0]], f"{type(e).__name__}: {e}"))
+            self._report(rt, outcomes)
+
+    @staticmethod
+    def _report(rt: "Runtime", outcomes: list) -> None:
+        for outcome in outcomes:
+            try:
+                rt._handle(outcome)
+            except Exception:  # a bug in the runtime itself: keep the worker alive
+                traceback.print_exc()
 
 
 def stack_pad(values: Sequence[Any], pad_value: float = 0) -> tuple[Any, Any]:

@@ -8,10 +8,11 @@ Two walks per request:
   ``decode`` node and enters the audio stream at its true position (the SNAC frame alignment
   counts from the first token after ``start_of_speech``);
 * ``speak`` = ``Parallel(DynamicLoop("decode"), "snac_decoder")``: each decoded token goes
-  through a :class:`~mstar_rt.StreamingGraphEdge` (default policy
-  :meth:`SnacStreamNode.exact_policy`, sample-exact) to the SNAC node, which EMITs ``audio``
-  (float32, 24 kHz) while the LM is still talking. The loop stops on ``end_of_speech`` or
-  ``max_tokens``.
+  through a :class:`~mstar_rt.StreamingGraphEdge` (default policy Orpheus' own
+  ``SlidingWindow(28, 7)``) to the SNAC node, which EMITs ``audio`` (float32, 24 kHz) while the
+  LM is still talking: the first frame after 28 tokens, then a frame per 7. The node carries the
+  context the 4-frame windows lack, so the audio is sample-exact under this or any policy. The
+  loop stops on ``end_of_speech`` or ``max_tokens``.
 
     tts = OrpheusTTS.from_pretrained("orpheus-3b-0.1-ft", "snac_24khz")
     with mstar_rt.Runtime(tts) as rt:
@@ -42,6 +43,12 @@ from mstar_rt.models.causal_lm import LOOP, LMNode, as_params
 from mstar_rt.models.llama import LlamaConfig, LlamaForCausalLM
 from mstar_rt.models.snac import SnacConfig, SnacDecoder
 from mstar_rt.models.snac_stream import AudioTokenLayout, SnacStreamNode
+from mstar_rt.streaming import SlidingWindow
+
+#: What Orpheus streams with: windows of 4 frames, a new one each. The first frame can be decoded
+#: exactly once 4 frames are in (it needs the 3 after it), and the node carries the 3 before
+#: later frames that the window lacks.
+ORPHEUS_POLICY = SlidingWindow(28, 7)
 
 
 @dataclass(frozen=True)
@@ -153,9 +160,12 @@ class OrpheusTTS(Model):
     ``default_params``: Orpheus' settings). EMITs ``audio`` chunks (float32 numpy,
     ``sample_rate`` Hz) and, with ``emit_tokens``, every generated ``token``.
 
-    ``policy``: the chunk policy of the token stream into the decoder (checked with
-    :meth:`SnacStreamNode.check_policy`; default the exact one). ``engine``: the LM's
-    KVCacheEngine; ``codec_batch``: windows decoded per SNAC call at most.
+    ``policy``: the chunk policy of the token stream into the decoder (default
+    :data:`ORPHEUS_POLICY`, ``SlidingWindow(28, 7)``). ``carry_context``: the SNAC node keeps the
+    context short windows lack, so every policy is exact; with False it decodes from windows alone
+    and the policy must hold the context (checked with :meth:`SnacStreamNode.check_policy`; e.g.
+    :meth:`SnacStreamNode.exact_policy`). ``engine``: the LM's KVCacheEngine; ``codec_batch``:
+    windows decoded per SNAC call at most.
     """
 
     inputs = ("text", "prompt", "voice", "params")
@@ -164,7 +174,7 @@ class OrpheusTTS(Model):
     def __init__(self, lm: torch.nn.Module, decoder: SnacDecoder,
                  tokens: OrpheusTokens = OrpheusTokens(),
                  text_encoder: Optional[Callable[[str], list[int]]] = None,
-                 policy: Any = None, constrain_codes: bool = False,
+                 policy: Any = None, carry_context: bool = True, constrain_codes: bool = False,
                  default_params: Optional[SamplingParams] = None,
                  max_seq_len: Optional[int] = None, engine: Optional[KVCacheEngine] = None,
                  max_batch: int = 64, codec_batch: int = 8, emit_tokens: bool = True,
@@ -183,13 +193,13 @@ class OrpheusTTS(Model):
         self.default_params = default_params or SamplingParams(
             max_tokens=1200, temperature=0.6, top_p=0.8, repetition_penalty=1.3)
         self.sample_rate = decoder.config.sampling_rate
-        self.policy = policy if policy is not None else SnacStreamNode.exact_policy(
-            decoder, self.layout)
-        SnacStreamNode.check_policy(decoder, self.policy, self.layout)
+        self.policy = policy if policy is not None else ORPHEUS_POLICY
+        SnacStreamNode.check_policy(decoder, self.policy, self.layout, carry_context)
         max_seq_len = max_seq_len or int(lm.config.max_position_embeddings)
         self.module = lm.eval()
         self.lm = SpeechLM(self, lm, max_seq_len, max_batch, emit_logits, cuda_graphs, compile)
-        self.codec = SnacStreamNode(decoder, self.layout, max_batch=codec_batch)
+        self.codec = SnacStreamNode(decoder, self.layout, max_batch=codec_batch,
+                                    carry_context=carry_context)
         emits = ([GraphEdge(EMIT, "token")] if emit_tokens else []) + (
             [GraphEdge(EMIT, "logits")] if emit_logits else [])
         self.nodes = [
@@ -290,4 +300,5 @@ def tiny_snac(seed: int = 0, **config: Any) -> SnacDecoder:
     return decoder.fold_weight_norm().eval()
 
 
-__all__ = ["OrpheusTTS", "OrpheusTokens", "SpeechLM", "TextEncoder", "tiny_lm", "tiny_snac"]
+__all__ = ["ORPHEUS_POLICY", "OrpheusTTS", "OrpheusTokens", "SpeechLM", "TextEncoder", "tiny_lm",
+           "tiny_snac"]

@@ -6,19 +6,29 @@ windows of those tokens; the node decodes each window and EMITs the audio of the
 completes. The concatenation of everything it emits equals :func:`decode_one_shot` -- one decode
 of all valid frames -- sample for sample (up to float rounding), first and last frames included.
 
-Why windows need context: every SNAC layer is non-causal, so the samples of frame f depend on
-frames [f - L, f + R] ((3, 3) for the 24 kHz model). The node emits frame f from a window only
-once the window also holds the R frames after it (or the stream has ended), and relies on the
-chunk policy to have kept the L frames before it. :meth:`SnacStreamNode.exact_policy` gives the
-smallest such policy, ``LeftContext(7 * (L + R), 7)``: first audio after R + 1 frames, then a frame
-per 7 tokens. :meth:`SnacStreamNode.check_policy` rejects policies that cannot be exact, such as
-Orpheus' own ``SlidingWindow(28, 7)`` (4 frames; the 24 kHz SNAC needs 7).
+Why the node carries context: every SNAC layer is non-causal, so the samples of frame f depend
+on frames [f - L, f + R] ((3, 3) for the 24 kHz model). The node emits frame f once the stream
+holds the R frames after it (or has ended), decoding it with the L frames before it. Those may lie
+in earlier windows: a short policy's window does not hold them. So, per request, the node keeps
+the tokens a later frame can still need -- the last L + R frames and any partial frame, never
+more -- and extends each window on the left with them before planning (``carry_context=True``,
+the default). Then every chunk policy streams exactly (all of them deliver every token), Orpheus'
+own ``SlidingWindow(28, 7)`` included: first audio after R + 1 = 4 frames, then a frame per 7
+tokens. The cost: each window decodes up to L + R + 1 frames, 7 for the 24 kHz SNAC (Orpheus'
+reference decodes the 4-frame window and keeps its second frame: cheaper, but one frame of context
+before and two after where three and three are needed, hence seams at every window boundary).
+
+With ``carry_context=False`` the node uses only the context the window holds, and the policy must
+keep the L frames before each new one: :meth:`SnacStreamNode.exact_policy` gives the smallest such
+policy, ``LeftContext(7 * (L + R), 7)``, and :meth:`SnacStreamNode.check_policy` (with
+``carry_context=False``) rejects policies that cannot be exact in that mode, such as
+``SlidingWindow(28, 7)`` (4 frames; the 24 kHz SNAC needs 7).
 
 Invalid tokens (outside their slot's code range) drop their whole frame without shifting the
 frame alignment: a frame is always stream positions 7f .. 7f + 6. One-shot decoding then joins
 the valid frames around the gap; a window joins them the same way, but holds fewer valid frames
-around a gap, so exactness is guaranteed for the valid frames whose context window (L frames
-before, R after, by position) holds no dropped frame.
+around a gap (the node keeps context by stream position), so exactness is guaranteed for the
+valid frames whose context window (L frames before, R after, by position) holds no dropped frame.
 
 The node works with any decoder exposing ``decode(codes)`` (codes: one LongTensor
 [B, frames * codes_per_frame_of_level] per codebook level; audio [B, 1, frames * samples]),
@@ -166,8 +176,10 @@ _CURSOR = "_snac_stream_cursor"
 @dataclass(frozen=True)
 class _Cursor:
     """Where one request's stream stands: the next frame to emit, the stream position of the end
-    token once seen, whether the tail was flushed, and the last window (the explicit empty last
-    window carries no items, so the flush decodes from this one)."""
+    token once seen, whether the tail was flushed, and ``window``: the tokens kept for later
+    windows. Carrying context, those are the last L + R frames and any partial frame (what a
+    later frame can still need); else the last window. Either way the explicit empty last window,
+    which carries no items, flushes from them."""
 
     next_frame: int = 0
     emitted: int = 0
@@ -201,14 +213,20 @@ class SnacStreamNode(NodeSubmodule):
     frame became ready). Windows of several requests with equally many frames to decode run as
     one decoder call. Per request it keeps, in ``request.state``, the counters
     ``frames_emitted``, ``invalid_frames``, ``incomplete_frames`` and ``short_context_frames``
-    (frames emitted with less context than exactness needs: 0 under a policy that passes
-    :meth:`check_policy`, unless dropped frames lie in the context)."""
+    (frames emitted with less context than exactness needs: 0 unless dropped frames lie in the
+    context -- under any policy while ``carry_context``, else under a policy that passes
+    :meth:`check_policy`).
+
+    ``carry_context``: keep each request's last L + R frames of tokens (and any partial frame)
+    and put them before the next window, so that any chunk policy streams exactly; False uses
+    only the context a window holds (then the policy must, see :meth:`exact_policy`)."""
 
     def __init__(self, decoder: Decoder, layout: AudioTokenLayout = AudioTokenLayout(),
                  max_batch: int = 8, noise: Noise = False, input_name: str = "token",
-                 output_name: str = "audio") -> None:
+                 output_name: str = "audio", carry_context: bool = True) -> None:
         _check_decoder(decoder, layout, noise)
         self.decoder, self.layout, self.noise = decoder, layout, noise
+        self.carry_context = carry_context
         self.max_batch = max_batch
         self.input_name, self.output_name = input_name, output_name
         self.left, self.right = _receptive_field(decoder)
@@ -219,16 +237,22 @@ class SnacStreamNode(NodeSubmodule):
     @staticmethod
     def exact_policy(decoder: Decoder,
                      layout: AudioTokenLayout = AudioTokenLayout()) -> _core.ChunkPolicy:
-        """The smallest policy that streams ``decoder`` exactly: a frame of new tokens per
-        window, after (L + R) frames of context."""
+        """The smallest policy that streams ``decoder`` exactly without carried context: a frame
+        of new tokens per window, after (L + R) frames of context. (Carrying context, any policy
+        is exact; this one then decodes no more than the node would anyway.)"""
         left, right = _receptive_field(decoder)
         return LeftContext(layout.frame_size * (left + right), layout.frame_size)
 
     @staticmethod
     def check_policy(decoder: Decoder, policy: _core.ChunkPolicy,
-                     layout: AudioTokenLayout = AudioTokenLayout()) -> None:
-        """ValueError, naming the minimum window, if some stream length would make the node
-        decode a frame with less context than ``decoder`` needs (or lose frames)."""
+                     layout: AudioTokenLayout = AudioTokenLayout(),
+                     carry_context: bool = True) -> None:
+        """ValueError, naming the minimum window, if some stream length would make a node with
+        this ``carry_context`` decode a frame with less context than ``decoder`` needs (or lose
+        frames). With ``carry_context`` (the node's default) every policy passes: each delivers
+        every token, and the node itself keeps the context a window lacks."""
+        if carry_context:
+            return
         left, right = _receptive_field(decoder)
         problem = _policy_problem(policy, left, right, layout.frame_size)
         if problem:
@@ -251,9 +275,11 @@ class SnacStreamNode(NodeSubmodule):
         state = ctx.request.state
         cursor = state.get(_CURSOR) or _Cursor()
         if window.last and window.begin == window.end and cursor.window is not None:
-            # The stream ended exactly where the previous window did: flush from that window.
+            # The stream ended exactly where the previous window did: flush from the kept tokens.
             prev = cursor.window
             window = StreamWindow(prev.items, prev.begin, prev.end, prev.end, True)
+        elif self.carry_context:
+            window = _extend(cursor.window, window)
         return self._plan(state, cursor, window, ctx.request.id)
 
     def forward(self, batch: list[_Work]) -> list[Mapping[str, Any]]:
@@ -303,7 +329,7 @@ class SnacStreamNode(NodeSubmodule):
         valid_index = np.flatnonzero(parsed.valid)  # window frame -> valid-frame order
         emit = np.flatnonzero((valid_index >= span.start) & (valid_index < span.stop))
         counts["frames_emitted"] = len(emit)
-        cursor = _Cursor(nxt, cur.emitted + len(emit), end, done, window)
+        cursor = _Cursor(nxt, cur.emitted + len(emit), end, done, self._kept(window, nxt, done))
         if not len(emit):
             return _Work(state, cursor, counts, empty)
         k0, k1, n = int(emit[0]), int(emit[-1]) + 1, len(valid_index)
@@ -314,6 +340,28 @@ class SnacStreamNode(NodeSubmodule):
         counts["short_context_frames"] = int((~exact).sum())
         codes = parsed.codes[valid_index[lo:hi_k]]
         return _Work(state, cursor, counts, codes, k0 - lo, k1 - lo, v0 + lo)
+
+    def _kept(self, window: StreamWindow, next_frame: int, done: bool) -> Optional[StreamWindow]:
+        """The tokens of ``window`` to keep for the next ones: carrying context, those from the L
+        frames before ``next_frame`` on (no later frame needs earlier ones), none once done."""
+        if not self.carry_context:
+            return window
+        if done:
+            return None
+        start = (next_frame - self.left) * self.layout.frame_size
+        start = min(window.end, max(window.begin, start))
+        items = list(window.items[start - window.begin:])
+        return StreamWindow(items, start, window.end, window.end, False)
+
+
+def _extend(kept: Optional[StreamWindow], window: StreamWindow) -> StreamWindow:
+    """``window`` preceded by the kept tokens before its begin. Every policy hands over every
+    token, so the kept ones reach the window; if they did not, the gap is left for planning to
+    report (frames lost)."""
+    if kept is None or not kept.begin < window.begin <= kept.end:
+        return window
+    items = list(kept.items[: window.begin - kept.begin]) + list(window.items)
+    return StreamWindow(items, kept.begin, window.new_begin, window.end, window.last)
 
 
 def _policy_problem(policy: _core.ChunkPolicy, left: int, right: int, fs: int) -> str:

@@ -53,6 +53,11 @@ class LocalQueue:
                 q.append((node, walk, item))
             self._cv.notify_all()
 
+    def run_batch(self, engine: int, max_batch: int, timeout_s: float) -> tuple:
+        """What StatelessEngine calls: the batch, for the engine to run (this queue runs no
+        node itself, unlike the Conductor's run_batch)."""
+        return self.next_batch(engine, max_batch, timeout_s), None, None
+
     def next_batch(self, engine: int, max_batch: int, timeout_s: float) -> Optional[tuple]:
         deadline = time.monotonic() + timeout_s
         with self._cv:

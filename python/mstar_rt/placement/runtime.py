@@ -216,9 +216,10 @@ class PlacedRuntime(Runtime):
         """``(deadline_ns, priority)`` the request was submitted with."""
         return self._order_of.get(id(ctx), (_NO_DEADLINE, 0))
 
-    def _end(self, rid: int, error: Optional[BaseException]) -> None:
+    def _end(self, rid: int, error: Optional[BaseException],
+             timeline: Optional[bytes] = None) -> None:
         handle = self._requests.get(rid)
-        super()._end(rid, error)
+        super()._end(rid, error, timeline)
         if handle is not None:
             self._order_of.pop(id(handle.context), None)
 
