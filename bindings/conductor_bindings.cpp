@@ -183,7 +183,7 @@ class PyConductor {
     py::handle spec = node < specs_.size() ? specs_[node] : py::handle(Py_None);
     bool plain = !spec.is_none();
     for (const WorkItem* w : batch) plain = plain && !w->windowed;
-    if (!plain) return py::make_tuple(batch_tuple(batch), py::none(), py::none());
+    if (!plain) return hand_back(batch, false);
     // Looked up per batch, not bound once: a submodule's methods may be replaced while it serves.
     py::handle sub = PyTuple_GET_ITEM(spec.ptr(), 0);
     py::object forward, prepare = py::none(), check_stop = py::none();
@@ -192,7 +192,7 @@ class PyConductor {
       if (PyObject_IsTrue(PyTuple_GET_ITEM(spec.ptr(), 1))) prepare = sub.attr("prepare_inputs");
       if (PyObject_IsTrue(PyTuple_GET_ITEM(spec.ptr(), 2))) check_stop = sub.attr("check_stop");
     } catch (std::exception&) {
-      return py::make_tuple(batch_tuple(batch), py::bool_(true), py::none());
+      return hand_back(batch, true);
     }
     py::list inputs(batch.size());
     ids.clear();
@@ -206,7 +206,7 @@ class PyConductor {
       PyObject* ctx = PyDict_GetItemWithError(contexts_.ptr(), rid.ptr());
       if (ctx == nullptr) {  // submit queues work before it registers the request: rare, slow path
         PyErr_Clear();
-        return py::make_tuple(batch_tuple(batch), py::none(), py::none());
+        return hand_back(batch, false);
       }
       try {
         py::object work = py::reinterpret_steal<py::object>(
@@ -214,9 +214,10 @@ class PyConductor {
         if (!work) throw py::error_already_set();
         inputs[i] = prepare(work, input_dict(*batch[i]));
       } catch (std::exception&) {
-        return py::make_tuple(batch_tuple(batch), py::bool_(true), py::none());
+        return hand_back(batch, true);
       }
     }
+    Outcome out;
     try {
       py::object outputs = forward(inputs);
       if (!PyList_Check(outputs.ptr())) outputs = py::list(outputs);
@@ -225,15 +226,15 @@ class PyConductor {
         stops = check_stop(inputs, outputs);
         if (!PyList_Check(stops.ptr())) stops = py::list(stops);
       }
-      Outcome out;
       complete_into(node, ids, py::reinterpret_borrow<py::list>(outputs), stops, true, &out);
-      py::object finished = finish_walks(&out);
-      py::tuple o = outcome(out);
-      return py::make_tuple(py::none(), o.is(empty_outcome_) ? py::none() : py::object(o),
-                            finished);
     } catch (std::exception&) {  // py::error_already_set included; the Python error is cleared
-      return py::make_tuple(batch_tuple(batch), py::bool_(true), py::none());
+      return hand_back(batch, true);
     }
+    // Completed: from here on the items are gone, and their outcome must reach the caller.
+    py::object finished = finish_walks(&out);
+    py::tuple o = outcome(out);
+    return py::make_tuple(py::none(), o.is(empty_outcome_) ? py::none() : py::object(o),
+                          finished);
   }
 
   /// outputs[i] is item i's {output name: value}; stops[i] its DynamicLoop name ids (or None).
@@ -376,6 +377,20 @@ class PyConductor {
   }
 
  private:
+  /// run_batch's answer for a batch the caller must run ((node, walk, items), failed, None); if
+  /// even that cannot be built, the items fail here so that no request waits for them forever.
+  py::tuple hand_back(const std::vector<const WorkItem*>& batch, bool failed) {
+    try {
+      return py::make_tuple(batch_tuple(batch), failed ? py::object(py::bool_(true)) : py::none(),
+                            py::none());
+    } catch (std::exception& e) {
+      std::vector<std::uint64_t> ids;
+      for (const WorkItem* w : batch) ids.push_back(w->id);
+      return py::make_tuple(py::none(), fail_items(ids, std::string("runtime error: ") + e.what()),
+                            py::none());
+    }
+  }
+
   void stop_loops_by_name(const py::object& stops, std::size_t i, std::vector<NameId>* out) const {
     if (i >= static_cast<std::size_t>(PyList_GET_SIZE(stops.ptr())))
       throw py::value_error("check_stop returned fewer entries than the batch has items");

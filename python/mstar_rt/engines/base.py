@@ -64,7 +64,11 @@ class StatelessEngine(Engine):
         engine, max_batch, poll = self.engine_id, self.max_batch, rt._poll_s
         while not rt._closed:
             # Bound nodes (Runtime.__init__) are run by the Conductor; the others come back here.
-            batch, outcome, finished = conductor.run_batch(engine, max_batch, poll)
+            try:
+                batch, outcome, finished = conductor.run_batch(engine, max_batch, poll)
+            except Exception:  # a bug in the runtime itself: keep the worker alive
+                traceback.print_exc()
+                continue
             if batch is None:
                 if outcome is not None:
                     self._report(rt, [outcome])
