@@ -42,6 +42,7 @@ from pi0_policy import (HORIZON, MAX_DELAY, WEIGHTS_DIR, MiniPi0, NormStats,  # 
                         batched_velocity, encode_prefix, frozen_mask, frozen_rows,
                         mini_pi0_config, pixels_for)
 from mstar_rt.models.pi0_layers import Pi0Module  # noqa: E402
+from training import add_common_args, print_held_out, seeded  # noqa: E402
 
 TRAIN_SEED0 = 200_000  # training episodes; the demo uses seeds 0, 1, 2, ...
 EVAL_SEED0 = 50_000
@@ -160,19 +161,14 @@ def evaluate(policy: MiniPi0, env: ArmEnv, episodes: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=600, help="expert episodes")
-    parser.add_argument("--dagger-rounds", type=int, default=1)
-    parser.add_argument("--dagger-episodes", type=int, default=200)
-    parser.add_argument("--steps", type=int, default=2000, help="flow-matching steps (DAgger: half)")
+    add_common_args(parser, episodes=600, dagger_rounds=1, dagger_episodes=200, steps=2000,
+                    steps_help="flow-matching steps (DAgger: half)", eval_episodes=50,
+                    out=WEIGHTS_DIR)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--num-steps", type=int, default=5, help="flow (Euler) steps per chunk")
-    parser.add_argument("--eval-episodes", type=int, default=50)
-    parser.add_argument("--out", type=pathlib.Path, default=WEIGHTS_DIR)
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    rng = np.random.default_rng(0)
+    rng = seeded()
     env = ArmEnv()
     start = time.perf_counter()
 
@@ -200,12 +196,8 @@ def main() -> None:
     print(f"saved {args.out} ({size / 1024:.0f} KB, {params} parameters) in "
           f"{time.perf_counter() - start:.0f} s")
 
-    results = evaluate(policy, env, args.eval_episodes)
-    print(f"\nheld-out closed-loop check ({args.eval_episodes} episodes, simulated ticks, rtc, "
-          f"d and the plan passed to the policy):")
-    print(f"{'delay':>5}  {'success':>8}  {'ticks to success':>16}")
-    for delay, (rate, ticks) in results.items():
-        print(f"{delay:>5}  {rate:>8.0%}  {ticks:>16.1f}")
+    print_held_out(evaluate(policy, env, args.eval_episodes), args.eval_episodes,
+                   "rtc, d and the plan passed to the policy")
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

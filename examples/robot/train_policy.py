@@ -36,6 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from arm_env import ArmEnv  # noqa: E402
 from expert import HORIZON, expert_chunk, rollout, success_rate  # noqa: E402
 from policy import WEIGHTS, ChunkMLP  # noqa: E402
+from training import add_common_args, print_held_out, seeded  # noqa: E402
 
 TRAIN_SEED0 = 100_000  # training episodes use seeds from here on; the demo uses 0, 1, 2, ...
 EVAL_SEED0 = 50_000
@@ -86,18 +87,12 @@ def evaluate(net: ChunkMLP, env: ArmEnv, episodes: int) -> dict[int, tuple[float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=800, help="expert episodes")
-    parser.add_argument("--dagger-rounds", type=int, default=2)
-    parser.add_argument("--dagger-episodes", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=3000, help="BC steps (DAgger rounds: half)")
+    add_common_args(parser, episodes=800, dagger_rounds=2, dagger_episodes=300, steps=3000,
+                    steps_help="BC steps (DAgger rounds: half)", eval_episodes=100, out=WEIGHTS)
     parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--eval-episodes", type=int, default=100)
-    parser.add_argument("--out", type=pathlib.Path, default=WEIGHTS)
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    rng = np.random.default_rng(0)
+    rng = seeded()
     env = ArmEnv()
     start = time.perf_counter()
 
@@ -120,11 +115,7 @@ def main() -> None:
     print(f"saved {args.out} ({args.out.stat().st_size / 1024:.0f} KB, "
           f"{sum(p.numel() for p in net.parameters())} parameters) in {train_s:.0f} s")
 
-    results = evaluate(net, env, args.eval_episodes)
-    print(f"\nheld-out closed-loop check ({args.eval_episodes} episodes, simulated ticks, rtc):")
-    print(f"{'delay':>5}  {'success':>8}  {'ticks to success':>16}")
-    for delay, (rate, ticks) in results.items():
-        print(f"{delay:>5}  {rate:>8.0%}  {ticks:>16.1f}")
+    print_held_out(evaluate(net, env, args.eval_episodes), args.eval_episodes, "rtc")
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

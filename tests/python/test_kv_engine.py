@@ -30,14 +30,7 @@ from walk_models import ZERO_LIVE, settled, wait_until
 TIMEOUT = 30.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """These tensors are tiny: on a small CPU machine torch's intra-op threads make each op tens
-    of times slower (scaled_dot_product_attention: 8 ms with 2 threads, 0.15 ms with 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def make_cache(page_size: int = 4, num_pages: int = 8, layers: int = 1, kv_heads: int = 2,

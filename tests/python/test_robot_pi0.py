@@ -31,12 +31,7 @@ TIMEOUT = 60.0
 TOLERANCE = 0.08  # rad: the trained policy's first free actions against the expert's continuation
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ CPU = torch.device("cpu")
 DRAWS = 6000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny tensors: intra-op threads only slow them down on a small CPU machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def hf_probs(logits: torch.Tensor, history: torch.Tensor, p: SamplingParams) -> torch.Tensor:
