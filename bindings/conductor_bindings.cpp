@@ -155,14 +155,14 @@ class PyConductor {
   }
 
   /// Tells run_batch how to call the Python nodes itself. specs[node] is None (the caller runs
-  /// that node's batches) or (submodule, calls prepare_inputs, calls check_stop); `contexts`
-  /// maps request id -> RequestContext (read when preparing), `loop_ids` maps DynamicLoop
-  /// names to name ids.
+  /// that node's batches) or (submodule, calls prepare_inputs, calls check_stop); `requests`
+  /// is the runtime's request id -> handle map (a handle's `context` is what prepare_inputs
+  /// sees), `loop_ids` maps DynamicLoop names to name ids.
   /// With `finish_walks` (a model whose requests end after one walk), run_batch also finishes
   /// the requests whose walk ended, sparing a round trip through Python per request.
-  void bind_nodes(py::list specs, py::dict contexts, py::dict loop_ids, bool finish_walks) {
+  void bind_nodes(py::list specs, py::dict requests, py::dict loop_ids, bool finish_walks) {
     specs_ = std::move(specs);
-    contexts_ = std::move(contexts);
+    requests_ = std::move(requests);
     loop_ids_ = std::move(loop_ids);
     finish_walks_ = finish_walks;
   }
@@ -203,14 +203,15 @@ class PyConductor {
         continue;
       }
       py::object rid = py::int_(batch[i]->request);
-      PyObject* ctx = PyDict_GetItemWithError(contexts_.ptr(), rid.ptr());
-      if (ctx == nullptr) {  // submit queues work before it registers the request: rare, slow path
+      PyObject* handle = PyDict_GetItemWithError(requests_.ptr(), rid.ptr());
+      if (handle == nullptr) {  // submit queues work before it registers the request: rare, slow path
         PyErr_Clear();
         return hand_back(batch, false);
       }
       try {
+        py::object ctx = py::handle(handle).attr(context_attr_);
         py::object work = py::reinterpret_steal<py::object>(
-            new_work_context(ctx, static_cast<Py_ssize_t>(batch[i]->iteration)));
+            new_work_context(ctx.ptr(), static_cast<Py_ssize_t>(batch[i]->iteration)));
         if (!work) throw py::error_already_set();
         inputs[i] = prepare(work, input_dict(*batch[i]));
       } catch (std::exception&) {
@@ -433,7 +434,8 @@ class PyConductor {
 
   ConductorPtr c_;
   py::list specs_;  // bind_nodes
-  py::dict contexts_;
+  py::dict requests_;
+  py::str context_attr_ = py::str("context");  // made once: attr("...") would build it per item
   py::dict loop_ids_;
   bool finish_walks_ = false;
   py::tuple empty_outcome_ = py::make_tuple(py::tuple(), py::tuple(), py::tuple());
@@ -527,7 +529,7 @@ waiting) and report complete(); each call that changes state returns its outcome
       .def("fail", &PyConductor::fail)
       .def("next_batch", &PyConductor::next_batch, py::arg("engine"), py::arg("max_batch"),
            py::arg("timeout"))
-      .def("bind_nodes", &PyConductor::bind_nodes, py::arg("specs"), py::arg("contexts"),
+      .def("bind_nodes", &PyConductor::bind_nodes, py::arg("specs"), py::arg("requests"),
            py::arg("loop_ids"), py::arg("finish_walks"))
       .def("run_batch", &PyConductor::run_batch, py::arg("engine"), py::arg("max_batch"),
            py::arg("timeout"))

@@ -191,7 +191,6 @@ class Runtime:
                 if isinstance(out, StreamingGraphEdge):
                     self._stream_input[g.node_ids[out.to]] = out.name
         self._requests: dict[int, RequestHandle] = {}
-        self._contexts: dict[int, RequestContext] = {}  # what prepare_inputs hooks see
         # Nodes whose batches the Conductor's run_batch prepares, runs and completes itself:
         # all but those that split batches or consume a stream (those go through _run).
         bound: list = [None] * len(self._node_names)
@@ -204,7 +203,7 @@ class Runtime:
         self._validates = _overrides(model, "validate_inputs", Model)
         self._has_next_walk = _overrides(model, "next_walk", Model)
         # Without a next_walk, run_batch also finishes the requests whose walk ended (_ended).
-        self.conductor.bind_nodes(bound, self._contexts, self._loop_ids,
+        self.conductor.bind_nodes(bound, self._requests, self._loop_ids,
                                   not self._has_next_walk)
         self._lock = threading.Lock()
         self._closed = False
@@ -261,7 +260,6 @@ class Runtime:
             ctx.id = rid
             handle = RequestHandle(self, ctx)
             self._requests[rid] = handle
-            self._contexts[rid] = ctx
         if outcome[0] or outcome[1] or outcome[2]:  # usually empty: the work is queued
             self._handle(outcome)
         return handle
@@ -285,7 +283,6 @@ class Runtime:
              timeline: Optional[bytes] = None) -> None:
         with self._lock:
             handle = self._requests.pop(rid, None)
-            self._contexts.pop(rid, None)
         if handle is None:
             return
         if timeline is None:
