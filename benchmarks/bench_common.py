@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -43,3 +46,26 @@ def child_pythonpath(*extra: str) -> str:
     current PYTHONPATH."""
     parts = ([str(ROOT / "python")] if _source_tree_built() else []) + list(extra)
     return os.pathsep.join(parts + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
+
+
+def build_cpp_driver(target: str, build_dir: Path = ROOT / "build" / "bench") -> Path:
+    """Configures this checkout with the benchmark drivers on (Release), builds ``target`` and
+    returns its path; exits with the build's output if that fails."""
+    if shutil.which("cmake") is None:
+        sys.exit(f"{target}: cmake is not on PATH; install CMake >= 3.18 to build the C++ driver")
+    steps = [
+        ["cmake", "-S", str(ROOT), "-B", str(build_dir), "-DMSTAR_BUILD_BENCHMARKS=ON",
+         "-DMSTAR_BUILD_PYTHON=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+        ["cmake", "--build", str(build_dir), "--target", target, "-j", str(os.cpu_count() or 2)],
+    ]
+    print(f"building {target} in {build_dir.relative_to(ROOT)} ...", flush=True)
+    for cmd in steps:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])
+            sys.exit(f"{target}: '{' '.join(cmd[:3])} ...' failed (exit {r.returncode}); see the "
+                     "output above")
+    exe = build_dir / "benchmarks" / target
+    if not exe.exists():
+        sys.exit(f"{target}: the build finished but {exe} is missing")
+    return exe

@@ -5,7 +5,8 @@
 
 Three walks of no-op nodes — (a) a 10-node chain, (b) one node in a Loop of 100 iterations,
 (c) a 256-step DynamicLoop stopped by its node — each at 1 and 16 concurrent requests, run
-  * with C++ no-op nodes (mstar_rt._core.NoopEngine: the Conductor alone, no Python per node),
+  * with C++ no-op nodes (benchmarks/conductor_bench.cpp, built here: the Conductor alone, no
+    Python per node),
   * with Python no-op nodes through mstar_rt.Runtime (worker thread, tensor store, batching),
   * with the same walks written as a straightforward asyncio program (a task per request, an
     engine batching whatever is queued, futures for results), in the same run — with the nodes
@@ -37,7 +38,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import mstar_rt as m  # noqa: E402
 from mstar_rt import DynamicLoop, GraphNode, Loop, Sequential  # noqa: E402
 
-from bench_common import machine  # noqa: E402  (benchmarks/ is on sys.path)
+from bench_common import build_cpp_driver, machine  # noqa: E402  (benchmarks/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "conductor.json"
@@ -104,29 +105,22 @@ WALKS = {"chain10": (chain_model, 10), "loop100": (loop_model, 100),
 
 # ---- ours ---------------------------------------------------------------------------------------
 
-def run_cpp(make, nodes_per_request: int, concurrent: int, rounds: int) -> float:
-    """µs per node execution with the Conductor and C++ no-op nodes."""
-    model = make()
-    g = m.compile_model(model)
-    conductor = m._core.Conductor(g.names, g.engines, g.nodes, g.walks)
-    engine = m._core.NoopEngine(conductor, 0, 64)
-    inputs = {g.name_ids[model.inputs[0]]: 1}
-    # The C++ no-op node cannot stop a DynamicLoop, so it runs max_iters: count what ran.
-    per_request = nodes_per_request if make is not dynamic_model else 10 * DYN_STEPS
-    try:
-        t0 = time.perf_counter()
-        done = 0
-        for _ in range(rounds):
-            for _ in range(concurrent):
-                conductor.submit(0, inputs)
-            done += concurrent
-            if not engine.wait_finished(done, 60.0):
-                raise RuntimeError("C++ no-op engine did not finish")
-        elapsed = time.perf_counter() - t0
-    finally:
-        engine.stop()
-        conductor.shutdown()
-    return elapsed * 1e6 / (rounds * concurrent * per_request)
+def run_cpp(walk: str, concurrent: int, rounds: int) -> float:
+    """µs per node execution with the Conductor and C++ no-op nodes (conductor_bench)."""
+    r = subprocess.run([str(cpp_driver()), walk, str(concurrent), str(rounds)],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"conductor_bench {walk} failed: {r.stderr[-2000:]}")
+    return float(r.stdout.split()[1])
+
+
+_DRIVER: list[Path] = []
+
+
+def cpp_driver() -> Path:
+    if not _DRIVER:
+        _DRIVER.append(build_cpp_driver("conductor_bench"))
+    return _DRIVER[0]
 
 
 def run_python(make, nodes_per_request: int, concurrent: int, rounds: int) -> float:
@@ -314,6 +308,7 @@ def main() -> int:
     reps = 3 if args.quick else 9
     rounds = {1: 4 if args.quick else 10, 16: 2 if args.quick else 12}
     cells = [(w, c) for w in WALKS for c in (1, 16)]
+    cpp_driver()  # built before anything is timed
     samples: dict = {}
     bar = tqdm(total=len(cells) * reps * 4, desc="conductor") if tqdm else None
     for rep in range(reps):
@@ -324,7 +319,7 @@ def main() -> int:
                 order.reverse()
             for kind in order:
                 if kind == "cpp":
-                    us = run_cpp(make, per, conc, rounds[conc] * 4)
+                    us = run_cpp(walk, conc, rounds[conc] * 4)
                 elif kind == "py":
                     us = run_python(make, per, conc, rounds[conc])
                 else:

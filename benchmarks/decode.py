@@ -381,7 +381,7 @@ def profiled_runs(module: torch.nn.Module, prompts: list, max_tokens: int) -> st
             tprof.start()
             state["on"] = True
         inner(chosen)
-        if state["on"] and not engine.runtime._requests:  # the last request has ended
+        if state["on"] and not len(engine.host.requests):  # the last request has ended
             tprof.stop()
             state["on"], state["done"] = False, True
 

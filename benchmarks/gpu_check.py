@@ -148,7 +148,7 @@ def flashinfer_version() -> Optional[str]:
 # ---- 1. attention: FlashInfer and torch vs a float32 reference --------------------------------
 
 def scenarios(quick: bool) -> dict[str, list]:
-    from mstar_rt.engines.attention import CAUSAL, BlockCausal, PrefixBidirectional
+    from mstar_rt.engines.masks import CAUSAL, BlockCausal, PrefixBidirectional
 
     g = torch.Generator().manual_seed(0)
 
@@ -177,7 +177,8 @@ def scenarios(quick: bool) -> dict[str, list]:
 
 
 def build_step(layout: Any, spec: list, page_size: int, fork: bool = False):
-    from mstar_rt.engines.attention import CAUSAL, SeqStep
+    from mstar_rt.engines.attention_base import SeqStep
+    from mstar_rt.engines.masks import CAUSAL
     from mstar_rt.engines.paged_kv import PagedKVCache
 
     tokens = sum(c + n for c, n, _p, _m in spec) + 64
@@ -200,8 +201,9 @@ def build_step(layout: Any, spec: list, page_size: int, fork: bool = False):
 
 
 def attention_check(report: Report, use_fi: bool) -> None:
-    from mstar_rt.engines.attention import CAUSAL, TorchAttention
+    from mstar_rt.engines.masks import CAUSAL
     from mstar_rt.engines.paged_kv import KVLayout, PagedKVCache
+    from mstar_rt.engines.torch_backend import TorchAttention
 
     hq, hkv, d, ps = 32, 8, 64, 16
     specs = scenarios(report.args.quick)
@@ -284,7 +286,7 @@ def build_models(report: Report) -> tuple[Any, Any]:
 
 def prefill(model: Any, backend: Any, prompts: list[torch.Tensor]) -> list:
     """Prefills every prompt in one step; returns the SeqSteps of the next decode step."""
-    from mstar_rt.engines.attention import SeqStep
+    from mstar_rt.engines.attention_base import SeqStep
     from mstar_rt.engines.kv_engine import KVStep
 
     cache = backend.cache
@@ -304,14 +306,15 @@ def prefill(model: Any, backend: Any, prompts: list[torch.Tensor]) -> list:
 
 def parity_check(report: Report, model: Any, hf: Any, prompt: torch.Tensor) -> None:
     """Our eager prefill vs transformers on the same weights (last position's logits)."""
-    from mstar_rt.engines.attention import SeqStep
-    from mstar_rt.engines.kv_engine import KVStep, make_backend
+    from mstar_rt.engines.attention import select_backend
+    from mstar_rt.engines.attention_base import SeqStep
+    from mstar_rt.engines.kv_engine import KVStep
     from mstar_rt.engines.paged_kv import PagedKVCache
 
     with torch.inference_mode():
         ref = hf(prompt[None]).logits[0, -1].float()
         cache = PagedKVCache(model.kv_layout(), 16, 64)
-        backend = make_backend("torch", cache)
+        backend = select_backend("torch", cache)
         seq = cache.admit(0, "main", len(prompt))
         plan = backend.plan([SeqStep(0, len(prompt), list(seq.pages))])
         hidden = model(prompt, KVStep(backend, plan))
@@ -323,8 +326,9 @@ def parity_check(report: Report, model: Any, hf: Any, prompt: torch.Tensor) -> N
 
 
 def graph_check(report: Report, model: Any, hf: Any, backend_names: list[str]) -> None:
+    from mstar_rt.engines.attention import select_backend
     from mstar_rt.engines.cuda_graphs import DecodeGraphs
-    from mstar_rt.engines.kv_engine import KVStep, make_backend
+    from mstar_rt.engines.kv_engine import KVStep
     from mstar_rt.engines.paged_kv import PagedKVCache
 
     g = torch.Generator().manual_seed(2)
@@ -337,7 +341,7 @@ def graph_check(report: Report, model: Any, hf: Any, backend_names: list[str]) -
             report.note(f"graph check for '{name}' skipped: budget")
             continue
         cache = PagedKVCache(model.kv_layout(), 16, 256)
-        backend = make_backend(name, cache)
+        backend = select_backend(name, cache)
         steps = prefill(model, backend, prompts)
         graphs = DecodeGraphs.for_backend(model, backend, MAX_SEQ_LEN, BUCKETS)
         worst, agree, total = 0.0, 0, 0

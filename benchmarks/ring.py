@@ -16,7 +16,7 @@ numpy arrays, alternating. It needs the mstar_rt package (pip install -e . in th
 it the script says so and exits non-zero, unless --cpp-only.
 
 Figures are medians over the repetitions; ratios are > 1 when mstar_rt wins. Writes the JSON
-result (DESIGN.md, "Measuring"), <out stem>_raw.json with every sample, and a bar plot of the
+result (format: docs/benchmarks.md), <out stem>_raw.json with every sample, and a bar plot of the
 ratios to <out stem>.png when matplotlib is importable.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Callable
 # cores the two Python threads are measured on; neither side does linear algebra.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from bench_common import machine  # noqa: E402  (benchmarks/ is on sys.path)
+from bench_common import build_cpp_driver, machine  # noqa: E402  (benchmarks/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = ROOT / "build" / "bench"
@@ -94,23 +94,7 @@ class Progress:
 
 
 def build_driver() -> Path:
-    if shutil.which("cmake") is None:
-        sys.exit("ring.py: cmake is not on PATH; install CMake >= 3.18 to build the C++ driver")
-    steps = [
-        ["cmake", "-S", str(ROOT), "-B", str(BUILD_DIR), "-DMSTAR_BUILD_BENCHMARKS=ON",
-         "-DMSTAR_BUILD_PYTHON=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-        ["cmake", "--build", str(BUILD_DIR), "--target", "ring_bench", "-j", str(os.cpu_count() or 2)],
-    ]
-    print(f"building ring_bench in {BUILD_DIR.relative_to(ROOT)} ...", flush=True)
-    for cmd in steps:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])
-            sys.exit(f"ring.py: '{' '.join(cmd[:3])} ...' failed (exit {r.returncode}); see the output above")
-    exe = BUILD_DIR / "benchmarks" / "ring_bench"
-    if not exe.exists():
-        sys.exit(f"ring.py: the build finished but {exe} is missing")
-    return exe
+    return build_cpp_driver("ring_bench", BUILD_DIR)
 
 
 def run_driver(exe: Path, cfg: dict) -> dict:

@@ -52,7 +52,7 @@ from mstar_rt.models.causal_lm import CausalLM
 from mstar_rt.models.orpheus import OrpheusTokens, OrpheusTTS, tiny_lm, tiny_snac
 from mstar_rt.models.snac import SnacConfig, SnacDecoder
 from mstar_rt.models.snac_stream import decode_one_shot
-from mstar_rt.speech_metrics import SpeechMetrics
+from mstar_rt.audio.speech_metrics import SpeechMetrics
 
 from bench_common import machine  # noqa: E402  (benchmarks/ is on sys.path)
 

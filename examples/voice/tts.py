@@ -29,7 +29,7 @@ import torch
 import mstar_rt
 from mstar_rt.engines import SamplingParams
 from mstar_rt.models.orpheus import OrpheusTTS
-from mstar_rt.speech_metrics import SpeechMeter, SpeechMetrics
+from mstar_rt.audio.speech_metrics import SpeechMeter, SpeechMetrics
 
 T = 600.0  # seconds: the longest a request may take before we give up
 

@@ -11,7 +11,7 @@ This package is a typed face over the compiled core ``mstar_rt._core``. The stre
 """
 
 from mstar_rt._core import ChunkPolicy, Chunk, StreamClosedError
-from mstar_rt.control import ActionChunkBuffer, ControlLoop, LatencyTracker, SimulatedClock, TickInfo
+from mstar_rt.robot import ActionChunkBuffer, ControlLoop, LatencyTracker, SimulatedClock, TickInfo
 from mstar_rt.graph import (
     EMIT,
     DynamicLoop,

@@ -270,8 +270,11 @@ class _WalkCompiler:
 
 def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
                   inputs: Sequence[str], engine_of: Mapping[str, str],
-                  max_batch_of: Mapping[str, int]) -> CompiledGraph:
-    """Validates ``(G, W)`` and builds the IR. Raises :class:`GraphError` naming the problem."""
+                  max_batch_of: Mapping[str, int],
+                  stream_end_nodes: frozenset[str] = frozenset()) -> CompiledGraph:
+    """Validates ``(G, W)`` and builds the IR. Raises :class:`GraphError` naming the problem.
+    ``stream_end_nodes``: stream consumers told when their stream ends without a window marked
+    last (:meth:`mstar_rt.NodeSubmodule.end_stream`)."""
     graph: dict[str, GraphNode] = {}
     for n in nodes:
         if not isinstance(n, GraphNode):
@@ -309,7 +312,8 @@ def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
         if engine not in engines:
             engines.append(engine)
         ir_nodes.append((n.name, engines.index(engine), int(max_batch_of.get(n.name, 1)),
-                         [names(x) for x in n.inputs], [names(x) for x in n.output_names]))
+                         [names(x) for x in n.inputs], [names(x) for x in n.output_names],
+                         n.name in stream_end_nodes))
     ir_walks = []
     for wname, root in walks.items():
         wc = _WalkCompiler(wname, root, graph, inputs, persisted, names, node_ids)

@@ -10,14 +10,22 @@ from mstar_rt import _core
 from mstar_rt.graph import GraphNode, SectionLike
 
 
+#: A request's deadline when it has none (steady-clock nanoseconds, as the Conductor keeps them).
+NO_DEADLINE = 2**63 - 1
+
+
 @dataclass
 class RequestContext:
-    """One request as nodes and the state machine see it."""
+    """One request as nodes and the state machine see it: ``deadline_ns`` (monotonic clock,
+    :data:`NO_DEADLINE` if none) and ``priority`` are what it was submitted with; every process
+    serving it orders its work by them."""
 
     id: int
     inputs: Mapping[str, Any]
     walk: str = ""
     state: dict = field(default_factory=dict)  # free for the model's own bookkeeping
+    deadline_ns: int = NO_DEADLINE
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,8 +75,24 @@ class NodeSubmodule(abc.ABC):
         """Groups of item indices that may run in one forward(); refuse batching by splitting."""
         return [list(range(len(batch)))]
 
+    def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:
+        """A stream consumer's end of stream, when no window told it: the stream ended exactly
+        where a window already sent (not marked ``last``) ended, or carried no items. Returns
+        the node's outputs, as forward() does for one item (e.g. audio flushed from what the
+        node held back). Called at most once per stream, never with a window; a node that does
+        not override it is not called at all. Either way the windows a consumer sees are
+        exactly the chunk policy's, never an empty one."""
+        return {}
+
     def cleanup(self, request: RequestContext) -> None:
         """Called once when a request ends (finished, failed or cancelled)."""
+
+
+def hears_stream_end(sub: NodeSubmodule) -> bool:
+    """Whether ``sub`` overrides :meth:`NodeSubmodule.end_stream` (in its class or on the
+    instance): only then does the runtime tell it that its stream ended."""
+    method = getattr(sub, "end_stream")
+    return getattr(method, "__func__", method) is not NodeSubmodule.end_stream
 
 
 class Model:

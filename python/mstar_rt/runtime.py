@@ -13,10 +13,11 @@ from typing import Any, Iterator, Mapping, Optional
 from mstar_rt import _core
 from mstar_rt.compiler import CompiledGraph, compile_graph
 from mstar_rt.engines.base import Engine, StatelessEngine
-from mstar_rt.graph import GraphError, GraphNode, StreamingGraphEdge
-from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext
+from mstar_rt.graph import GraphError, GraphNode
+from mstar_rt.model import NO_DEADLINE, Model, NodeSubmodule, RequestContext, hears_stream_end
+from mstar_rt.nodes import BatchRunner, NodeTable, overrides
+from mstar_rt.registry import RequestRegistry
 
-_NO_DEADLINE = 2**63 - 1
 _TIMELINE_RECORD = "<IIIIqqq"  # the C++ TimelineEvent: node, walk, iteration, batch, 3 clocks
 
 
@@ -39,24 +40,9 @@ def compile_model(model: Model) -> CompiledGraph:
                          "map every node name to a NodeSubmodule in `submodules`")
     return compile_graph(model.nodes, model.walks, model.inputs, model.engines,
                          {n: max(1, int(getattr(s, "max_batch", 1)))
-                          for n, s in model.submodules.items()})
-
-
-def _overrides(obj: object, name: str, base: type) -> bool:
-    """Whether obj's `name` (in its class or set on the instance) is not base's default."""
-    method = getattr(obj, name)
-    return getattr(method, "__func__", method) is not getattr(base, name)
-
-
-class _Hooks:
-    """Which optional NodeSubmodule hooks a submodule overrides: the defaults are skipped."""
-
-    __slots__ = ("prepare", "split", "stop")
-
-    def __init__(self, sub: NodeSubmodule) -> None:
-        self.prepare = _overrides(sub, "prepare_inputs", NodeSubmodule)
-        self.split = _overrides(sub, "split_batch", NodeSubmodule)
-        self.stop = _overrides(sub, "check_stop", NodeSubmodule)
+                          for n, s in model.submodules.items()},
+                         frozenset(n for n, s in model.submodules.items()
+                                   if hears_stream_end(s)))
 
 
 class RequestHandle:
@@ -122,16 +108,16 @@ class RequestHandle:
 
     def cancel(self) -> bool:
         """Stops the request now; its queued work is dropped and its memory freed."""
-        return self._runtime._cancel(self)
+        return self._runtime.cancel(self)
 
     def stats(self) -> list[dict]:
         """One record per node execution: node, walk, iteration, batch size, and the queued,
         started and finished times in seconds (monotonic clock)."""
-        timeline = self._timeline if self.done else self._runtime._timeline(self.id)
+        timeline = self._timeline if self.done else self._runtime.conductor.timeline(self.id)
         if isinstance(timeline, bytes):
             timeline = list(struct.iter_unpack(_TIMELINE_RECORD, timeline))
-        names = self._runtime._node_names
-        walks = self._runtime._walk_names
+        names = self._runtime.node_names
+        walks = self._runtime.walk_names
         return [dict(node=names[n], walk=walks[w], iteration=it, batch_size=b,
                      queued=q / 1e9, started=s / 1e9, finished=f / 1e9)
                 for n, w, it, b, q, s, f in timeline]
@@ -141,7 +127,7 @@ class RequestHandle:
         events = []
         for rec in self.stats():
             events.append(dict(name=rec["node"], cat=rec["walk"], ph="X", pid=self.id,
-                               tid=self._runtime._engine_of_node.get(rec["node"], "default"),
+                               tid=self._runtime.engine_of(rec["node"]),
                                ts=rec["started"] * 1e6,
                                dur=(rec["finished"] - rec["started"]) * 1e6,
                                args=dict(iteration=rec["iteration"], batch_size=rec["batch_size"],
@@ -174,38 +160,26 @@ class Runtime:
         # An idle worker spins this long before sleeping: work that arrives meanwhile costs no
         # wake-up (tens of µs on a VM); 0 saves the CPU time instead.
         self.conductor.set_spin(max(0.0, spin_us) * 1e-6)
-        self._poll_s = poll_s
-        self._node_names = list(g.node_ids)
-        self._walk_names = list(g.walk_ids)
-        self._name_of = list(g.names)
-        self._submodules: list[NodeSubmodule] = [model.submodules[n] for n in self._node_names]
+        self.poll_s = poll_s
+        self.nodes = NodeTable(model, g)
+        self.requests = RequestRegistry()
+        self.runner = BatchRunner(self.nodes, self.requests.contexts, self.loop_id)
+        self.node_names = self.nodes.names
+        self.walk_names = list(g.walk_ids)
         self._loop_ids = g.name_ids
-        self._engine_of_node = {n: model.engines.get(n, "default") for n in self._node_names}
-        self._hooks = [_Hooks(sub) for sub in self._submodules]
-        # One submodule may serve several nodes (one LM for prefill and decode): clean it up once.
-        self._unique_submodules = list({id(s): s for s in self._submodules}.values())
-        # node -> the input name its stream windows arrive under (None if it consumes no stream)
-        self._stream_input: list = [None] * len(self._node_names)
-        for n in model.nodes:
-            for out in n.outputs:
-                if isinstance(out, StreamingGraphEdge):
-                    self._stream_input[g.node_ids[out.to]] = out.name
-        self._requests: dict[int, RequestHandle] = {}
         # Nodes whose batches the Conductor's run_batch prepares, runs and completes itself:
-        # all but those that split batches or consume a stream (those go through _run).
-        bound: list = [None] * len(self._node_names)
-        for i, (sub, hooks) in enumerate(zip(self._submodules, self._hooks)):
-            if not (hooks.split or self._stream_input[i]):
-                bound[i] = (sub, hooks.prepare, hooks.stop)
+        # all but those that split batches or consume a stream (those go through run()).
+        bound = [None if (e.splits or e.stream_input) else (e.submodule, e.prepares, e.stops)
+                 for e in self.nodes.entries]
         self._input_names = frozenset(model.inputs)
         self._input_defaults = dict(model.input_defaults)
         # Skip the calls a model does not override: submit and walk ends pay per request.
-        self._validates = _overrides(model, "validate_inputs", Model)
-        self._has_next_walk = _overrides(model, "next_walk", Model)
-        # Without a next_walk, run_batch also finishes the requests whose walk ended (_ended).
-        self.conductor.bind_nodes(bound, self._requests, self._loop_ids,
+        self._validates = overrides(model, "validate_inputs", Model)
+        self._has_next_walk = overrides(model, "next_walk", Model)
+        # Without a next_walk, run_batch also finishes the requests whose walk ended
+        # (requests_ended).
+        self.conductor.bind_nodes(bound, self.requests.by_id, self._loop_ids,
                                   not self._has_next_walk)
-        self._lock = threading.Lock()
         self._closed = False
         specs = {**model.engine_specs, **(engines or {})}
         unknown = set(specs) - set(g.engines)
@@ -220,9 +194,9 @@ class Runtime:
             self.engines[name] = engine
         # Only those that override the hook are called when a request ends.
         self._releasing_engines = [e for e in self.engines.values()
-                                   if _overrides(e, "release", Engine)]
-        self._cleaning_submodules = [s for s in self._unique_submodules
-                                     if _overrides(s, "cleanup", NodeSubmodule)]
+                                   if overrides(e, "release", Engine)]
+        self._cleaning_submodules = [s for s in self.nodes.unique_submodules()
+                                     if overrides(s, "cleanup", NodeSubmodule)]
         self._workers = []
         for engine in self.engines.values():
             t = threading.Thread(target=engine.serve, name=f"mstar-engine-{engine.name}",
@@ -246,43 +220,89 @@ class Runtime:
                              f"{sorted(missing)} are missing; the model takes {list(self.model.inputs)}")
         if self._validates:
             self.model.validate_inputs(inputs)
-        ctx = RequestContext(id=0, inputs=inputs)
+        deadline_ns = NO_DEADLINE if deadline is None else time.monotonic_ns() + int(deadline * 1e9)
+        ctx = RequestContext(id=0, inputs=inputs, deadline_ns=deadline_ns, priority=priority)
         walk = self.model.initial_walk(ctx)
         if walk not in self.graph.walk_ids:
             raise ValueError(f"initial_walk returned '{walk}', which is not a walk of the model")
         ctx.walk = walk
         name_ids = self._loop_ids
         values = {name_ids[k]: v for k, v in inputs.items()}
-        deadline_ns = _NO_DEADLINE if deadline is None else time.monotonic_ns() + int(deadline * 1e9)
-        with self._lock:  # the handle must be known before a worker can report on the request
+        with self.requests.lock:  # known before a worker can report on the request
             rid, outcome = self.conductor.submit(self.graph.walk_ids[walk], values, deadline_ns,
                                                  priority)
             ctx.id = rid
             handle = RequestHandle(self, ctx)
-            self._requests[rid] = handle
+            self.requests.add(rid, handle)
         if outcome[0] or outcome[1] or outcome[2]:  # usually empty: the work is queued
-            self._handle(outcome)
+            self.report(outcome)
         return handle
 
-    def _cancel(self, handle: RequestHandle) -> bool:
+    def cancel(self, handle: RequestHandle) -> bool:
+        """Stops ``handle``'s request now (RequestHandle.cancel)."""
         ok, outcome = self.conductor.cancel(handle.id)
         if ok:
             self._end(handle.id, RequestCancelled(f"request {handle.id} was cancelled"))
-        self._handle(outcome)
+        self.report(outcome)
         return ok
 
-    def _timeline(self, rid: int) -> list:
-        return self.conductor.timeline(rid)
+    def engine_of(self, node: str) -> str:
+        return self.nodes[self.graph.node_ids[node]].engine
 
-    def _ended(self, finished: list) -> None:
+    def ended(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
+        """Called once per request after it ended (finished: ``error`` is None; failed or
+        cancelled); a subclass may override it to pass the end on (mstar_rt.embed does)."""
+
+    # ---- the engine host (mstar_rt.engines.host.EngineHost) ------------------------------------
+
+    @property
+    def queue(self) -> Any:
+        return self.conductor
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run(self, node: int, items: list) -> tuple:
+        """Runs one batch and reports it to the Conductor; returns the outcome."""
+        ids, outputs, stops = self.runner.run(node, items)
+        return self.conductor.complete(node, ids, outputs, stops)
+
+    def requests_ended(self, finished: list) -> None:
         """Requests the Conductor finished itself: [(request, timeline bytes)]."""
         for rid, timeline in finished:
             self._end(rid, None, timeline)
 
+    def loop_id(self, name: str) -> int:
+        try:
+            return self._loop_ids[name]
+        except KeyError:
+            raise RuntimeError(f"check_stop named loop '{name}', which is not a DynamicLoop of "
+                               "the model") from None
+
+    def report(self, outcome: tuple) -> None:
+        """Acts on a Conductor outcome. Never raises: one request's trouble stays its own."""
+        emits, walks_done, failed = outcome
+        if emits:
+            with self.requests.lock:
+                get = self.requests.by_id.get
+                for rid, name, value in emits:
+                    handle = get(rid)
+                    if handle is not None:
+                        handle._emit(name, value)
+        for rid, message in failed:
+            self._end(rid, RequestFailed(message))
+        for rid in walks_done:
+            if self._has_next_walk:
+                self._next_walk(rid)
+            else:  # one walk and done (the default state machine)
+                self._finish(rid)
+
+    # ---- request ends ----------------------------------------------------------------------------
+
     def _end(self, rid: int, error: Optional[BaseException],
              timeline: Optional[bytes] = None) -> None:
-        with self._lock:
-            handle = self._requests.pop(rid, None)
+        handle = self.requests.pop(rid)
         if handle is None:
             return
         if timeline is None:
@@ -298,30 +318,10 @@ class Runtime:
             except Exception:  # a cleanup failure must not take the runtime down
                 pass
         handle._end(error, timeline)
-
-    # ---- outcomes ------------------------------------------------------------------------------
-
-    def _handle(self, outcome: tuple) -> None:
-        """Acts on a Conductor outcome. Never raises: one request's trouble stays its own."""
-        emits, walks_done, failed = outcome
-        if emits:
-            with self._lock:
-                requests = self._requests
-                for rid, name, value in emits:
-                    handle = requests.get(rid)
-                    if handle is not None:
-                        handle._emit(name, value)
-        for rid, message in failed:
-            self._end(rid, RequestFailed(message))
-        for rid in walks_done:
-            if self._has_next_walk:
-                self._next_walk(rid)
-            else:  # one walk and done (the default state machine)
-                self._finish(rid)
+        self.ended(handle, error)
 
     def _next_walk(self, rid: int) -> None:
-        with self._lock:
-            handle = self._requests.get(rid)
+        handle = self.requests.get(rid)
         if handle is None:
             return
         ctx = handle.context
@@ -330,77 +330,21 @@ class Runtime:
             if walk is not None and walk not in self.graph.walk_ids:
                 raise ValueError(f"next_walk returned '{walk}', which is not a walk of the model")
         except Exception as e:
-            self._handle(self.conductor.fail(rid, f"next_walk after '{ctx.walk}' raised "
-                                                  f"{type(e).__name__}: {e}"))
+            self.report(self.conductor.fail(rid, f"next_walk after '{ctx.walk}' raised "
+                                                 f"{type(e).__name__}: {e}"))
             return
         if walk is None:
             self._finish(rid)
             return
         ctx.walk = walk
         # A request cancelled meanwhile is skipped by the Conductor (empty outcome).
-        self._handle(self.conductor.start_walk(rid, self.graph.walk_ids[walk]))
+        self.report(self.conductor.start_walk(rid, self.graph.walk_ids[walk]))
 
     def _finish(self, rid: int) -> None:
         ended, outcome = self.conductor.finish(rid)
         if ended:  # else it was cancelled meanwhile, and cancel() ended the handle
             self._end(rid, None)
-        self._handle(outcome)
-
-    # ---- running batches (called by engines on their worker threads) ----------------------------
-
-    def _run(self, node: int, items: list) -> tuple:
-        """Runs one batch and reports it; returns the Conductor's outcome."""
-        sub = self._submodules[node]
-        hooks = self._hooks[node]
-        if hooks.prepare or any(item[4] is not None for item in items):
-            prepared = self._prepare(node, items, hooks.prepare)
-        else:
-            prepared = [item[3] for item in items]
-        if hooks.split:
-            outputs: list = [None] * len(items)
-            for group in sub.split_batch(prepared):
-                result = sub.forward([prepared[i] for i in group])
-                if len(result) != len(group):
-                    raise RuntimeError(f"{type(sub).__name__}.forward returned {len(result)} "
-                                       f"results for a batch of {len(group)}")
-                for i, r in zip(group, result):
-                    outputs[i] = r
-        else:
-            outputs = sub.forward(prepared)
-            if len(outputs) != len(items):
-                raise RuntimeError(f"{type(sub).__name__}.forward returned {len(outputs)} results "
-                                   f"for a batch of {len(items)}")
-        stops = None
-        if hooks.stop:
-            stops = [[self._loop_id(s) for s in stop] for stop in sub.check_stop(prepared, outputs)]
-        return self.conductor.complete(node, [item[0] for item in items], list(outputs), stops)
-
-    def _prepare(self, node: int, items: list, call_prepare: bool) -> list:
-        sub = self._submodules[node]
-        stream_input = self._stream_input[node]
-        if call_prepare:
-            get = self._requests.get  # dict.get is atomic under the GIL
-            contexts = [get(item[1]) for item in items]
-            if None in contexts:  # submit queues work before it registers the handle
-                with self._lock:
-                    contexts = [get(item[1]) for item in items]
-        prepared = []
-        for n, (_id, rid, iteration, values, chunk) in enumerate(items):
-            if chunk is not None:
-                values = {**values, stream_input: StreamWindow(values[stream_input], *chunk)}
-            if call_prepare:
-                handle = contexts[n]
-                ctx = handle.context if handle is not None else RequestContext(rid, {})
-                values = sub.prepare_inputs(WorkContext(ctx, iteration), values)
-            prepared.append(values)
-        return prepared
-
-    def _loop_id(self, name: str) -> int:
-        try:
-            return self._loop_ids[name]
-        except KeyError:
-            raise RuntimeError(f"check_stop named loop '{name}', which is not a DynamicLoop of "
-                               "the model") from None
+        self.report(outcome)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -408,7 +352,7 @@ class Runtime:
         """Cancels what is still running, stops the workers and joins them."""
         if self._closed:
             return
-        for handle in list(self._requests.values()):
+        for handle in self.requests.entries():
             handle.cancel()
         self._closed = True
         self.conductor.shutdown()

@@ -508,6 +508,7 @@ TEST(ConductorStress, TwoEngineWorkersAndASubmitterWithRandomCancels) {
   ir.node("dec", "llm", {"h"}, {"h", "tok"}, 16);
   ir.node("voc", "codec", {"tok"}, {"audio"}, 8);
   ir.node("post", "codec", {"h"}, {"state"}, 8);
+  ir.g.nodes[ir.node_id("voc")].on_stream_end = true;  // every stream's end is heard once
   WalkB w0(ir, "gen");
   const std::uint32_t loop = w0.dynamic_loop("gen", w0.node("dec"), 8, {"h"}, {}, {"tok"});
   w0.stream("dec", "tok", "voc", ChunkPolicy::sliding_window(3, 1), loop)
@@ -536,14 +537,15 @@ TEST(ConductorStress, TwoEngineWorkersAndASubmitterWithRandomCancels) {
   };
   std::unordered_map<RequestId, std::pair<int, bool>> lasts;  // (last windows, last came last)
   app.fns[ir.node_id("voc")] = [&](const WorkItem& it, const auto& in, auto& out, auto&) {
-    if (!it.windowed) return false;
+    if (it.windowed == it.stream_end) return false;  // exactly one of the two
+    if (it.windowed && in[0].empty()) return false;  // a window is never empty
     auto& l = lasts[it.request];  // fns run under app.mu
-    if (l.first > 0) l.second = false;  // a window after the last one
+    if (l.first > 0) l.second = false;  // something after the end
     if (it.chunk.last) {
       ++l.first;
       l.second = true;
     }
-    if (in[0].empty()) return true;  // the empty last window after a full one: nothing to say
+    if (it.stream_end) return true;  // the end after a full window: nothing to say
     long s = 0;
     for (long v : in[0]) s += v;
     out[0] = s;
@@ -638,8 +640,8 @@ TEST(ConductorStress, TwoEngineWorkersAndASubmitterWithRandomCancels) {
       for (long b = 0; b + 3 <= n; ++b) want.push_back(3 * x + 3 * b + 6);
     }
     EXPECT_EQ(audio[r], want) << "request " << r;
-    EXPECT_EQ(lasts[r].first, 1) << "request " << r << ": one window marked last";
-    EXPECT_TRUE(lasts[r].second) << "request " << r << ": the last window came last";
+    EXPECT_EQ(lasts[r].first, 1) << "request " << r << ": one end (a last window or a stream-end item)";
+    EXPECT_TRUE(lasts[r].second) << "request " << r << ": the end came last";
     if (r % 3 == 0) {
       ++n_post;
       EXPECT_EQ(state[r], (std::vector<long>{2 * (x + n)})) << "request " << r;

@@ -148,42 +148,90 @@ TEST(Conductor, StreamEndsWhenADynamicLoopStopsEarly) {
   run_stream_case({ChunkPolicy::sliding_window(4, 2), true, 1, true, {chunk(0, 0, 1, 0, true)}});
 }
 
-TEST(Conductor, StreamEndingOnAChunkBoundaryEndsWithOneLastWindow) {
+TEST(Conductor, StreamEndingOnAChunkBoundaryMakesNoEmptyWindow) {
   // Fixed(3) over 6 items. With the consumer in a Parallel and run eagerly, [3,6) is cut before
-  // the loop ends (not last), so the end of stream sends an empty last window [6,6). With the
-  // consumer after the loop, [3,6) is cut after the end and is itself the last window.
-  for (bool parallel : {true, false}) {
-    SCOPED_TRACE(parallel ? "consumer in parallel" : "consumer after the loop");
+  // the loop ends (not last); with the consumer after the loop it is cut after the end and is
+  // itself last. Either way the windows are the policy's two, never an empty third. A consumer
+  // with on_stream_end hears the end once: from the last window, or else from one stream-end
+  // item (no window, no items) after it.
+  for (bool on_end : {false, true}) {
+    for (bool parallel : {true, false}) {
+      SCOPED_TRACE(std::string(parallel ? "consumer in parallel" : "consumer after the loop") +
+                   (on_end ? ", on_stream_end" : ""));
+      IR ir;
+      ir.node("P", "e0", {"h"}, {"h", "s"});
+      ir.node("C", "e1", {"s"}, {"o"});
+      ir.g.nodes[ir.node_id("C")].on_stream_end = on_end;
+      WalkB w(ir, "main");
+      const std::uint32_t loop = w.loop(w.node("P"), 6, {"h"}, {}, {"s"});
+      w.stream("P", "s", "C", ChunkPolicy::fixed(3), loop).emit("C", "o");
+      const WalkId main = w.build(parallel ? w.par({loop, w.node("C")}) : w.seq({loop, w.node("C")}));
+      App app(ir.g);
+      app.fns[ir.node_id("C")] = [](const WorkItem& it, const auto& in, auto& out, auto&) {
+        out[0] = it.stream_end ? -1 : static_cast<long>(in[0].size());
+        return true;
+      };
+      const RequestId r = app.submit(main, {{ir.name("h"), 0}});
+      while (app.step(1) + app.step(0) > 0) {
+      }
+      auto calls = app.items_of(ir.node_id("C"), r);
+      const bool told_by_item = on_end && parallel;
+      ASSERT_EQ(calls.size(), told_by_item ? 3u : 2u);
+      if (told_by_item) {
+        EXPECT_TRUE(calls.back().stream_end);
+        EXPECT_FALSE(calls.back().windowed);
+        EXPECT_EQ(calls.back().handles.size(), 0u);
+        calls.pop_back();
+      }
+      const std::vector<Chunk> want = {chunk(0, 0, 3, 0, false), chunk(3, 3, 6, 1, !parallel)};
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        EXPECT_TRUE(calls[i].windowed);
+        EXPECT_FALSE(calls[i].stream_end);
+        EXPECT_EQ(calls[i].chunk.begin, want[i].begin) << i;
+        EXPECT_EQ(calls[i].chunk.new_begin, want[i].new_begin) << i;
+        EXPECT_EQ(calls[i].chunk.end, want[i].end) << i;
+        EXPECT_EQ(calls[i].chunk.index, want[i].index) << i;
+        EXPECT_EQ(calls[i].chunk.last, want[i].last) << i;
+        EXPECT_EQ(calls[i].offsets,
+                  (std::vector<std::uint32_t>{0, static_cast<std::uint32_t>(want[i].size())}));
+      }
+      const std::vector<long> want_out =
+          told_by_item ? std::vector<long>{3, 3, -1} : std::vector<long>{3, 3};
+      EXPECT_EQ(app.emitted(r, ir.name("o")), want_out);
+      EXPECT_TRUE(app.finished.count(r));
+      app.expect_all_released();
+    }
+  }
+}
+
+TEST(Conductor, AnEmptyStreamTellsOnlyAConsumerThatAsked) {
+  // A producer that never produces its streamed output: no window at all; on_stream_end gets
+  // one stream-end item, else the consumer is never called.
+  for (bool on_end : {false, true}) {
     IR ir;
     ir.node("P", "e0", {"h"}, {"h", "s"});
     ir.node("C", "e1", {"s"}, {"o"});
+    ir.g.nodes[ir.node_id("C")].on_stream_end = on_end;
     WalkB w(ir, "main");
-    const std::uint32_t loop = w.loop(w.node("P"), 6, {"h"}, {}, {"s"});
-    w.stream("P", "s", "C", ChunkPolicy::fixed(3), loop).emit("C", "o");
-    const WalkId main = w.build(parallel ? w.par({loop, w.node("C")}) : w.seq({loop, w.node("C")}));
+    const std::uint32_t loop = w.loop(w.node("P"), 3, {"h"}, {}, {"s"});
+    w.stream("P", "s", "C", ChunkPolicy::fixed(2), loop).emit("C", "o");
+    const WalkId main = w.build(w.par({loop, w.node("C")}));
     App app(ir.g);
-    app.fns[ir.node_id("C")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
-      out[0] = static_cast<long>(in[0].size());
+    app.fns[ir.node_id("P")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
+      out[0] = in[0][0];
+      out[1] = kAbsent;
+      return true;
+    };
+    app.fns[ir.node_id("C")] = [](const WorkItem& it, const auto&, auto& out, auto&) {
+      out[0] = it.stream_end ? -1 : 1;
       return true;
     };
     const RequestId r = app.submit(main, {{ir.name("h"), 0}});
     while (app.step(1) + app.step(0) > 0) {
     }
-    const auto windows = app.items_of(ir.node_id("C"), r);
-    std::vector<Chunk> want = {chunk(0, 0, 3, 0, false), chunk(3, 3, 6, 1, !parallel)};
-    if (parallel) want.push_back(chunk(6, 6, 6, 2, true));
-    ASSERT_EQ(windows.size(), want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      EXPECT_TRUE(windows[i].windowed);
-      EXPECT_EQ(windows[i].chunk.begin, want[i].begin) << i;
-      EXPECT_EQ(windows[i].chunk.new_begin, want[i].new_begin) << i;
-      EXPECT_EQ(windows[i].chunk.end, want[i].end) << i;
-      EXPECT_EQ(windows[i].chunk.index, want[i].index) << i;
-      EXPECT_EQ(windows[i].chunk.last, want[i].last) << i;
-      EXPECT_EQ(windows[i].offsets,
-                (std::vector<std::uint32_t>{0, static_cast<std::uint32_t>(want[i].size())}));
-    }
-    EXPECT_EQ(app.emitted(r, ir.name("o")), parallel ? (std::vector<long>{3, 3, 0}) : (std::vector<long>{3, 3}));
+    const auto calls = app.items_of(ir.node_id("C"), r);
+    ASSERT_EQ(calls.size(), on_end ? 1u : 0u);
+    if (on_end) EXPECT_TRUE(calls[0].stream_end && calls[0].chunk.last);
     EXPECT_TRUE(app.finished.count(r));
     app.expect_all_released();
   }

@@ -35,8 +35,9 @@ def devices():
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """Torch at one intra-op thread for the module (the robot-model tests: deterministic timing
-    of nothing, but no OpenMP pool fighting the engine workers on 2 cores)."""
+    """Torch at one intra-op thread for the module: the model tests run tiny ops, where an
+    OpenMP pool only spins and fights the engine workers on 2 cores. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
     import torch
 
     threads = torch.get_num_threads()

@@ -14,9 +14,11 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from mstar_rt.engines.attention import CAUSAL, SeqStep, TorchAttention
+from mstar_rt.engines.attention_base import SeqStep
 from mstar_rt.engines.kv_engine import KVNodeSubmodule, KVStep, KVWork
+from mstar_rt.engines.masks import CAUSAL
 from mstar_rt.engines.paged_kv import KVLayout, PagedKVCache
+from mstar_rt.engines.torch_backend import TorchAttention
 
 
 # ---- dense reference -----------------------------------------------------------------------------

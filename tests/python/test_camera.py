@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 # Imported before mujoco: it defaults MUJOCO_GL to egl, which only works before mujoco loads.
-from mstar_rt.camera import Frame, MujocoRenderSource, VideoCaptureSource
+from mstar_rt.robot.camera import Frame, MujocoRenderSource, VideoCaptureSource
 
 cv2 = pytest.importorskip("cv2")
 

@@ -20,11 +20,13 @@ import torch
 from mstar_rt import Runtime
 from mstar_rt.engines import KVCacheEngine, SamplingParams
 from mstar_rt.engines import flashinfer_backend as fib
-from mstar_rt.engines.attention import (
-    CAUSAL, BlockCausal, PrefixBidirectional, SeqStep, TorchAttention)
+from mstar_rt.engines.attention import select_backend
+from mstar_rt.engines.attention_base import SeqStep
 from mstar_rt.engines.cuda_graphs import DecodeGraphs
-from mstar_rt.engines.kv_engine import KVStep, make_backend
+from mstar_rt.engines.kv_engine import KVStep
+from mstar_rt.engines.masks import CAUSAL, BlockCausal, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout, PagedKVCache
+from mstar_rt.engines.torch_backend import TorchAttention
 from mstar_rt.models.causal_lm import CausalLM
 from mstar_rt.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -218,7 +220,7 @@ def test_flashinfer_refuses_cpu_and_float32_clearly():
     with pytest.raises(ValueError, match="does not run on cpu"):
         fib.FlashInferAttention(cache)
     with pytest.raises(ValueError, match="does not run on cpu"):
-        make_backend("flashinfer", cache)
+        select_backend("flashinfer", cache)
     with pytest.raises(ValueError, match="cannot run float32 on cuda.*float16, bfloat16"):
         fib.FlashInferAttention(_Stub(torch.float32, "cuda"))
 
@@ -483,7 +485,7 @@ def test_cuda_graph_decode_matches_eager_on_cuda(backend_name):
         pytest.skip("needs flashinfer-python")
     model = tiny_llama("cuda", torch.bfloat16, head_dim=64)
     cache, torch_backend, steps, tokens = prefilled(model, [5, 9, 3, 17, 2], page_size=16)
-    backend = make_backend(backend_name, cache)
+    backend = select_backend(backend_name, cache)
     before = snapshot(cache)
     graphs = DecodeGraphs.for_backend(model, backend, 64, buckets=(2, 8))
     for n in (5, 2, 5):  # capture, replay another bucket, replay the first

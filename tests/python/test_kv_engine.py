@@ -18,9 +18,10 @@ import torch
 from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Model, Parallel,
                       RequestCancelled, RequestFailed, Sequential)
 from mstar_rt.engines import KVCacheEngine, SamplingParams, stack_pad
-from mstar_rt.engines.attention import (BlockCausal, Causal, PrefixBidirectional, SeqStep,
-                                        TorchAttention)
+from mstar_rt.engines.attention_base import SeqStep
+from mstar_rt.engines.masks import BlockCausal, Causal, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout, OutOfPages, PagedKVCache
+from mstar_rt.engines.torch_backend import TorchAttention
 from mstar_rt.models.causal_lm import CausalLM
 
 from kv_models import (DenseHistory, Proj, ProjNode, SlowSubmit, assert_close, dense_attention,

@@ -30,12 +30,7 @@ REPLY = " Opening the gripper. The arm is ready. Anything else?\n"
 SENTENCES = ["Opening the gripper.", "The arm is ready.", "Anything else?"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def _checkpoint(path, chat: bool, steps: int):

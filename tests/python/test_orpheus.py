@@ -29,13 +29,7 @@ TOL = 1e-5
 SPF = 2048  # samples per frame
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops: a second torch thread only spins on this 2-core machine (and is very slow)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +100,8 @@ def test_streamed_audio_equals_one_shot_for_concurrent_requests(policy, carry):
 
 def recording(model: OrpheusTTS) -> tuple[list[int], list[int]]:
     """Instruments the SNAC node: per window it decodes, in order (one request at a time), the
-    window's end (tokens streamed so far) and the frames of audio it gave."""
+    window's end (tokens streamed so far) and the frames of audio it gave; an end-of-stream
+    flush (end_stream) counts as a window ending where the last one did."""
     codec, ends, frames = model.codec, [], []
     prepare, forward = codec.prepare_inputs, codec.forward
 
@@ -119,7 +114,14 @@ def recording(model: OrpheusTTS) -> tuple[list[int], list[int]]:
         frames.extend(len(o["audio"]) // SPF for o in out)
         return out
 
-    codec.prepare_inputs, codec.forward = record_prepare, record_forward
+    def record_end(ctx):  # the stream ended where the last window did: the flush
+        ends.append(ends[-1] if ends else 0)
+        out = end_stream(ctx)
+        frames.append(len(out["audio"]) // SPF)
+        return out
+
+    end_stream = codec.end_stream
+    codec.prepare_inputs, codec.forward, codec.end_stream = record_prepare, record_forward, record_end
     return ends, frames
 
 
@@ -137,7 +139,7 @@ def test_audio_streams_before_the_lm_is_done():
     assert_exact(model, {"token": [v for n, v in events if n == "token"],
                          "audio": [v for n, v in events if n == "audio"]})
     # First audio once 28 tokens are in -- the first window -- then a frame per window of 7 new
-    # tokens; the last window (or the empty one after it) flushes the frames still owed.
+    # tokens; the last window (or end_stream after it) flushes the frames still owed.
     assert ends[0] == 28 and frames[0] == 1, (ends, frames)
     assert all(f == 1 and e - before == 7
                for before, e, f in zip(ends[:-2], ends[1:-1], frames[1:-1])), (ends, frames)

@@ -17,19 +17,14 @@ from virtual_audio import require_tool
 import torch
 
 import mstar_rt
-from mstar_rt.audio.orpheus_tts import OrpheusSpeech
+from mstar_rt.audio.tts import OrpheusSpeech
 from walk_models import wait_until
 
 T = 60.0
 SPF = 2048  # samples per SNAC frame
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -87,9 +87,9 @@ def test_stream_consumer_also_reading_an_accumulated_list_gets_a_plain_list(serv
             "snac": Fn(lambda d: {"o": (type(d["ctx"]).__name__, d["ctx"], d["tok"].items)})}
     walk = Sequential(Loop("pre", 3, accumulated_outputs=["ctx"]), Parallel(Loop("gen", 4), "snac"))
     rt = serve(WalkModel(nodes, {"w": walk}, subs))
-    # The stream ends on a chunk boundary, so an empty last window follows (it carries last=True).
+    # The stream ends on a chunk boundary: the policy's two windows, no empty one after them.
     assert rt.submit({"x": 0}).result(timeout=T) == {
-        "o": [("list", [0, 1, 2], [0, 1]), ("list", [0, 1, 2], [2, 3]), ("list", [0, 1, 2], [])]}
+        "o": [("list", [0, 1, 2], [0, 1]), ("list", [0, 1, 2], [2, 3])]}
 
 
 class _CountTo(mstar_rt.NodeSubmodule):
@@ -129,11 +129,36 @@ def test_stream_from_a_dynamic_loop_ends_and_flushes_where_each_request_stopped(
     assert settled(rt) == ZERO_LIVE
 
 
-def test_stream_ending_on_a_chunk_boundary_still_tells_the_consumer_it_ended(serve):
+class _EndAware(mstar_rt.NodeSubmodule):
+    """A consumer recording its windows and hearing the end of its stream (end_stream)."""
+
+    def forward(self, batch):
+        return [{"win": ("window", d["tok"].begin, d["tok"].end, d["tok"].last, d["tok"].items)}
+                for d in batch]
+
+    def end_stream(self, ctx):
+        return {"win": ("end",)}
+
+
+def test_stream_ending_on_a_chunk_boundary_makes_no_empty_window(serve):
     rt = serve(_dynamic_stream_model(mstar_rt.Fixed(3)))
     got = rt.submit({"x": 6}).result(timeout=T)["win"]
-    assert [w[4] for w in got if w[1] < w[2]] == [[0, 1, 2], [3, 4, 5]]  # the items, once each
-    assert [w[3] for w in got][-1] is True and [w[3] for w in got].count(True) == 1
+    assert [w[4] for w in got] == [[0, 1, 2], [3, 4, 5]]  # the policy's windows, nothing more
+    assert all(w[1] < w[2] for w in got)
+
+
+def test_stream_ending_on_a_chunk_boundary_tells_an_end_stream_consumer_once(serve):
+    model = _dynamic_stream_model(mstar_rt.Fixed(3))
+    model.submodules = {**model.submodules, "snac": _EndAware()}
+    rt = serve(model)
+    for n in (3, 4, 6):
+        got = rt.submit({"x": n}).result(timeout=T)["win"]
+        windows = [w for w in got if w[0] == "window"]
+        assert [w[4] for w in windows] == [list(range(b, min(b + 3, n))) for b in range(0, n, 3)]
+        ends = [w for w in got if w[0] == "end"] + [w for w in windows if w[3]]
+        assert len(ends) == 1, got  # the last window said it, or end_stream did, never both
+        assert got[-1] == ends[0]  # and nothing came after it
+    assert settled(rt) == ZERO_LIVE
 
 
 def test_stream_consumer_placed_after_a_node_it_reads_waits_for_that_node(serve):

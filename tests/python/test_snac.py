@@ -18,13 +18,7 @@ from mstar_rt.models.snac import (PositionalNoise, SnacConfig, SnacDecoder,  # n
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These convolutions are tiny; on a busy 2-core machine extra threads only spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 # Small architectures covering every branch: depthwise or not, noise or not, odd and even
 # rates, window attention.

@@ -35,13 +35,7 @@ SMALL = SnacConfig(latent_dim=16, decoder_dim=32, codebook_size=64, codebook_dim
 ORPHEUS = SlidingWindow(28, 7)  # what Orpheus streams with: 4 frames, a new one per window
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These convolutions are tiny; on a busy 2-core machine extra threads only spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def random_snac(config: SnacConfig) -> SnacDecoder:
@@ -132,6 +126,13 @@ class Recorder(SnacStreamNode):
         self.windows += [tag for _, tag in batch]
         return out
 
+    def end_stream(self, ctx):
+        # Recorded as an empty span where the stream ended, so a test sees which way it ended.
+        end = self.decoded_through(ctx.request.id)
+        out = super().end_stream(ctx)
+        self.windows.append((ctx.request.id, end, end, end, True))
+        return out
+
     def decoded_through(self, rid: int) -> int:
         return max((w[3] for w in self.windows if w[0] == rid), default=0)
 
@@ -158,7 +159,7 @@ def window_ends(policy, limit: int) -> set[int]:
 def served(rt, tokens, mode="free"):
     """Streams ``tokens`` through the runtime; returns (chunks, request state). ``mode``:
     "paced" -- the decoder has finished every window before the last token comes, so a stream
-    ending on a window boundary ends with the explicit empty last window; "ahead" -- the LM
+    ending on a window boundary ends with end_stream (recorded as an empty span); "ahead" -- the LM
     finishes before the decoder starts, so the last window is full and marked last."""
     model, codec = rt.model, rt.model.submodules["codec"]
     lm = model.submodules["lm"]
@@ -191,7 +192,7 @@ def counters(state) -> dict:
 def direct(node: SnacStreamNode, tokens, policy, paced: bool = True, watch=None):
     """The node driven without a runtime, over the windows the C++ chunk cursor makes. Paced:
     windows are taken as soon as they are ready (a stream ending on a window boundary then ends
-    with an empty last window, as the runtime sends it); else only after the end of stream.
+    with end_stream, as the runtime calls it); else only after the end of stream.
     ``watch(state)`` runs after each window."""
     n = len(tokens)
     buf = mstar_rt.StreamBuffer(np.int64, 1 << (n + policy.max_window).bit_length(), policy)
@@ -215,13 +216,15 @@ def direct(node: SnacStreamNode, tokens, policy, paced: bool = True, watch=None)
         buf.push(np.asarray(tokens, dtype=np.int64))
     buf.close()
     drain()
-    if not spans[-1][3]:
-        spans.append((n, n, n, True))
     ctx = WorkContext(RequestContext(1, {}), 0)
     chunks = []
     for b, nb, e, last in spans:
         work = node.prepare_inputs(ctx, {"token": StreamWindow(list(tokens[b:e]), b, nb, e, last)})
         chunks.append(node.forward([work])[0]["audio"])
+        if watch is not None:
+            watch(ctx.request.state)
+    if not spans or not spans[-1][3]:  # no window said last: the runtime calls end_stream
+        chunks.append(node.end_stream(ctx)["audio"])
         if watch is not None:
             watch(ctx.request.state)
     return chunks, ctx.request.state
@@ -266,8 +269,8 @@ def test_streamed_audio_equals_one_shot_decoding(serve, snac, policy, mode):
             assert np.allclose(audio[-SPF:], want[-SPF:], atol=TOL, rtol=0)
         assert counters(state) == dict(frames_emitted=n // 7, invalid_frames=0,
                                        incomplete_frames=int(n % 7 != 0), short_context_frames=0)
-        # Both ways a stream can end were taken: a window boundary followed by the explicit empty
-        # last window, or a last window that is full (or flushed short). Held ("ahead"), the
+        # Both ways a stream can end were taken: a window boundary followed by end_stream (an
+        # empty span in the record), or a last window that is full (or flushed short). Held ("ahead"), the
         # decoder has still taken the first window before the end of stream was known.
         ends = window_ends(chunking, n)
         expect_empty = n in ends and (mode == "paced" or n == min(ends))

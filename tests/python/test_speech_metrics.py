@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from mstar_rt.speech_metrics import SpeechMeter, SpeechMetrics
+from mstar_rt.audio.speech_metrics import SpeechMeter, SpeechMetrics
 
 SR = 24000
 FRAME = 2048  # one SNAC frame: 85.33 ms

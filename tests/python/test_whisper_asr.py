@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from virtual_audio import require_tool
-import torch
 
 pytest.importorskip("transformers")
 
@@ -20,12 +19,7 @@ from tiny_checkpoints import whisper_dir  # noqa: E402
 NEW = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,9 @@ struct WorkItem {
   std::vector<std::uint32_t> offsets;
   std::vector<std::uint8_t> list_input;
   bool windowed = false;  ///< a stream consumer's window: `chunk` says which items
+  /// Not a window: the consumed stream ended and no window marked `last` went out
+  /// (NodeSpec::on_stream_end). `chunk` is then empty at the stream's end, marked `last`.
+  bool stream_end = false;
   Chunk chunk;
 };
 

@@ -29,6 +29,11 @@ struct NodeSpec {
   std::uint32_t max_batch = 1;   ///< the most work items of this node one batch may hold
   std::vector<NameId> inputs;    ///< in the order the node receives them
   std::vector<NameId> outputs;   ///< in the order the node reports them
+  /// A stream consumer that wants to hear when its stream ends without a window marked `last`
+  /// (it ended exactly where a window already sent ended, or carried no items): it then gets
+  /// one stream-end work item (WorkItem::stream_end), with no window. Otherwise the end of
+  /// stream costs no call, and either way every window is one the chunk policy makes.
+  bool on_stream_end = false;
 };
 
 enum class SectionKind : std::uint8_t { node, sequential, parallel, loop };

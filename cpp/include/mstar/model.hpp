@@ -93,8 +93,11 @@ class NodeCall {
   /// Every value of input `name`: an accumulated loop output, or a stream window's items (for
   /// a single value, a list of one).
   const std::vector<Tensor>& list(const std::string& name) const;
-  /// The stream window this execution consumes, or nullptr.
+  /// The stream window this execution consumes, or nullptr (never an empty window).
   const Chunk* window() const noexcept;
+  /// True in a NodeOptions::on_stream_end call: the consumed stream ended with no window marked
+  /// `last`; flush what the node held back.
+  bool stream_ended() const noexcept;
   /// Sets output `name` (one the node declares; throws std::invalid_argument otherwise). An
   /// output never set is "not produced".
   void output(const std::string& name, Tensor value);
@@ -120,6 +123,10 @@ using NextWalkFn = std::function<std::string(RequestId request, const std::strin
 struct NodeOptions {
   std::string engine = "default";  ///< one worker thread per engine
   std::uint32_t max_batch = 1;     ///< the most executions one batch may hold
+  /// A stream consumer's flush: called (instead of the node's function, with no window) when its
+  /// stream ends and no window was marked `last` — it ended exactly where the last window ended,
+  /// or carried no items. At most once per stream; unset, the end of stream calls nothing.
+  NodeFn on_stream_end;
 };
 
 class Model {

@@ -1,8 +1,9 @@
 """Real-time audio: PortAudio streams over C++ rings, a streaming resampler, voice activity
 detection with endpointing, speech recognition (PocketSphinx, or Whisper from a local
-checkpoint), text to speech (Piper, espeak-ng, or Orpheus) and the voice agent, whose response
-node is a command responder or an LM walk. Device and model modules load on first use
-(sounddevice loads libportaudio; the VAD and recognizer load their bundled models)."""
+checkpoint), text to speech (Piper, espeak-ng, or Orpheus), the voice agent, whose response node
+is a command responder or an LM walk, and per-request speech streaming metrics. Device and model
+modules load on first use (sounddevice loads libportaudio; the VAD and recognizer load their
+bundled models)."""
 
 import importlib
 from typing import Any
@@ -15,9 +16,10 @@ _LAZY = {
     "PocketSphinxASR": "asr", "ASRNode": "asr", "Recognition": "asr",
     "ROBOT_COMMANDS_JSGF": "asr",
     "PiperTTS": "tts", "EspeakTTS": "tts", "default_tts": "tts",
-    "VoiceAgent": "agent", "ReplyModel": "agent", "CommandResponder": "agent",
+    "VoiceAgent": "agent", "ReplyModel": "agent", "CommandResponder": "commands",
     "open_agent": "agent",
-    "LMResponder": "lm_responder", "WhisperASR": "whisper", "OrpheusSpeech": "orpheus_tts",
+    "LMResponder": "lm_responder", "WhisperASR": "whisper", "OrpheusSpeech": "tts",
+    "SpeechMetrics": "speech_metrics", "SpeechMeter": "speech_metrics",
 }
 
 __all__ = ["Resampler", *_LAZY]

@@ -17,7 +17,6 @@ Conductor and flushes the output ring, and writes tagged with the old epoch are 
 from __future__ import annotations
 
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,55 +27,12 @@ import numpy as np
 from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Parallel, Sequential,
                             StreamingGraphEdge)
 from mstar_rt.model import Model, NodeSubmodule
+from mstar_rt.audio.commands import CommandResponder
 from mstar_rt.audio.speak import SpeakNode
 from mstar_rt.audio.tts import TTS
 
 RATE = 16000  # VAD and recognizer rate
 WINDOW = 512  # 32 ms
-
-# ---- response ------------------------------------------------------------------------------
-
-_IRREGULAR = {"stop": "Stopping", "put": "Putting", "set": "Setting", "go": "Going",
-              "get": "Getting", "drop": "Dropping", "grab": "Grabbing", "spin": "Spinning"}
-
-
-def _gerund(verb: str) -> str:
-    v = verb.lower()
-    if v in _IRREGULAR:
-        return _IRREGULAR[v]
-    if v.endswith("e") and not v.endswith("ee"):
-        v = v[:-1]
-    return (v + "ing").capitalize()
-
-
-class CommandResponder:
-    """Deterministic replies to recognized robot commands: ``"move the arm to the left"`` →
-    ``"Moving the arm to the left."``. ``extra`` maps exact commands to their own replies (e.g. a
-    long status report); ``unknown`` answers an empty recognition."""
-
-    FIXED = {"hello": "Hello. How can I help?", "stop": "Stopping.",
-             "what time is it": "I do not have a clock yet."}
-
-    def __init__(self, extra: Optional[dict[str, str]] = None,
-                 unknown: str = "Sorry, I did not catch that.") -> None:
-        self.extra = {k.lower().strip(): v for k, v in {**self.FIXED, **(extra or {})}.items()}
-        self.unknown = unknown
-
-    def __call__(self, text: str) -> str:
-        words = re.findall(r"[a-z']+", text.lower())
-        if not words:
-            return self.unknown
-        key = " ".join(words)
-        if key in self.extra:
-            return self.extra[key]
-        if words[0] == "please":
-            words = words[1:] or ["wait"]
-        if len(words) > 1 and words[1] in ("up", "down") and words[0] in ("pick", "put"):
-            head, rest = f"{_gerund(words[0])} {words[1]}", words[2:]
-        else:
-            head, rest = _gerund(words[0]), words[1:]
-        return " ".join([head, *rest]) + "."
-
 
 # ---- the reply walk ------------------------------------------------------------------------
 
@@ -332,18 +288,6 @@ class VoiceAgent:
     def speaking(self) -> bool:
         """A reply is being produced, queued or played."""
         return self._current is not None or self.output.queued > 0
-
-    def wait_turns(self, n: int, timeout: float) -> bool:
-        """Waits until ``n`` turns have finished (replied, failed or interrupted)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            done = [t for t in self.turns if t.done.is_set()]
-            if len(done) >= n:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(left, 0.01))
 
     # ---- mic thread ------------------------------------------------------------------------
 

@@ -228,9 +228,9 @@ class AudioOutput(_Stream):
                 return 0
             if self._resampler is not None and self._resampler_gen != gen:  # stale history
                 self._resampler, self._resampler_gen = self._new_resampler(), gen
-            x = np.asarray(samples, np.float32).reshape(len(samples), -1)
+            x = np.asarray(samples, np.float32).reshape(len(samples), self.channels)
             if self._resampler is not None:
-                x = self._resampler.process(x)
+                x = self._resampler.process(x, last=end)
             x = np.ascontiguousarray(x)
             self._open = True
             done = 0
@@ -256,8 +256,9 @@ class AudioOutput(_Stream):
             self._write_lock.release()
 
     def end(self) -> None:
-        """The utterance is complete: running dry from now on is idle, not an underrun."""
-        self._open = False
+        """The utterance is complete: running dry from now on is idle, not an underrun. Queues
+        the end the resampler held back."""
+        self.write(np.zeros((0, self.channels), np.float32))
 
     def flush(self, timeout: float | None = 1.0) -> bool:
         """Drops everything queued; the callback stops playing it at its next block. With a

@@ -222,6 +222,14 @@ class SentenceSplitter(NodeSubmodule):
         written = state.setdefault(self._KEY, _Written())
         return written, [int(t) for t in window.new_items], window.last, speech_queue(state)
 
+    def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:
+        """The reply ended where the last window ended: queue the rest and close the queue."""
+        from mstar_rt.audio.speak import speech_queue
+
+        state = ctx.request.state
+        written = state.setdefault(self._KEY, _Written())
+        return self.forward([(written, [], True, speech_queue(state))])[0]
+
     def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
         out: list[Mapping[str, Any]] = []
         for written, new, last, queue in batch:

@@ -196,6 +196,10 @@ class VADNode(NodeSubmodule):
             x = np.concatenate([np.asarray(i, np.float32).reshape(-1) for i in items])
         return self._stream(ctx.request), x, window.last
 
+    def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:
+        """The audio ended where the last window ended: let the endpointer finish."""
+        return self.forward([(self._stream(ctx.request), np.zeros(0, np.float32), True)])[0]
+
     def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
         out = []
         for s, x, last in batch:

@@ -8,18 +8,16 @@ output, in order, and ``end(status, message, timeline)`` once. Values are handed
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import pathlib
-import sys
 import threading
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
+from mstar_rt.config import ModelSpec
+from mstar_rt.config.errors import FactoryNotFound
 from mstar_rt.model import Model
-from mstar_rt.runtime import RequestCancelled, Runtime
+from mstar_rt.runtime import RequestCancelled, RequestHandle, Runtime
 
 __all__ = ["EmbeddedRuntime", "load", "to_array"]
 
@@ -35,39 +33,16 @@ def to_array(value: Any) -> np.ndarray:
     return array
 
 
-def _import(module: str):
-    if module.endswith(".py") or "/" in module:
-        path = pathlib.Path(module).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"model module file {path} does not exist")
-        folder = str(path.parent)
-        if folder not in sys.path:  # sibling imports (from policy import ...) must work
-            sys.path.insert(0, folder)
-        name = path.stem
-        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
-            return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        return mod
-    return importlib.import_module(module)
-
-
 def load(module: str, cls: str, config_json: str = "{}") -> "EmbeddedRuntime":
-    """Builds ``module.cls(**config)`` and serves it."""
-    mod = _import(module)
-    try:
-        factory = getattr(mod, cls)
-    except AttributeError:
-        raise AttributeError(f"module {module} has no class {cls!r}") from None
+    """Builds ``module.cls(**config)`` (``module``: an importable name or a ``.py`` file) and
+    serves it."""
     config = json.loads(config_json or "{}")
     if not isinstance(config, dict):
         raise TypeError(f"the model config must be a JSON object, got {config_json!r}")
-    model = factory(**config)
-    if not isinstance(model, Model):
-        raise TypeError(f"{module}.{cls}(...) returned {type(model).__name__}, not an "
-                        "mstar_rt.Model subclass")
+    try:
+        model = ModelSpec(f"{module}:{cls}", config).build()
+    except FactoryNotFound:  # C++ callers name a class; say it in their words
+        raise AttributeError(f"module {module} has no class {cls!r}") from None
     return EmbeddedRuntime(model)
 
 
@@ -106,8 +81,7 @@ class EmbeddedRuntime(Runtime):
                 self._forward(rid, event)
 
     def cancel_request(self, rid: int) -> bool:
-        with self._lock:
-            handle = self._requests.get(rid)
+        handle = self.requests.get(rid)
         return handle.cancel() if handle is not None else False
 
     def _forward(self, rid: int, event: tuple) -> None:
@@ -121,26 +95,21 @@ class EmbeddedRuntime(Runtime):
             try:
                 sink[0](name, node, to_array(value))
             except Exception as e:  # an output C++ cannot take fails the request, not the runtime
-                self._handle(self.conductor.fail(rid, f"EMIT output '{name}': {e}"))
+                self.report(self.conductor.fail(rid, f"EMIT output '{name}': {e}"))
         else:
             self._sinks.pop(rid, None)
             sink[1](*event[1:])
 
-    def _handle(self, outcome: tuple) -> None:
+    def report(self, outcome: tuple) -> None:
         emits = outcome[0]
         if emits:
             with self._sink_lock:
                 for rid, name, value in emits:
                     self._forward(rid, ("emit", name, "", value))
-        super()._handle(outcome)
+        super().report(outcome)
 
-    def _end(self, rid: int, error: Optional[BaseException],
-             timeline: Optional[bytes] = None) -> None:
-        with self._lock:
-            handle = self._requests.get(rid)
-        super()._end(rid, error, timeline)
-        if handle is None:
-            return
+    def ended(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
+        rid = handle.id
         if error is None:
             status, message = "finished", ""
         elif isinstance(error, RequestCancelled):

@@ -6,32 +6,33 @@ import abc
 import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-if TYPE_CHECKING:  # the runtime imports engines, not the other way round
-    from mstar_rt.runtime import Runtime
+if TYPE_CHECKING:  # hosts import engines, not the other way round
+    from mstar_rt.engines.host import EngineHost
 
 
 class Engine(abc.ABC):
     """Runs the batches of the nodes mapped to it, on one worker thread.
 
-    The runtime calls :meth:`attach` once, then :meth:`serve` on the engine's worker thread
-    (it returns when the runtime closes), and :meth:`release` whenever a request ends.
+    Its host (:class:`~mstar_rt.engines.host.EngineHost`: the Runtime, or a placement worker)
+    calls :meth:`attach` once, then :meth:`serve` on the engine's worker thread (it returns when
+    the host closes), and :meth:`release` whenever a request ends.
     """
 
     def __init__(self, num_threads: Optional[int] = None) -> None:
         #: torch intra-op threads on this engine's worker (None: leave torch's setting).
         self.num_threads = num_threads
-        self.runtime: Optional["Runtime"] = None
+        self.host: Optional["EngineHost"] = None
         self.engine_id = -1
         self.nodes: tuple[int, ...] = ()
         self.name = ""
 
-    def attach(self, runtime: "Runtime", engine_id: int, name: str, nodes: Sequence[int]) -> None:
-        if self.runtime is not None and not self.runtime._closed:
+    def attach(self, host: "EngineHost", engine_id: int, name: str, nodes: Sequence[int]) -> None:
+        if self.host is not None and not self.host.closed:
             raise ValueError(f"engine '{name}' ({type(self).__name__}) already serves another "
                              "Runtime; give every Runtime its own engine objects")
-        self.runtime, self.engine_id, self.name, self.nodes = runtime, engine_id, name, tuple(nodes)
+        self.host, self.engine_id, self.name, self.nodes = host, engine_id, name, tuple(nodes)
 
-    def _init_worker_thread(self) -> None:
+    def init_worker_thread(self) -> None:
         """Called first on the worker thread: torch's OpenMP pool is per calling thread."""
         if self.num_threads is not None:
             import torch
@@ -47,9 +48,9 @@ class Engine(abc.ABC):
 
     @property
     def max_batch(self) -> int:
-        rt = self.runtime
-        assert rt is not None
-        return max(rt.graph.nodes[n][2] for n in self.nodes)
+        host = self.host
+        assert host is not None
+        return max(host.nodes[n].max_batch for n in self.nodes)
 
 
 class StatelessEngine(Engine):
@@ -57,28 +58,29 @@ class StatelessEngine(Engine):
     (the submodule stacks or pads them; :func:`mstar_rt.engines.stack_pad` helps)."""
 
     def serve(self) -> None:
-        rt = self.runtime
-        assert rt is not None
-        self._init_worker_thread()
-        conductor = rt.conductor
-        engine, max_batch, poll = self.engine_id, self.max_batch, rt._poll_s
-        while not rt._closed:
-            # Bound nodes (Runtime.__init__) are run by the Conductor; the others come back here.
+        host = self.host
+        assert host is not None
+        self.init_worker_thread()
+        queue = host.queue
+        engine, max_batch, poll = self.engine_id, self.max_batch, host.poll_s
+        while not host.closed:
+            # Nodes the queue can run itself (the Conductor's bound nodes) come back as an
+            # outcome; the others come back here as a batch.
             try:
-                batch, outcome, finished = conductor.run_batch(engine, max_batch, poll)
+                batch, outcome, finished = queue.run_batch(engine, max_batch, poll)
             except Exception:  # a bug in the runtime itself: keep the worker alive
                 traceback.print_exc()
                 continue
             if batch is None:
                 if outcome is not None:
-                    self._report(rt, [outcome])
+                    self._report(host, [outcome])
                 if finished:
-                    rt._ended(finished)
+                    host.requests_ended(finished)
                 continue
             node, _walk, items = batch
             if outcome is None:
                 try:
-                    self._report(rt, [rt._run(node, items)])
+                    self._report(host, [host.run(node, items)])
                     continue
                 except Exception:
                     pass
@@ -86,16 +88,16 @@ class StatelessEngine(Engine):
             outcomes = []
             for item in items:
                 try:
-                    outcomes.append(rt._run(node, [item]))
+                    outcomes.append(host.run(node, [item]))
                 except Exception as e:
-                    outcomes.append(conductor.fail_items([item[0]], f"{type(e).__name__}: {e}"))
-            self._report(rt, outcomes)
+                    outcomes.append(queue.fail_items([item[0]], f"{type(e).__name__}: {e}"))
+            self._report(host, outcomes)
 
     @staticmethod
-    def _report(rt: "Runtime", outcomes: list) -> None:
+    def _report(host: "EngineHost", outcomes: list) -> None:
         for outcome in outcomes:
             try:
-                rt._handle(outcome)
+                host.report(outcome)
             except Exception:  # a bug in the runtime itself: keep the worker alive
                 traceback.print_exc()
 

@@ -1,5 +1,6 @@
 """FlashInfer attention over the paged KV cache (CUDA; fp16/bf16), with the semantics of
-:class:`~mstar_rt.engines.attention.TorchAttention`.
+:class:`~mstar_rt.engines.torch_backend.TorchAttention`. The ``flashinfer`` package is an optional
+CUDA-only dependency: it is imported when a backend is built, never with this module.
 
 The cache is FlashInfer's "NHD" paged layout as it is: ``k[layer]``/``v[layer]`` of shape
 ``[num_pages, page_size, num_kv_heads, head_dim]``. A step splits its sequences in two groups:
@@ -30,8 +31,8 @@ from typing import Any, Optional, Sequence as Seq
 
 import torch
 
-from mstar_rt.engines.attention import (
-    BlockCausal, Causal, PrefixBidirectional, SeqStep, check_dtype)
+from mstar_rt.engines.attention_base import (
+    SeqStep, StaticDecodePlan, causal_equivalent, check_dtype, decode_rows)
 from mstar_rt.engines.paged_kv import PagedKVCache
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-kv partials)
@@ -48,16 +49,13 @@ def import_flashinfer() -> Any:
     return flashinfer
 
 
-def causal_equivalent(s: SeqStep) -> bool:
-    """True when ``s.mask`` allows exactly the causal pattern over ``cached + new`` keys. The
-    built-in masks all allow at least causal, so a single query token (which sees every key up
-    to itself) is causal under any of them, and so is a bidirectional prefix already cached."""
-    if isinstance(s.mask, Causal):
-        return True
-    known = isinstance(s.mask, (PrefixBidirectional, BlockCausal))
-    if known and s.new == 1:
-        return True
-    return isinstance(s.mask, PrefixBidirectional) and s.mask.prefix <= s.cached + 1
+def flashinfer_available() -> bool:
+    """Whether the FlashInfer package imports (what ``attention_backend="auto"`` asks)."""
+    try:
+        import_flashinfer()
+    except ImportError:
+        return False
+    return True
 
 
 def _mask_rows(s: SeqStep) -> torch.Tensor:
@@ -180,7 +178,7 @@ class FlashInferPlan:
 
 class FlashInferAttention:
     """Paged attention with FlashInfer's batch decode / paged prefill / ragged prefill kernels;
-    same interface and semantics as :class:`~mstar_rt.engines.attention.TorchAttention`."""
+    same interface and semantics as :class:`~mstar_rt.engines.torch_backend.TorchAttention`."""
 
     name = "flashinfer"
 
@@ -200,6 +198,9 @@ class FlashInferAttention:
 
     def plan(self, steps: Seq[SeqStep]) -> FlashInferPlan:
         return FlashInferPlan(steps, self.cache)
+
+    def static_decode(self, num_qo_heads: int, max_seq_len: int) -> "FlashInferStaticDecode":
+        return FlashInferStaticDecode(self, num_qo_heads, max_seq_len)
 
     def _ensure_planned(self, plan: FlashInferPlan, num_qo_heads: int,
                         scale: Optional[float]) -> None:
@@ -276,9 +277,7 @@ class FlashInferStaticDecode:
         self.max_pages = -(-max_seq_len // self.cache.page_size)
         self.default_scale = 1.0 / math.sqrt(self.cache.layout.head_dim)
 
-    def new_plan(self, size: int) -> Any:
-        from mstar_rt.engines.cuda_graphs import StaticDecodePlan
-
+    def new_plan(self, size: int) -> StaticDecodePlan:
         plan = StaticDecodePlan(size, self.cache.layout.device)
         dev = self.cache.layout.device
         plan.indptr = torch.zeros(size + 1, dtype=torch.int32, device=dev)
@@ -290,9 +289,7 @@ class FlashInferStaticDecode:
             paged_kv_last_page_len_buffer=plan.last_page_len)
         return plan
 
-    def fill(self, plan: Any, steps: Seq[SeqStep]) -> None:
-        from mstar_rt.engines.cuda_graphs import decode_rows
-
+    def fill(self, plan: StaticDecodePlan, steps: Seq[SeqStep]) -> None:
         ps = self.cache.page_size
         plan.rows.copy_(decode_rows(steps, plan.size, ps))
         npages, last, indices = [], [], []
@@ -313,11 +310,11 @@ class FlashInferStaticDecode:
                           layout.num_kv_heads, layout.head_dim, ps,
                           q_data_type=layout.dtype, kv_data_type=layout.dtype)
 
-    def prepare(self, plan: Any) -> None:
+    def prepare(self, plan: StaticDecodePlan) -> None:
         """Nothing to derive inside the graph: the wrapper's buffers are the plan."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               plan: Any, scale: Optional[float] = None) -> torch.Tensor:
+               plan: StaticDecodePlan, scale: Optional[float] = None) -> torch.Tensor:
         if scale is not None and not math.isclose(scale, self.default_scale, rel_tol=1e-6):
             raise ValueError(f"CUDA-graph decode with FlashInfer uses the default softmax scale "
                              f"1/sqrt(head_dim); got scale={scale}. Disable cuda_graphs")

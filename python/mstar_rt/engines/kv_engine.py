@@ -18,8 +18,11 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from mstar_rt.engines.attention import CAUSAL, SeqStep, StepPlan, TorchAttention
+from mstar_rt.engines.attention import (
+    AttentionBackend, AttentionPlan, StaticDecodeAttention, select_backend)
+from mstar_rt.engines.attention_base import SeqStep
 from mstar_rt.engines.base import Engine
+from mstar_rt.engines.masks import CAUSAL
 from mstar_rt.engines.paged_kv import KVLayout, OutOfPages, PagedKVCache
 from mstar_rt.model import NodeSubmodule
 
@@ -47,16 +50,19 @@ class KVStep:
     per layer. The backend's plan is built on first use, so a step served another way (a
     captured CUDA graph) does not pay for it."""
 
-    def __init__(self, backend: Any, steps: Any) -> None:
-        """``steps``: the step's :class:`SeqStep` list, or a plan the backend already built."""
+    def __init__(self, backend: Union[AttentionBackend, StaticDecodeAttention],
+                 steps: Union[list[SeqStep], tuple[SeqStep, ...], AttentionPlan]) -> None:
+        """``steps``: the step's :class:`SeqStep` list, or a plan the backend already built (a
+        static decode step comes with its plan, and ``backend`` is then its static attention)."""
         self.backend = backend
+        self._plan: Optional[AttentionPlan]
         if isinstance(steps, (list, tuple)):
             self.steps, self._plan = list(steps), None
         else:
             self.steps, self._plan = list(getattr(steps, "steps", ())), steps
 
     @property
-    def plan(self) -> Any:
+    def plan(self) -> AttentionPlan:
         if self._plan is None:
             self._plan = self.backend.plan(self.steps)
         return self._plan
@@ -114,22 +120,22 @@ class KVCacheEngine(Engine):
                  max_tokens_per_step: int = 4096, attention_backend: str = "auto",
                  num_threads: Union[int, str, None] = "auto") -> None:
         super().__init__(None if num_threads == "auto" else num_threads)
-        self._auto_threads = num_threads == "auto"
+        #: num_threads="auto": one intra-op thread on a small CPU machine, else torch's default.
+        self.auto_threads = num_threads == "auto"
         self.page_size, self.num_pages = page_size, num_pages
         self._max_batch, self.max_tokens_per_step = max_batch, max_tokens_per_step
         self.attention_backend = attention_backend
         self.cache: Optional[PagedKVCache] = None
-        self.backend: Any = None
+        self.backend: Optional[AttentionBackend] = None
         self.steps = 0
         self.step_sizes: list[int] = []  # items per step (recent window) for tests and stats
 
     # ---- setup -------------------------------------------------------------------------------
 
-    def attach(self, runtime: Any, engine_id: int, name: str, nodes: Any) -> None:
-        super().attach(runtime, engine_id, name, nodes)
-        subs = {id(runtime._submodules[n]): runtime._submodules[n] for n in nodes}
+    def attach(self, host: Any, engine_id: int, name: str, nodes: Any) -> None:
+        super().attach(host, engine_id, name, nodes)
         layouts = set()
-        for sub in subs.values():
+        for sub in host.nodes.unique_submodules(nodes):
             if not isinstance(sub, KVNodeSubmodule):
                 raise TypeError(f"engine '{name}' is a KVCacheEngine but serves "
                                 f"{type(sub).__name__}, which is not a KVNodeSubmodule; map that "
@@ -139,10 +145,10 @@ class KVCacheEngine(Engine):
             raise ValueError(f"the nodes of KV engine '{name}' need different cache layouts "
                              f"{sorted(map(str, layouts))}; give each layout its own engine")
         self.cache = PagedKVCache(layouts.pop(), self.page_size, self.num_pages)
-        if self._auto_threads:
+        if self.auto_threads:
             on_cpu = torch.device(self.cache.layout.device).type == "cpu"
             self.num_threads = 1 if on_cpu and (os.cpu_count() or 1) <= 4 else None
-        self.backend = make_backend(self.attention_backend, self.cache)
+        self.backend = select_backend(self.attention_backend, self.cache)
 
     @property
     def max_batch(self) -> int:
@@ -155,11 +161,11 @@ class KVCacheEngine(Engine):
     # ---- the worker loop ---------------------------------------------------------------------
 
     def serve(self) -> None:
-        rt = self.runtime
-        assert rt is not None
-        self._init_worker_thread()
+        host = self.host
+        assert host is not None
+        self.init_worker_thread()
         pending: list[tuple[int, tuple, KVWork]] = []  # (node, item, work) waiting for pages
-        while not rt._closed:
+        while not host.closed:
             fresh = self._take(short_wait=bool(pending))
             for node, item in fresh:
                 work = self._prepare(node, item)
@@ -180,12 +186,12 @@ class KVCacheEngine(Engine):
                 pending = []
 
     def _take(self, short_wait: bool) -> list[tuple[int, tuple]]:
-        rt = self.runtime
-        conductor, engine = rt.conductor, self.engine_id
+        host = self.host
+        queue, engine = host.queue, self.engine_id
         taken: list[tuple[int, tuple]] = []
-        timeout = 0.0 if short_wait else rt._poll_s
+        timeout = 0.0 if short_wait else host.poll_s
         while len(taken) < self._max_batch:
-            batch = conductor.next_batch(engine, self._max_batch - len(taken), timeout)
+            batch = queue.next_batch(engine, self._max_batch - len(taken), timeout)
             if batch is None:
                 break
             node, _walk, items = batch
@@ -194,11 +200,11 @@ class KVCacheEngine(Engine):
         return taken
 
     def _prepare(self, node: int, item: tuple) -> Optional[KVWork]:
-        rt = self.runtime
+        host = self.host
         try:
-            work = rt._prepare(node, [item], True)[0]
+            work = host.runner.prepare(node, [item], True)[0]
             if not isinstance(work, KVWork):
-                raise TypeError(f"{type(rt._submodules[node]).__name__}.prepare_inputs returned "
+                raise TypeError(f"{type(host.nodes[node].submodule).__name__}.prepare_inputs returned "
                                 f"{type(work).__name__}; a KV node must return a KVWork")
             if work.num_tokens < 1:
                 raise ValueError(f"a KVWork needs at least one new token (got {work.num_tokens})")
@@ -208,15 +214,15 @@ class KVCacheEngine(Engine):
             return None
 
     def _fail(self, ids: list[int], message: str) -> None:
-        rt = self.runtime
+        host = self.host
         try:
-            rt._handle(rt.conductor.fail_items(ids, message))
+            host.report(host.queue.fail_items(ids, message))
         except Exception:
             traceback.print_exc()
 
     def _schedule(self, pending: list) -> tuple[list, list]:
         """Splits pending works into this step's (admitted, with their SeqStep) and the rest."""
-        rt, cache = self.runtime, self.cache
+        cache = self.cache
         chosen, waiting = [], []
         keys: set[tuple[int, str]] = set()
         tokens = 0
@@ -266,29 +272,22 @@ class KVCacheEngine(Engine):
         return chosen, waiting
 
     def _live(self, rid: int) -> bool:
-        rt = self.runtime
-        if rid in rt._requests:
-            return True
-        with rt._lock:  # submit registers the handle under this lock, after queueing the work
-            return rid in rt._requests
+        return self.host.requests.knows(rid)
 
     def _stuck(self, waiting: list) -> bool:
         """True when no request outside ``waiting`` holds pages, so none will free any."""
-        cache = self.cache
         waiting_rids = {item[1] for _n, item, _w in waiting}
-        with cache._lock:
-            holders = {r for (r, _l), s in cache._seqs.items() if s.pages}
-        return holders <= waiting_rids
+        return self.cache.holders() <= waiting_rids
 
     def _run_step(self, chosen: list) -> None:
-        rt = self.runtime
+        nodes = self.host.nodes
         self.steps += 1
         self.step_sizes.append(len(chosen))
         if len(self.step_sizes) > 4096:
             del self.step_sizes[:2048]
         groups: dict[int, list] = {}
         for entry in chosen:
-            groups.setdefault(id(rt._submodules[entry[0]]), []).append(entry)
+            groups.setdefault(id(nodes[entry[0]].submodule), []).append(entry)
         for group in groups.values():
             try:
                 results = self._forward(group)
@@ -302,14 +301,14 @@ class KVCacheEngine(Engine):
             self._report(results)
 
     def _forward(self, group: list) -> list:
-        rt, cache = self.runtime, self.cache
-        sub = rt._submodules[group[0][0]]
+        entry, cache = self.host.nodes[group[0][0]], self.cache
+        sub = entry.submodule
         works = [w for _n, _i, w, _s in group]
         outputs = sub.forward_kv(works, KVStep(self.backend, [s for *_x, s in group]))
         if len(outputs) != len(works):
             raise RuntimeError(f"{type(sub).__name__}.forward_kv returned {len(outputs)} results "
                                f"for {len(works)} works")
-        stops = sub.check_stop(works, outputs) if rt._hooks[group[0][0]].stop else None
+        stops = sub.check_stop(works, outputs) if entry.stops else None
         for _n, item, work, _s in group:
             if work.persist:
                 cache.commit(item[1], work.label, work.num_tokens)
@@ -317,14 +316,14 @@ class KVCacheEngine(Engine):
                 for i, entry in enumerate(group)]
 
     def _report(self, results: list) -> None:
-        rt = self.runtime
+        host = self.host
         by_node: dict[int, tuple[list, list, list]] = {}
         for (node, item, _w, _s), out, extra in results:
             if out is None:
                 self._fail([item[0]], extra)
                 continue
             try:
-                stop_ids = [rt._loop_id(s) for s in extra]
+                stop_ids = [host.loop_id(s) for s in extra]
             except Exception as e:
                 self._fail([item[0]], str(e))
                 continue
@@ -334,27 +333,6 @@ class KVCacheEngine(Engine):
             stops.append(stop_ids)
         for node, (ids, outs, stops) in by_node.items():
             try:
-                rt._handle(rt.conductor.complete(node, ids, outs, stops))
+                host.report(host.queue.complete(node, ids, outs, stops))
             except Exception as e:
                 self._fail(ids, f"{type(e).__name__}: {e}")
-
-
-def make_backend(name: str, cache: PagedKVCache) -> Any:
-    """The attention backend ``name`` for ``cache`` (``auto`` prefers FlashInfer on CUDA)."""
-    layout = cache.layout
-    if name == "auto":
-        on_cuda = torch.device(layout.device).type == "cuda"
-        if on_cuda and layout.dtype in (torch.float16, torch.bfloat16):
-            try:
-                import flashinfer  # noqa: F401
-                name = "flashinfer"
-            except ImportError:
-                name = "torch"
-        else:
-            name = "torch"
-    if name == "torch":
-        return TorchAttention(cache)
-    if name == "flashinfer":
-        from mstar_rt.engines.flashinfer_backend import FlashInferAttention
-        return FlashInferAttention(cache)
-    raise ValueError(f"unknown attention_backend '{name}'; use 'torch', 'flashinfer' or 'auto'")

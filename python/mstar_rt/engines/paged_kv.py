@@ -81,6 +81,11 @@ class PagedKVCache:
     def live_sequences(self) -> int:
         return len(self._seqs)
 
+    def holders(self) -> set[int]:
+        """The requests that hold pages."""
+        with self._lock:
+            return {r for (r, _label), s in self._seqs.items() if s.pages}
+
     def _outstanding(self, exclude: Optional[Sequence] = None) -> int:
         """Pages promised to sequences' reservations but not yet taken."""
         total = 0

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from mstar_rt.engines.attention import CAUSAL
+from mstar_rt.engines.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from mstar_rt.engines.kv_engine import KVCacheEngine, KVNodeSubmodule, KVStep, KVWork
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.engines.sampling import SamplingParams, make_generator, sample
@@ -60,7 +60,7 @@ class LMNode(KVNodeSubmodule):
         # compile implies them, since it compiles that static forward.
         self.static_decode = bool(cuda_graphs or compile)
         self.compile = compile
-        self._graphs: Any = None  # DecodeGraphs, built on the first step (it needs the cache)
+        self._graphs: Optional[DecodeGraphs] = None  # built on the first step (it needs the cache)
 
     def kv_layout(self) -> KVLayout:
         return self.module.kv_layout()
@@ -142,8 +142,6 @@ class LMNode(KVNodeSubmodule):
         decode step it serves."""
         steps = step.steps
         if self._graphs is None:
-            from mstar_rt.engines.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
-
             buckets = [b for b in DEFAULT_BUCKETS if b < self.max_batch] + [self.max_batch]
             self._graphs = DecodeGraphs.for_backend(self.module, step.backend, self.max_seq_len,
                                                     buckets, compile=self.compile)

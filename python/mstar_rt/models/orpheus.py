@@ -24,7 +24,8 @@ Two walks per request:
 slot p mod 7 (or ``end_of_speech``, at frame boundaries only): a random model then speaks valid
 frames, and a real one cannot emit a frame the decoder would drop.
 :meth:`OrpheusTTS.tiny` builds a small random LM and a reduced-width SNAC (the real 24 kHz
-receptive field) for tests and CPU demos.
+receptive field) for tests and CPU demos. The voice agent speaks through it with
+:class:`mstar_rt.audio.tts.OrpheusSpeech`, its TTS backend.
 """
 
 from __future__ import annotations

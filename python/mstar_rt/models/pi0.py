@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mstar_rt.engines.attention import BlockCausal, PrefixBidirectional
 from mstar_rt.engines.kv_engine import KVCacheEngine, KVNodeSubmodule, KVStep, KVWork
+from mstar_rt.engines.masks import BlockCausal, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext

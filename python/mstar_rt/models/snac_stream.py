@@ -151,10 +151,6 @@ class ParsedFrames:
     def stop(self) -> int:
         return self.first + len(self.valid)
 
-    @property
-    def num_invalid(self) -> int:
-        return int((~self.valid).sum())
-
 
 def decode_one_shot(decoder: Decoder, layout: AudioTokenLayout, tokens: Sequence[int],
                     noise: Noise = False) -> np.ndarray:
@@ -178,8 +174,8 @@ class _Cursor:
     """Where one request's stream stands: the next frame to emit, the stream position of the end
     token once seen, whether the tail was flushed, and ``window``: the tokens kept for later
     windows. Carrying context, those are the last L + R frames and any partial frame (what a
-    later frame can still need); else the last window. Either way the explicit empty last window,
-    which carries no items, flushes from them."""
+    later frame can still need); else the last window. Either way :meth:`SnacStreamNode.end_stream`
+    flushes from them when the stream ends where a window already sent ended."""
 
     next_frame: int = 0
     emitted: int = 0
@@ -274,15 +270,24 @@ class SnacStreamNode(NodeSubmodule):
                             f"(feed it through a StreamingGraphEdge), got {type(window).__name__}")
         state = ctx.request.state
         cursor = state.get(_CURSOR) or _Cursor()
-        if window.last and window.begin == window.end and cursor.window is not None:
-            # The stream ended exactly where the previous window did: flush from the kept tokens.
-            prev = cursor.window
-            window = StreamWindow(prev.items, prev.begin, prev.end, prev.end, True)
-        elif self.carry_context:
+        if self.carry_context:
             window = _extend(cursor.window, window)
         return self._plan(state, cursor, window, ctx.request.id)
 
+    def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:
+        """The stream ended exactly where the last window ended (or carried nothing): the
+        frames held back for their right context are decoded from the kept tokens."""
+        state = ctx.request.state
+        cursor = state.get(_CURSOR) or _Cursor()
+        prev = cursor.window
+        window = (StreamWindow([], 0, 0, 0, True) if prev is None
+                  else StreamWindow(prev.items, prev.begin, prev.end, prev.end, True))
+        return self._decode([self._plan(state, cursor, window, ctx.request.id)])[0]
+
     def forward(self, batch: list[_Work]) -> list[Mapping[str, Any]]:
+        return self._decode(batch)
+
+    def _decode(self, batch: list[_Work]) -> list[Mapping[str, Any]]:
         spf = self.samples_per_frame
         audio = [np.zeros(0, np.float32) for _ in batch]
         groups: dict[int, list[int]] = {}
@@ -398,7 +403,7 @@ def _policy_problem(policy: _core.ChunkPolicy, left: int, right: int, fs: int) -
     last_end = 0
     for i, (begin, end) in enumerate(windows):
         for n in range(last_end + 1, end + 1):  # streams ending inside window i, or at its end
-            if n == end:  # window i, then the empty last window: the node flushes from window i
+            if n == end:  # window i, then the end of stream: end_stream flushes from window i
                 _, problem = check(cursors[i + 1], begin, end, True)
             else:
                 _, problem = check(cursors[i], max(0, last_end - context), n, True)

@@ -26,8 +26,8 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from mstar_rt.engines.attention import BlockCausal
 from mstar_rt.engines.kv_engine import KVCacheEngine, KVNodeSubmodule, KVStep, KVWork
+from mstar_rt.engines.masks import BlockCausal
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode
 from mstar_rt.model import Model, WorkContext

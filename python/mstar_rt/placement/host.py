@@ -1,10 +1,11 @@
 """The worker's side of placement: its engines run the placed nodes exactly as the in-process
 Runtime would, fed by a :class:`LocalQueue` that stands in for the Conductor.
 
-:class:`WorkerHost` is a Runtime without a Conductor: it reuses the Runtime's batch path
-(``_run``, ``_prepare``) so a node behaves bit for bit as it does in one process, and holds the
-per-request contexts (and, through its engines, KV pages) until the parent says the request
-ended. Results leave through ``reply`` (the worker's sender)."""
+:class:`WorkerHost` is an engine host (:class:`~mstar_rt.engines.host.EngineHost`) made of the
+same parts as the Runtime -- a node table, a request registry and the batch runner -- so a node
+behaves bit for bit as it does in one process; it holds the per-request contexts (and, through
+its engines, KV pages) until the parent says the request ended. Results leave through ``reply``
+(the worker's sender)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from mstar_rt.engines.base import Engine, StatelessEngine
-from mstar_rt.graph import StreamingGraphEdge
 from mstar_rt.model import Model, RequestContext
-from mstar_rt.runtime import Runtime, _Hooks, compile_model
+from mstar_rt.nodes import BatchRunner, NodeTable
 from mstar_rt.placement.codec import scalar_items
+from mstar_rt.registry import RequestRegistry
+from mstar_rt.runtime import compile_model
 
 _EMPTY: tuple = ((), (), ())  # an outcome with nothing for the (absent) Conductor to act on
 
@@ -69,15 +71,15 @@ class LocalQueue:
                 self._cv.wait(left)
             if self._stopping:
                 return None
-            requests = self._host._requests
+            get = self._host.requests.get
             late = (2**63 - 1, 0, 0)
 
             def key(entry: tuple) -> tuple:
-                r = requests.get(entry[2][1])
+                r = get(entry[2][1])
                 return r.key if r is not None else late
 
             node, walk, _ = min(q, key=key)  # min() keeps arrival order among equals
-            limit = min(max(max_batch, 1), self._host.graph.nodes[node][2])
+            limit = min(max(max_batch, 1), self._host.nodes[node].max_batch)
             same = sorted((e for e in q if e[0] == node and e[1] == walk), key=key)[:limit]
             chosen = {id(e) for e in same}
             self._ready[engine] = collections.deque(e for e in q if id(e) not in chosen)
@@ -115,10 +117,10 @@ class LocalQueue:
         if len(outputs) != len(ids):
             raise ValueError(f"complete: {len(outputs)} results for {len(ids)} items")
         rids = self._take(ids)
-        requests = self._host._requests
+        get = self._host.requests.get
         states = {}
         for rid in set(rids):
-            handle = requests.get(rid) if rid is not None else None
+            handle = get(rid) if rid is not None else None
             if handle is not None:
                 states[rid] = scalar_items(handle.context.state)
         self._reply("done", node=node, items=ids, outputs=list(outputs),
@@ -132,39 +134,26 @@ class LocalQueue:
         return _EMPTY
 
 
-class WorkerHost(Runtime):
+class WorkerHost:
     """Runs ``nodes`` of ``model`` on their engines (from ``model.engine_specs``, else
     stateless; ``kv_settings`` names KVCacheEngines to build with other settings), one thread
     per engine, like the Runtime does."""
 
     def __init__(self, model: Model, nodes: Sequence[str], reply: Callable[..., None],
                  kv_settings: Optional[dict[str, dict]] = None, poll_s: float = 0.05) -> None:
-        # Deliberately not Runtime.__init__: no Conductor; the parent's routes the work.
         self.model = model
         self.graph = g = compile_model(model)
-        self._poll_s = poll_s
-        self._node_names = list(g.node_ids)
-        self._walk_names = list(g.walk_ids)
-        self._name_of = list(g.names)
-        self._submodules = [model.submodules[n] for n in self._node_names]
-        self._hooks = [_Hooks(sub) for sub in self._submodules]
+        self.poll_s = poll_s
+        self.nodes = NodeTable(model, g)
+        self.requests = RequestRegistry()
         # check_stop's loop names go back to the parent as names; it maps them to its own ids.
-        self._loop_ids = {name: name for name in g.name_ids}
-        self._engine_of_node = {n: model.engines.get(n, "default") for n in self._node_names}
-        self._stream_input: list = [None] * len(self._node_names)
-        for n in model.nodes:
-            for out in n.outputs:
-                if isinstance(out, StreamingGraphEdge):
-                    self._stream_input[g.node_ids[out.to]] = out.name
-        self._requests: dict[int, _Request] = {}
-        self._lock = threading.Lock()
+        self.runner = BatchRunner(self.nodes, self.requests.contexts, self.loop_id)
+        self.node_names, self.walk_names = self.nodes.names, list(g.walk_ids)
         self._closed = False
         self.node_ids = [g.node_ids[n] for n in nodes]
-        self._unique_submodules = list({id(self._submodules[i]): self._submodules[i]
-                                        for i in self.node_ids}.values())
-        names = sorted({self._engine_of_node[n] for n in nodes})
-        engine_of_node = {i: names.index(self._engine_of_node[self._node_names[i]])
-                          for i in self.node_ids}
+        self._submodules = self.nodes.unique_submodules(self.node_ids)
+        names = sorted({self.nodes[i].engine for i in self.node_ids})
+        engine_of_node = {i: names.index(self.nodes[i].engine) for i in self.node_ids}
         self.conductor = LocalQueue(self, len(names), engine_of_node, reply)
         self.engines: dict[str, Engine] = {}
         for engine_id, name in enumerate(names):
@@ -182,35 +171,56 @@ class WorkerHost(Runtime):
         for t in self._workers:
             t.start()
 
-    def _handle(self, outcome: tuple) -> None:
+    # ---- the engine host (mstar_rt.engines.host.EngineHost) ------------------------------------
+
+    @property
+    def queue(self) -> LocalQueue:
+        return self.conductor
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run(self, node: int, items: list) -> tuple:
+        ids, outputs, stops = self.runner.run(node, items)
+        return self.conductor.complete(node, ids, outputs, stops)
+
+    def report(self, outcome: tuple) -> None:
         """Outcomes are the parent's business; the LocalQueue already sent the results."""
+
+    def requests_ended(self, finished: list) -> None:
+        """Never called: the LocalQueue finishes no request itself."""
+
+    @staticmethod
+    def loop_id(name: str) -> str:
+        return name
 
     # ---- requests, as the parent announces them ------------------------------------------------
 
     def open(self, rid: int, inputs: Optional[dict], state: dict,
              order: tuple = (2**63 - 1, 0)) -> None:
         """``order``: the request's (deadline_ns, priority)."""
-        with self._lock:
-            if rid not in self._requests:
-                ctx = RequestContext(id=rid, inputs=inputs or {})
+        with self.requests.lock:
+            if self.requests.get(rid) is None:
+                ctx = RequestContext(id=rid, inputs=inputs or {}, deadline_ns=order[0],
+                                     priority=order[1])
                 ctx.state.update(state)
-                self._requests[rid] = _Request(ctx, (order[0], -order[1], rid))
+                self.requests.add(rid, _Request(ctx, (order[0], -order[1], rid)))
 
     def set_walk(self, rid: int, walk: int) -> None:
-        handle = self._requests.get(rid)
+        handle = self.requests.get(rid)
         if handle is not None:
-            handle.context.walk = self._walk_names[walk]
+            handle.context.walk = self.walk_names[walk]
 
     def release(self, rid: int) -> bool:
         """The request ended in the parent: free its pages, queued items and node state."""
-        with self._lock:
-            handle = self._requests.pop(rid, None)
+        handle = self.requests.pop(rid)
         if handle is None:
             return False
         self.conductor.purge(rid)
         for engine in self.engines.values():
             engine.release(rid)
-        for sub in self._unique_submodules:
+        for sub in self._submodules:
             try:
                 sub.cleanup(handle.context)
             except Exception:  # as in the Runtime: a cleanup failure must not stop the worker
@@ -224,7 +234,7 @@ class WorkerHost(Runtime):
             if cache is not None:
                 kv[name] = dict(pages_in_use=cache.num_pages - cache.free_pages,
                                 num_pages=cache.num_pages, sequences=cache.live_sequences)
-        return dict(live_requests=len(self._requests), queued_items=self.conductor.queued,
+        return dict(live_requests=len(self.requests), queued_items=self.conductor.queued,
                     batches=self.conductor.batches, kv=kv,
                     kv_pages_in_use=sum(v["pages_in_use"] for v in kv.values()))
 
@@ -233,7 +243,5 @@ class WorkerHost(Runtime):
         self.conductor.shutdown()
         for t in self._workers:
             t.join(timeout=10)
-        with self._lock:
-            rids = list(self._requests)
-        for rid in rids:
+        for rid in self.requests.ids():
             self.release(rid)

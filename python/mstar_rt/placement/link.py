@@ -124,7 +124,7 @@ class WorkerLink:
             self._w2p, self._decoder = w2p, Decoder(w2p)
             self._rx_gen = gen
         cfg = dict(rank=self.rank, gen=gen, parent_pid=os.getpid(), factory=self.spec.factory,
-                   kwargs={**self.spec.kwargs, **self.plan.model_kwargs}, nodes=self.plan.nodes,
+                   kwargs={**self.spec.args, **self.plan.model_kwargs}, nodes=self.plan.nodes,
                    device=self.plan.device, engines=self.engine_settings, endpoint=self.endpoint,
                    parent=self._parent_endpoint, p2w=p2w.name, w2p=w2p.name)
         config_path = os.path.join(self._workdir, f"rank{self.rank}-g{gen}.json")
@@ -265,7 +265,7 @@ class WorkerLink:
             if gen != self.gen or self.state in ("closed", "new"):
                 return  # an older generation, or a close that expected it
             was = self.state
-            restart = (self.rt.restart_policy == "auto" and was == "up" and not self.rt._closed
+            restart = (self.rt.restart_policy == "auto" and was == "up" and not self.rt.closed
                        and self.restarts < self.rt.max_restarts)
             # while an automatic restart is coming, new work waits for it instead of failing
             self.state = "starting" if restart else "down"
@@ -281,12 +281,12 @@ class WorkerLink:
         # Fail first: the promise is within a second of the death.
         for item, (rid, node) in inflight.items():
             failed.add(rid)
-            rt._handle(conductor.fail_items(
+            rt.report(conductor.fail_items(
                 [item], f"worker process rank {self.rank} (pid {proc.pid}) {how} while running "
                         f"it; {fix}"))
         for rid, node in known.items():
             if rid not in failed:
-                rt._handle(conductor.fail(
+                rt.report(conductor.fail(
                     rid, f"worker process rank {self.rank} (pid {proc.pid}) {how}; it held this "
                          f"request's state of node '{node}'; {fix}"))
         if self.progress and was == "up":
@@ -312,11 +312,11 @@ class WorkerLink:
     def send_batch(self, node: int, walk: int, items: list) -> None:
         """Hands a batch from the parent's Conductor to the worker (engine thread)."""
         rt = self.rt
-        node_name = rt._node_names[node]
+        node_name = rt.node_names[node]
         rejected: Optional[str] = None
         live, ended, opens = [], [], []
         with self._lock:
-            while self.state == "starting" and not rt._closed:
+            while self.state == "starting" and not rt.closed:
                 self._cond.wait(0.2)
             gen = self.gen
             if self.state != "up":
@@ -336,22 +336,18 @@ class WorkerLink:
                         opens.append(rid)
                     self._known[rid] = node_name
         if rejected is not None:
-            rt._handle(rt.conductor.fail_items([it[0] for it in items], rejected))
+            rt.report(rt.conductor.fail_items([it[0] for it in items], rejected))
             return
         if ended:
-            rt._handle(rt.conductor.fail_items(ended, "the request ended"))
+            rt.report(rt.conductor.fail_items(ended, "the request ended"))
         if live:
             self._transmit(gen, node, walk, live, opens)
 
     def _live(self, rid: int) -> bool:
-        rt = self.rt
-        if rid in rt._requests:
-            return True
-        with rt._lock:  # submit registers the handle after it queued the first work
-            return rid in rt._requests
+        return self.rt.requests.knows(rid)
 
     def _open(self, rid: int) -> dict:
-        handle = self.rt._requests.get(rid)
+        handle = self.rt.requests.get(rid)
         if handle is None:
             return {"inputs": None, "state": {}}
         ctx = handle.context
@@ -439,7 +435,7 @@ class WorkerLink:
                 self._inflight.pop(i, None)
             gen = self.gen
         if ids:
-            self.rt._handle(self.rt.conductor.fail_items(sorted(ids), "the request ended"))
+            self.rt.report(self.rt.conductor.fail_items(sorted(ids), "the request ended"))
         self._post(gen, {"kind": "release", "requests": [rid]})
 
     def stats(self, timeout: float = 5.0) -> dict:
@@ -499,9 +495,9 @@ class WorkerLink:
             self._report_failed(int_list(msg, "items"), field(msg, "message", str))
         elif kind == "ready":
             nodes, walks = field(msg, "nodes", list), field(msg, "walks", list)
-            if nodes != rt._node_names or walks != rt._walk_names:
+            if nodes != rt.node_names or walks != rt.walk_names:
                 self._fatal = (f"it built a model whose nodes {nodes} / walks {walks} differ "
-                               f"from the parent's {rt._node_names} / {rt._walk_names}; build "
+                               f"from the parent's {rt.node_names} / {rt.walk_names}; build "
                                "the same model in every process")
                 if self.proc is not None:
                     self.proc.kill()
@@ -528,13 +524,13 @@ class WorkerLink:
         states = field(msg, "states", dict)
         if len(outputs) != len(ids) or (stops is not None and len(stops) != len(ids)):
             raise ProtocolError("'done' needs one output map (and stop list) per item")
-        if not 0 <= node < len(rt._node_names):
+        if not 0 <= node < len(rt.node_names):
             raise ProtocolError(f"node id {node} is out of range")
         taken = self._take(ids)
         if not taken:
             return
         for rid, state in states.items():  # before complete(): next_walk may read it
-            handle = rt._requests.get(rid)
+            handle = rt.requests.get(rid)
             if handle is not None and isinstance(state, dict):
                 handle.context.state.update(state)
         keep_ids, keep_out, keep_stops = [], [], []
@@ -542,9 +538,9 @@ class WorkerLink:
             if item not in taken:
                 continue
             try:
-                stop_ids = [] if stops is None else [rt._loop_id(s) for s in stops[i]]
+                stop_ids = [] if stops is None else [rt.loop_id(s) for s in stops[i]]
             except Exception as e:
-                rt._handle(rt.conductor.fail_items([item], str(e)))
+                rt.report(rt.conductor.fail_items([item], str(e)))
                 continue
             keep_ids.append(item)
             keep_out.append(outputs[i])
@@ -556,7 +552,7 @@ class WorkerLink:
                                             None if stops is None else keep_stops)
         except Exception as e:  # e.g. outputs the node does not declare: fail those items
             outcome = rt.conductor.fail_items(keep_ids, f"{type(e).__name__}: {e}")
-        rt._handle(outcome)
+        rt.report(outcome)
 
     def _take(self, ids: list[int]) -> set[int]:
         taken = set()
@@ -576,7 +572,7 @@ class WorkerLink:
     def _report_failed(self, ids: list[int], message: str) -> None:
         taken = self._take(ids)
         if taken:
-            self.rt._handle(self.rt.conductor.fail_items(sorted(taken), message))
+            self.rt.report(self.rt.conductor.fail_items(sorted(taken), message))
 
     # ---- introspection ------------------------------------------------------------------------
 

@@ -6,10 +6,10 @@ request state such as KV pages lives there; the parent's Conductor only routes w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from mstar_rt.engines.base import Engine
-from mstar_rt.model import Model, NodeSubmodule, RequestContext
+from mstar_rt.model import Model, NodeSubmodule, RequestContext, hears_stream_end
 
 if TYPE_CHECKING:
     from mstar_rt.placement.link import WorkerLink
@@ -26,22 +26,27 @@ class RemoteSubmodule(NodeSubmodule):
                            "parent never runs it")
 
 
+class RemoteStreamEndSubmodule(RemoteSubmodule):
+    """The stand-in of a node that hears the end of its stream (end_stream), so the parent's
+    Conductor sends it the stream-end item; the worker calls the real end_stream."""
+
+    def end_stream(self, ctx: Any) -> Mapping[str, Any]:
+        return self.forward([])[0]
+
+
 class PlacedModel(Model):
     """``model`` as the parent serves it: same graph, walks and state machine; placed nodes'
     submodules and engines swapped for stand-ins."""
 
     def __init__(self, model: Model, node_rank: Mapping[str, int], workers: set[int],
-                 parent_engines: Mapping[str, str],
-                 on_submit: Optional[Callable[[RequestContext], None]] = None) -> None:
+                 parent_engines: Mapping[str, str]) -> None:
         self.inner = model
-        self.on_submit = on_submit
         self.nodes = model.nodes
         self.walks = model.walks
         self.inputs = model.inputs
         self.input_defaults = model.input_defaults
         self.submodules = {
-            n: (RemoteSubmodule(n, node_rank[n], max(1, int(getattr(s, "max_batch", 1))))
-                if node_rank.get(n, 0) in workers else s)
+            n: (_stand_in(n, node_rank[n], s) if node_rank.get(n, 0) in workers else s)
             for n, s in model.submodules.items()}
         self.engines = dict(parent_engines)
         used = set(parent_engines.values())
@@ -51,13 +56,16 @@ class PlacedModel(Model):
         self.inner.validate_inputs(inputs)
 
     def initial_walk(self, request: RequestContext) -> str:
-        if self.on_submit is not None:  # the one call per submit that sees the new context
-            self.on_submit(request)
         return self.inner.initial_walk(request)
 
     def next_walk(self, request: RequestContext, finished_walk: str,
                   persisted: Mapping[str, Any]) -> Optional[str]:
         return self.inner.next_walk(request, finished_walk, persisted)
+
+
+def _stand_in(node: str, rank: int, sub: NodeSubmodule) -> RemoteSubmodule:
+    kind = RemoteStreamEndSubmodule if hears_stream_end(sub) else RemoteSubmodule
+    return kind(node, rank, max(1, int(getattr(sub, "max_batch", 1))))
 
 
 class RemoteEngine(Engine):
@@ -71,12 +79,12 @@ class RemoteEngine(Engine):
         self.link = link
 
     def serve(self) -> None:
-        rt = self.runtime
-        assert rt is not None
-        conductor, engine, poll = rt.conductor, self.engine_id, rt._poll_s
+        host = self.host
+        assert host is not None
+        queue, engine, poll = host.queue, self.engine_id, host.poll_s
         max_batch = self.max_batch
-        while not rt._closed:
-            batch = conductor.next_batch(engine, max_batch, poll)
+        while not host.closed:
+            batch = queue.next_batch(engine, max_batch, poll)
             if batch is None:
                 continue
             node, walk, items = batch

@@ -14,7 +14,6 @@ import secrets
 import shutil
 import tempfile
 import threading
-import time
 import traceback
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -28,7 +27,7 @@ from mstar_rt.placement.link import WorkerLink
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
 from mstar_rt.placement.protocol import TO_PARENT_HEADER
 from mstar_rt.model import RequestContext
-from mstar_rt.runtime import _NO_DEADLINE, RequestHandle, Runtime
+from mstar_rt.runtime import Runtime
 
 _LIVE: "weakref.WeakSet[PlacedRuntime]" = weakref.WeakSet()
 
@@ -111,7 +110,7 @@ def split_engines(model: Any, plan: Any, engines: Mapping[str, Engine]
             page_size=engine.page_size, num_pages=engine.num_pages, max_batch=engine.max_batch,
             max_tokens_per_step=engine.max_tokens_per_step,
             attention_backend=engine.attention_backend,
-            num_threads="auto" if engine._auto_threads else engine.num_threads)
+            num_threads="auto" if engine.auto_threads else engine.num_threads)
     return local, remote
 
 
@@ -145,10 +144,6 @@ class PlacedRuntime(Runtime):
         self._runtime_started = False
         self._closed = False
         self.shm_prefix = ""
-        # (deadline_ns, priority) of each request, so workers order their queues as the
-        # Conductor does; keyed by the request's context until it has an id
-        self._tls = threading.local()
-        self._order_of: dict[int, tuple[int, int]] = {}
         if restart not in ("manual", "auto"):
             raise ValueError(f"restart={restart!r}; use 'manual' or 'auto'")
         self.restart_policy, self.max_restarts = restart, max_restarts
@@ -176,7 +171,7 @@ class PlacedRuntime(Runtime):
                 if rank in plan.workers:
                     remote.setdefault(plan.parent_engines[n], RemoteEngine(self._links[rank]))
             placed = PlacedModel(self.user_model, plan.node_rank, set(plan.workers),
-                                 plan.parent_engines, self._note_order)
+                                 plan.parent_engines)
             super().__init__(placed, poll_s, {**remote, **local_engines})
             self._runtime_started = True
             self._hub.start(self._links)
@@ -191,37 +186,10 @@ class PlacedRuntime(Runtime):
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def submit(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
-               priority: int = 0) -> RequestHandle:
-        """As :meth:`Runtime.submit`; workers also learn the deadline and priority."""
-        self._tls.order = (_NO_DEADLINE if deadline is None
-                           else time.monotonic_ns() + int(deadline * 1e9), int(priority))
-        self._tls.noted = None
-        try:
-            return super().submit(inputs, deadline, priority)
-        except BaseException:
-            if self._tls.noted is not None:
-                self._order_of.pop(self._tls.noted, None)
-            raise
-        finally:
-            self._tls.order = None
-
-    def _note_order(self, ctx: RequestContext) -> None:
-        order = getattr(self._tls, "order", None)
-        if order is not None:
-            self._order_of[id(ctx)] = order
-            self._tls.noted = id(ctx)
-
-    def order_of(self, ctx: RequestContext) -> tuple[int, int]:
-        """``(deadline_ns, priority)`` the request was submitted with."""
-        return self._order_of.get(id(ctx), (_NO_DEADLINE, 0))
-
-    def _end(self, rid: int, error: Optional[BaseException],
-             timeline: Optional[bytes] = None) -> None:
-        handle = self._requests.get(rid)
-        super()._end(rid, error, timeline)
-        if handle is not None:
-            self._order_of.pop(id(handle.context), None)
+    @staticmethod
+    def order_of(ctx: RequestContext) -> tuple[int, int]:
+        """``(deadline_ns, priority)`` the request was submitted with (workers order by it)."""
+        return ctx.deadline_ns, ctx.priority
 
     @classmethod
     def from_config(cls, source: Union[str, Mapping[str, Any]],

@@ -204,9 +204,9 @@ class Worker:
             node = field(msg, "node", int)
             walk = field(msg, "walk", int)
             if node not in host.node_ids:
-                names = [host._node_names[i] for i in host.node_ids]
+                names = [host.node_names[i] for i in host.node_ids]
                 raise ProtocolError(f"node id {node} is not one of this worker's nodes {names}")
-            if not 0 <= walk < len(host._walk_names):
+            if not 0 <= walk < len(host.walk_names):
                 raise ProtocolError(f"walk id {walk} is out of range")
             inputs = set(host.graph.node_inputs[node])
             work = []
@@ -242,7 +242,7 @@ class Worker:
                       tuple(o.get("order", (2**63 - 1, 0))))
         known, unknown = [], []
         for w in work:
-            (known if w[1] in host._requests else unknown).append(w)
+            (known if host.requests.get(w[1]) is not None else unknown).append(w)
         if unknown:
             self.outbox.send("failed", items=[w[0] for w in unknown],
                              message=f"worker rank {self.rank} holds no state for this request "

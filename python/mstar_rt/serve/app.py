@@ -9,7 +9,7 @@ import contextlib
 import hmac
 import json
 import time
-from typing import Any, AsyncIterator, Mapping, Optional
+from typing import Any, AsyncIterator, Mapping, Optional, TypeVar
 
 import anyio
 import numpy as np
@@ -17,12 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
+from mstar_rt.serve.bodies import BadBody, Body, GenerateBody, SpeechBody, parse
 from mstar_rt.serve.bridge import AtCapacity, Bridge, RequestTimeout
 from mstar_rt.serve.deployment import Deployment
 from mstar_rt.serve.metrics import ServerMetrics
 from mstar_rt.serve.wire import as_array, decode_input, encode_value, pcm16, wav_header
 
-SPEECH_FORMATS = ("pcm", "wav")
+_B = TypeVar("_B", bound=Body)
 OPEN_PATHS = ("/health", "/healthz")  # for load balancers: no key needed
 
 
@@ -171,28 +172,14 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = await _json_body(request)
-        _only_keys(body, ("inputs", "deadline_s", "priority", "arrays"))
-        raw = body.get("inputs")
-        if not isinstance(raw, dict):
-            raise ApiError(400, "'inputs' must be an object mapping the model's input names to "
-                           f"values; the model takes {list(d.inputs)}", param="inputs")
+        body = _parse(GenerateBody, await _json_body(request), inputs=d.inputs)
         try:
-            inputs = {k: decode_input(v, f"inputs.{k}") for k, v in raw.items()}
+            inputs = {k: decode_input(v, f"inputs.{k}") for k, v in body.inputs.items()}
         except ValueError as e:
             raise ApiError(400, str(e), param="inputs") from None
-        deadline = body.get("deadline_s")
-        if deadline is not None and (not _is_number(deadline) or deadline <= 0):
-            raise ApiError(400, "'deadline_s' must be a positive number of seconds",
-                           param="deadline_s")
-        priority = body.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ApiError(400, "'priority' must be an integer", param="priority")
-        arrays = body.get("arrays", "base64")
-        if arrays not in ("base64", "list"):
-            raise ApiError(400, "'arrays' must be 'base64' or 'list'", param="arrays")
-        return await _start_stream(state, request, "/generate", inputs, priority, deadline,
-                                   lambda first, rest, t0: _ndjson(first, rest, arrays),
+        return await _start_stream(state, request, "/generate", inputs, body.priority,
+                                   body.deadline_s,
+                                   lambda first, rest, t0: _ndjson(first, rest, body.arrays),
                                    "application/x-ndjson", {}, errors_inline=True)
 
     add_policy_routes(app, state)
@@ -207,34 +194,17 @@ def _speech_inputs(d: Deployment, body: dict) -> tuple[dict, str]:
     if spec is None:
         raise ApiError(404, f"model {d.name!r} does not serve speech; its endpoints are "
                        "/generate and the policy websocket", code="not_speech_model")
-    _only_keys(body, ("model", "input", "voice", "response_format", "speed", "instructions",
-                      "stream_format"))
-    model = body.get("model")
-    if model is not None and model != d.name:
-        raise ApiError(404, f"model {model!r} is not served here; use {d.name!r}", param="model",
-                       code="model_not_found")
-    text = body.get("input")
-    if not isinstance(text, str) or not text.strip():
-        raise ApiError(400, "'input' must be a non-empty string: the text to speak", param="input")
-    voice = body.get("voice")
-    if voice is not None and not isinstance(voice, str):
-        raise ApiError(400, "'voice' must be a string", param="voice")
-    if spec.voices and voice is not None and voice not in spec.voices:
-        raise ApiError(400, f"unknown voice {voice!r}; this model speaks {list(spec.voices)}",
-                       param="voice")
-    fmt = body.get("response_format", "pcm") or "pcm"
-    if fmt not in SPEECH_FORMATS:
-        raise ApiError(400, f"response_format {fmt!r} is not served; use one of "
-                       f"{list(SPEECH_FORMATS)}", param="response_format")
-    speed = body.get("speed", 1.0)
-    if not _is_number(speed) or speed != 1.0:
-        raise ApiError(400, "only speed 1.0 is served", param="speed")
-    if body.get("stream_format", "audio") not in ("audio", None):
-        raise ApiError(400, "only stream_format 'audio' is served", param="stream_format")
-    inputs = {**spec.inputs, spec.text_input: text}
-    if spec.voice_input is not None and voice is not None:
-        inputs[spec.voice_input] = voice
-    return inputs, fmt
+    req = _parse(SpeechBody, body)
+    if req.model is not None and req.model != d.name:
+        raise ApiError(404, f"model {req.model!r} is not served here; use {d.name!r}",
+                       param="model", code="model_not_found")
+    if spec.voices and req.voice is not None and req.voice not in spec.voices:
+        raise ApiError(400, f"unknown voice {req.voice!r}; this model speaks "
+                       f"{list(spec.voices)}", param="voice")
+    inputs = {**spec.inputs, spec.text_input: req.input}
+    if spec.voice_input is not None and req.voice is not None:
+        inputs[spec.voice_input] = req.voice
+    return inputs, req.response_format
 
 
 async def _audio(state: ServeState, fmt: str, first: Optional[tuple], rest: AsyncIterator,
@@ -253,13 +223,15 @@ async def _audio(state: ServeState, fmt: str, first: Optional[tuple], rest: Asyn
             yield first
         async for item in rest:
             yield item
+        yield spec.audio_output, None  # the end: the resampler lets out what it held back
 
     async for name, value in chunks():
         if name != spec.audio_output:
             continue
-        audio = np.asarray(as_array(value), np.float32).reshape(-1)
-        if len(audio):
-            audio = resampler.process(audio)
+        last = value is None
+        audio = np.asarray([] if last else as_array(value), np.float32).reshape(-1)
+        if len(audio) or last:
+            audio = resampler.process(audio, last=last)
         if len(audio):
             if samples == 0:
                 state.metrics.ttfa.observe(time.monotonic() - started)
@@ -419,15 +391,11 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-def _only_keys(body: dict, known: tuple[str, ...]) -> None:
-    unknown = [k for k in body if k not in known]
-    if unknown:
-        raise ApiError(400, f"unknown field {unknown[0]!r}; the fields are {list(known)}",
-                       param=unknown[0])
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _parse(cls: type[_B], body: dict, **context: Any) -> _B:
+    try:
+        return parse(cls, body, **context)
+    except BadBody as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def _status_word(status: int) -> str:

@@ -10,7 +10,6 @@ Prints a line per loading step, then one line ``mstar-rt: serving <model> on <ur
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import sys
 import time
@@ -44,11 +43,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     runtime = None
     try:
         step(f"reading {args.config}")
-        config = load_config(args.config)
-        server_spec = dataclasses.replace(
-            config.server, **{k: v for k, v in dict(host=args.host, port=args.port,
-                                                    api_key=args.api_key).items() if v is not None})
-        config = dataclasses.replace(config, server=server_spec)
+        config = load_config(args.config).with_server(host=args.host, port=args.port,
+                                                      api_key=args.api_key)
+        server_spec = config.server
         step(f"building model {config.model.factory or config.model.checkpoint}")
         model = build_model(config)
         step("starting the runtime (engines: "

@@ -3,7 +3,6 @@ it (its name, how speech and policy requests map onto its inputs and EMITs, the 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -48,7 +47,7 @@ class Deployment:
                                  "of its audio")
             voices = speech.voices if speech.voices is not None else tuple(
                 getattr(model, "voices", ()) or ())
-            speech = dataclasses.replace(speech, model_rate=int(rate), voices=voices)
+            speech = speech.model_copy(update=dict(model_rate=int(rate), voices=voices))
         return Deployment(runtime=runtime, name=name or type(model).__name__,
                           inputs=tuple(model.inputs), speech=speech,
                           policy=policy or PolicySpec(), **kw)

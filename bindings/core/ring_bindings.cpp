@@ -3,7 +3,7 @@
 
 #include <cstring>
 
-#include "producer.hpp"
+#include "core/producer.hpp"
 
 namespace mstar::py_bind {
 

@@ -3,7 +3,7 @@
 #include <stdexcept>
 
 #include "mstar/chunk_feeder.hpp"
-#include "wait_word.hpp"
+#include "core/wait_word.hpp"
 
 namespace mstar {
 

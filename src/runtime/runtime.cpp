@@ -16,7 +16,7 @@
 #include <unordered_map>
 
 #include "mstar/runtime.hpp"
-#include "runtime_request.hpp"
+#include "runtime/request.hpp"
 
 namespace mstar {
 
@@ -32,6 +32,7 @@ struct NodeCall::Data {
   std::vector<std::vector<Tensor>> inputs;  // aligned with def->inputs
   std::vector<std::uint8_t> is_list;
   bool windowed = false;
+  bool stream_end = false;
   Chunk chunk;
   std::vector<Tensor> outputs;  // aligned with *output_names
   std::vector<NameId> stops;
@@ -51,6 +52,7 @@ const std::string& NodeCall::node() const noexcept { return d_->def->name; }
 const std::string& NodeCall::walk() const noexcept { return *d_->walk; }
 std::uint32_t NodeCall::iteration() const noexcept { return d_->iteration; }
 const Chunk* NodeCall::window() const noexcept { return d_->windowed ? &d_->chunk : nullptr; }
+bool NodeCall::stream_ended() const noexcept { return d_->stream_end; }
 
 const Tensor& NodeCall::input(const std::string& name) const {
   const std::size_t k = d_->input_index(name);
@@ -262,6 +264,7 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
         d.name_ids = &name_ids;
         d.iteration = it.iteration;
         d.windowed = it.windowed;
+        d.stream_end = it.stream_end;
         d.chunk = it.chunk;
         d.is_list = it.list_input;
         d.inputs.resize(def.inputs.size());
@@ -279,29 +282,36 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
     views->clear();
     ptrs->clear();
     for (auto& d : *calls) views->emplace_back(&d);
-    for (auto& v : *views) ptrs->push_back(&v);
+    for (auto& v : *views)
+      if (!v.stream_ended()) ptrs->push_back(&v);  // stream ends go to on_stream_end, one by one
     // Per item: (item id, error message) for those that threw.
     std::vector<std::pair<std::uint64_t, std::string>> errors;
     // The Conductor prefixes "node '<node>' in walk '<walk>' failed: ".
-    auto describe = [](const WorkItem&, const char* what) { return std::string(what); };
-    if (def.batch_fn) {
+    auto run_one = [&](std::size_t i, const NodeFn& fn) {
+      try {
+        if (fn) fn((*views)[i]);
+      } catch (const std::exception& e) {
+        errors.emplace_back(batch[i]->id, e.what());
+      } catch (...) {
+        errors.emplace_back(batch[i]->id, "unknown exception");
+      }
+    };
+    if (def.batch_fn && !ptrs->empty()) {
       try {
         def.batch_fn(*ptrs);
       } catch (const std::exception& e) {
-        for (const WorkItem* it : batch) errors.emplace_back(it->id, describe(*it, e.what()));
+        for (const WorkItem* it : batch)
+          if (!it->stream_end) errors.emplace_back(it->id, e.what());
       } catch (...) {
-        for (const WorkItem* it : batch) errors.emplace_back(it->id, describe(*it, "unknown exception"));
+        for (const WorkItem* it : batch)
+          if (!it->stream_end) errors.emplace_back(it->id, "unknown exception");
       }
-    } else {
-      for (std::size_t i = 0; i < batch.size(); ++i) {
-        try {
-          def.fn((*views)[i]);
-        } catch (const std::exception& e) {
-          errors.emplace_back(batch[i]->id, describe(*batch[i], e.what()));
-        } catch (...) {
-          errors.emplace_back(batch[i]->id, describe(*batch[i], "unknown exception"));
-        }
-      }
+    }
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      if (batch[i]->stream_end)
+        run_one(i, def.options.on_stream_end);
+      else if (!def.batch_fn)
+        run_one(i, def.fn);
     }
     node_runs.fetch_add(batch.size(), std::memory_order_relaxed);
     batches.fetch_add(1, std::memory_order_relaxed);

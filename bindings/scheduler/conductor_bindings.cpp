@@ -1,16 +1,13 @@
-// Python class Conductor (and NoopEngine, a C++ engine whose nodes do nothing, for measuring the
-// Conductor itself). The Python Runtime drives these; see python/mstar_rt/runtime.py.
+// Python class Conductor: the C++ Conductor plus the store of the Python values its handles stand
+// for. The Python Runtime drives it; see python/mstar_rt/runtime.py.
 #include <pybind11/stl.h>
 
-#include <atomic>
-#include <condition_variable>
 #include <memory>
 #include <mutex>
-#include <thread>
 
 #include "mstar/conductor.hpp"
-#include "waiting.hpp"
-#include "work_context.hpp"
+#include "core/waiting.hpp"
+#include "scheduler/work_context.hpp"
 
 namespace mstar::py_bind {
 
@@ -40,6 +37,7 @@ GraphSpec build_spec(std::vector<std::string> names, std::vector<std::string> en
     spec.max_batch = t[2].cast<std::uint32_t>();
     spec.inputs = t[3].cast<std::vector<NameId>>();
     spec.outputs = t[4].cast<std::vector<NameId>>();
+    spec.on_stream_end = t.size() > 5 && t[5].cast<bool>();
     g.nodes.push_back(std::move(spec));
   }
   for (py::handle w : walks) {
@@ -111,7 +109,7 @@ class PyConductor {
   }
   void drop(Handle h) {
     const std::size_t slot = static_cast<std::size_t>(h - 1);
-    if (h == 0 || slot >= store_.size() || !store_[slot]) return;  // e.g. a NoopEngine handle
+    if (h == 0 || slot >= store_.size() || !store_[slot]) return;
     store_[slot] = py::object();
     free_.push_back(slot);
     --stored_;
@@ -182,7 +180,7 @@ class PyConductor {
     const NodeId node = batch.front()->node;
     py::handle spec = node < specs_.size() ? specs_[node] : py::handle(Py_None);
     bool plain = !spec.is_none();
-    for (const WorkItem* w : batch) plain = plain && !w->windowed;
+    for (const WorkItem* w : batch) plain = plain && !w->windowed && !w->stream_end;
     if (!plain) return hand_back(batch, false);
     // Looked up per batch, not bound once: a submodule's methods may be replaced while it serves.
     py::handle sub = PyTuple_GET_ITEM(spec.ptr(), 0);
@@ -425,7 +423,7 @@ class PyConductor {
     py::list items;
     for (const WorkItem* w : batch) {
       py::object chunk = py::none();
-      if (w->windowed)
+      if (w->windowed || w->stream_end)  // a stream end: an empty chunk (Runtime._run)
         chunk = py::make_tuple(w->chunk.begin, w->chunk.new_begin, w->chunk.end, w->chunk.last);
       items.append(py::make_tuple(w->id, w->request, w->iteration, input_dict(*w), chunk));
     }
@@ -444,68 +442,6 @@ class PyConductor {
   std::vector<py::object> store_;  // touched only with the GIL held
   std::vector<std::size_t> free_;
   std::size_t stored_ = 0;
-};
-
-/// A C++ engine whose nodes do nothing: completes each item with fresh handles for every output
-/// and finishes a request when its walk ends. Measures the Conductor without Python in the loop.
-class NoopEngine {
- public:
-  NoopEngine(ConductorPtr conductor, EngineId engine, std::size_t max_batch)
-      : conductor_(std::move(conductor)), engine_(engine), max_batch_(max_batch),
-        thread_([this] { run(); }) {}
-  ~NoopEngine() { stop(); }
-
-  void stop() {
-    stopping_ = true;
-    if (thread_.joinable()) thread_.join();
-  }
-  std::uint64_t finished() const { return finished_.load(); }
-  bool wait_finished(std::uint64_t n, Timeout timeout) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return finished_.load() >= n; });
-  }
-
- private:
-  void run() {
-    std::vector<Completion> done;
-    std::vector<const WorkItem*> batch;
-    Outcome out;
-    while (!stopping_) {
-      conductor_->next_batch(engine_, max_batch_, std::chrono::milliseconds(20), &batch);
-      if (batch.empty()) continue;
-      done.clear();
-      for (const WorkItem* w : batch) {
-        Completion c;
-        c.item = w->id;
-        c.outputs.resize(conductor_->graph().nodes[w->node].outputs.size());
-        for (Handle& h : c.outputs) h = next_handle_++;
-        done.push_back(std::move(c));
-      }
-      out = Outcome{};
-      conductor_->complete(done, &out);
-      std::uint64_t ended = out.failed.size();
-      for (RequestId r : out.walks_done) {
-        conductor_->finish(r, &out);
-        conductor_->forget(r);
-        ++ended;
-      }
-      if (ended) {
-        std::lock_guard<std::mutex> lock(mu_);
-        finished_ += ended;
-        cv_.notify_all();
-      }
-    }
-  }
-
-  ConductorPtr conductor_;
-  EngineId engine_;
-  std::size_t max_batch_;
-  std::atomic<bool> stopping_{false};
-  std::atomic<std::uint64_t> finished_{0};
-  Handle next_handle_ = Handle{1} << 62;  // far from the Python store's handles
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::thread thread_;
 };
 
 }  // namespace
@@ -558,17 +494,6 @@ waiting) and report complete(); each call that changes state returns its outcome
       .def_property_readonly("queued_items", [](PyConductor& c) { return c.conductor()->queued_items(); })
       .def_property_readonly("inflight_items", [](PyConductor& c) { return c.conductor()->inflight_items(); })
       .def_property_readonly("stored", &PyConductor::stored);
-
-  py::class_<NoopEngine>(m, "NoopEngine", "A C++ engine whose nodes do nothing (for benchmarks).")
-      .def(py::init([](PyConductor& c, EngineId e, std::size_t max_batch) {
-             return std::make_unique<NoopEngine>(c.conductor(), e, max_batch);
-           }), py::arg("conductor"), py::arg("engine"), py::arg("max_batch"))
-      .def("stop", &NoopEngine::stop, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("finished", &NoopEngine::finished)
-      .def("wait_finished", [](NoopEngine& e, std::uint64_t n, double timeout_s) {
-             py::gil_scoped_release nogil;
-             return e.wait_finished(n, to_timeout(timeout_s));
-           });
 }
 
 }  // namespace mstar::py_bind

@@ -1,4 +1,4 @@
-#include "array_layout.hpp"
+#include "core/array_layout.hpp"
 
 #include <algorithm>
 #include <sstream>

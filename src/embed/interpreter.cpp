@@ -10,7 +10,7 @@
 #include <mutex>
 #include <sys/stat.h>
 
-#include "embed_python.hpp"
+#include "embed/python.hpp"
 #include "mstar/embed.hpp"
 
 namespace py = pybind11;

@@ -7,9 +7,9 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "embed_python.hpp"
+#include "embed/python.hpp"
 #include "mstar/embed.hpp"
-#include "runtime_request.hpp"
+#include "runtime/request.hpp"
 
 namespace py = pybind11;
 

@@ -9,9 +9,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "array_layout.hpp"
+#include "core/array_layout.hpp"
 #include "mstar/spsc_ring.hpp"
-#include "waiting.hpp"
+#include "core/waiting.hpp"
 
 namespace mstar::py_bind {
 

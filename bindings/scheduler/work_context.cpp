@@ -1,7 +1,7 @@
 // mstar_rt.WorkContext: what a prepare_inputs hook gets per node execution. A C type, not a
 // Python class: the Conductor's run_batch makes one per item of every batch it prepares, and a
 // class with __init__ costs five times as much to build as this.
-#include "work_context.hpp"
+#include "scheduler/work_context.hpp"
 
 #include <structmember.h>
 

@@ -1,4 +1,4 @@
-#include "wait_word.hpp"
+#include "core/wait_word.hpp"
 
 #include <cstdlib>
 #include <thread>

@@ -2,7 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "mstar/stream_buffer.hpp"
-#include "producer.hpp"
+#include "core/producer.hpp"
 
 namespace mstar::py_bind {
 

@@ -8,8 +8,8 @@
 #include <string>
 #include <thread>
 
-#include "cpu_relax.hpp"
-#include "wait_word.hpp"
+#include "core/cpu_relax.hpp"
+#include "core/wait_word.hpp"
 
 namespace mstar {
 

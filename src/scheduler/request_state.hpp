@@ -1,14 +1,8 @@
-// Internal state of the Conductor: requests, activations, streams, work items.
+// Per-request state of the Conductor: values by name, activations, streams, work items.
 #pragma once
 
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <mutex>
-#include <algorithm>
-#include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "mstar/conductor.hpp"
@@ -43,8 +37,7 @@ struct StreamState {
   std::uint64_t written = 0;
   bool ended = false;
   bool inflight = false;       // a window is with an engine: windows run one at a time, in order
-  bool any_sent = false;       // some window was dispatched
-  bool last_sent = false;      // the window marked last was dispatched
+  bool last_sent = false;      // the window marked last (or the stream-end item) was dispatched
   Activation* consumer = nullptr;  // the consumer's activation, once the walk has reached it
   ChunkCursor cursor;
 };
@@ -74,41 +67,6 @@ struct Request {
   std::size_t queued = 0;                // items in ready queues
   std::size_t inflight = 0;
   std::vector<TimelineEvent> timeline;
-};
-
-/// Ready-queue order: earliest deadline, then highest priority, then oldest request, then item.
-struct ItemOrder {
-  bool operator()(const Item* a, const Item* b) const noexcept {
-    if (a->req->options.deadline_ns != b->req->options.deadline_ns)
-      return a->req->options.deadline_ns < b->req->options.deadline_ns;
-    if (a->req->options.priority != b->req->options.priority)
-      return a->req->options.priority > b->req->options.priority;
-    if (a->req->seq != b->req->seq) return a->req->seq < b->req->seq;
-    return a->id < b->id;
-  }
-};
-
-/// A ready queue kept sorted by ItemOrder in a vector: inserts land at the back in the common
-/// case (same deadline and priority, newer request), and nothing is allocated once it has grown.
-struct EngineQueue {
-  std::vector<Item*> ready;
-  std::condition_variable cv;
-  // Bumped under the mutex by every insert; read without it by a spinning wait_ready.
-  std::atomic<std::uint64_t> inserted{0};
-  void insert(Item* item) {
-    ready.insert(std::upper_bound(ready.begin(), ready.end(), item, ItemOrder{}), item);
-    inserted.fetch_add(1, std::memory_order_release);
-  }
-};
-
-/// Per-walk lookups computed once from the IR.
-struct WalkIndex {
-  std::vector<int> node_section;                  // node -> its section, -1 if not in the walk
-  std::vector<std::vector<NameId>> emit_names;    // node -> names it emits
-  std::vector<std::vector<int>> produces_streams; // node -> streams it feeds
-  std::vector<int> consumes_stream;               // node -> stream it consumes, -1 if none
-  std::vector<std::vector<int>> ends_streams;     // section -> streams its end closes
-  std::vector<std::uint8_t> persist;              // name -> kept across walks
 };
 
 }  // namespace mstar::detail

@@ -463,6 +463,7 @@ GraphSpec Model::compile() const {
     if (e == ir.engines.end()) e = ir.engines.insert(ir.engines.end(), n.options.engine);
     spec.engine = static_cast<EngineId>(e - ir.engines.begin());
     spec.max_batch = n.options.max_batch;
+    spec.on_stream_end = static_cast<bool>(n.options.on_stream_end);
     for (const auto& x : n.inputs) spec.inputs.push_back(names(x));
     for (const auto& x : output_names(n)) spec.outputs.push_back(names(x));
     ir.nodes.push_back(std::move(spec));

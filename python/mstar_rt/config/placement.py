@@ -1,0 +1,161 @@
+"""Where nodes run: NodeGroup, the placement runtime's options, and the placement config file.
+
+A group is either a worker process (``process: true``, rank >= 1, on ``device``) or a set of
+nodes kept in the serving process. Every key a group accepts either takes effect or is refused
+with the fix: an in-process group cannot move nodes to a device, build its own model or place a
+node per walk, so it refuses ``device`` (other than cpu), ``model_kwargs``, ``walks`` and
+``request_inputs: false`` rather than ignore them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar, Mapping, Optional, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from mstar_rt.config.base import (Count, Device, Flag, JSONData, Names, PositiveInt, Seconds,
+                                  Section, read_mapping, validate)
+from mstar_rt.config.errors import ConfigError, KeyProblem
+from mstar_rt.config.model_spec import ModelSpec
+
+
+class NodeGroup(Section):
+    """``nodes`` run on ``rank``. ``process``: in a worker process of their own (rank 1 and up),
+    else in the serving process. ``device``: ``cpu``, ``cuda`` or ``cuda:N`` for a worker (a
+    worker on ``cuda:N`` sees only that GPU, as ``cuda:0``). ``model_kwargs`` override the
+    ModelSpec's args in that worker. ``request_inputs``: send each request's inputs to the
+    worker so ``prepare_inputs`` can read them (turn off to spare a copy of large inputs).
+    ``walks``: the walks this placement holds for (a node may sit on other ranks in others).
+
+    ``process`` defaults to true here and in the placement config file; the serving config
+    defaults it to false (``mstar-rt serve`` runs in one process unless told)."""
+
+    noun: ClassVar[str] = "node group"
+    positional_fields: ClassVar[tuple[str, ...]] = ("nodes", "rank")
+    nodes: Names
+    rank: Count = 0
+    walks: Optional[Names] = None
+    device: Device = "cpu"
+    process: Flag = True
+    model_kwargs: JSONData = Field(default_factory=dict)
+    request_inputs: Flag = True
+
+    @field_validator("nodes")
+    @classmethod
+    def _some_nodes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("list at least one node")
+        return v
+
+    def check(self, where: str) -> None:
+        """Refuses what this group cannot do, naming ``where`` (e.g. ``node_groups[2]``)."""
+        if self.process:
+            if self.rank == 0:
+                raise ConfigError(f"{where}.rank: rank 0 is the parent process; give a worker "
+                                  "process rank 1 or higher, or set process: false")
+            if self.walks is not None:
+                raise ConfigError(f"{where}.walks: worker processes serve a node in every walk "
+                                  "(a node per walk would move KV pages between processes); "
+                                  "drop 'walks'")
+            return
+        if self.walks is not None:
+            raise ConfigError(f"{where}.walks: an in-process node runs on its one engine in "
+                              "every walk; per-walk placement is not built yet, so 'walks' is "
+                              "refused rather than ignored; drop it")
+        if self.device != "cpu":
+            raise ConfigError(f"{where}.device: an in-process group cannot move its nodes to "
+                              f"{self.device!r} (they run where the model put their weights); "
+                              "set the device in model.args if the factory takes one, or run "
+                              "the group in a worker process (process: true, rank >= 1)")
+        if self.model_kwargs:
+            raise ConfigError(f"{where}.model_kwargs: only a worker process builds a model of "
+                              "its own; drop model_kwargs or set process: true")
+        if not self.request_inputs:
+            raise ConfigError(f"{where}.request_inputs: an in-process group reads the request's "
+                              "inputs without a copy; drop request_inputs or set process: true")
+
+
+def check_groups(groups: Any) -> None:
+    """NodeGroup.check for each group, named by its index as in the config."""
+    for i, g in enumerate(groups):
+        g.check(f"node_groups[{i}]")
+
+
+class PlacementOptions(Section):
+    """Settings of the placement runtime (:class:`~mstar_rt.placement.PlacedRuntime`); unset
+    ones keep its defaults."""
+
+    shm_bytes: Optional[PositiveInt] = None
+    ready_timeout_s: Optional[Seconds] = None
+    restart: Optional[str] = None
+    max_restarts: Optional[Count] = None
+    progress: Optional[Flag] = None
+    poll_s: Optional[Seconds] = None
+
+    @field_validator("restart")
+    @classmethod
+    def _restart(cls, v: Optional[str]) -> Optional[str]:
+        if v not in (None, "manual", "auto"):
+            raise ValueError(f"must be 'manual' or 'auto', not {v!r}")
+        return v
+
+    def given(self) -> dict[str, Any]:
+        """The options the config sets, as PlacedRuntime keyword arguments."""
+        values = {k: getattr(self, k) for k in PlacementOptions.model_fields}
+        return {k: v for k, v in values.items() if v is not None}
+
+
+class ModelAndGroups(Section):
+    """What every deployment config has: the model and where its nodes run."""
+
+    model: ModelSpec
+    node_groups: tuple[NodeGroup, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_given(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("model") is None:
+            raise KeyProblem("model", "missing; give model: {class: 'package.module:factory', "
+                             "args: {...}} or model: {checkpoint: path/to/dir}")
+        return data
+
+    @field_validator("node_groups", mode="before")
+    @classmethod
+    def _a_list(cls, v: Any) -> Any:
+        if v is None:
+            return ()
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"must be a list of node groups, not {type(v).__name__}")
+        return v
+
+
+class PlacementConfig(ModelAndGroups, PlacementOptions):
+    """The placement config file: ``model``, ``node_groups`` and the PlacementOptions."""
+
+
+def for_workers(spec: ModelSpec, base_dir: str) -> ModelSpec:
+    """``spec`` as worker processes can build it: its ``path`` folders absolute and on
+    PYTHONPATH (workers are fresh interpreters), and no checkpoint."""
+    if spec.checkpoint is not None:
+        raise ConfigError("model.checkpoint: worker processes (process: true) build the model "
+                          "from model.class; a checkpoint is not supported there")
+    folders = spec.search_path(base_dir)
+    if folders:
+        old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join(folders + [p for p in old if p not in folders])
+    return spec.model_copy(update={"path": tuple(folders)})
+
+
+def read_placement(source: Union[str, os.PathLike, Mapping[str, Any]],
+                   base_dir: Optional[str] = None) -> dict[str, Any]:
+    """PlacedRuntime keyword arguments from a placement config (YAML file or mapping)."""
+    raw, base = read_mapping(source, base_dir)
+    config: PlacementConfig = validate(PlacementConfig, raw)
+    check_groups(config.node_groups)
+    model = raw.get("model")
+    if isinstance(model, Mapping) and "name" in model:
+        raise ConfigError("model.name: a placement config serves no clients; drop 'name' (it "
+                          "is the id of a served model, see docs/serving.md)")
+    return {**config.given(), "model": for_workers(config.model, base),
+            "node_groups": list(config.node_groups)}

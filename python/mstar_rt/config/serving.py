@@ -1,0 +1,208 @@
+"""The serving config (``mstar-rt serve CONFIG``): the model, where its nodes run, the KV cache,
+the limits, the server, and how speech and policy requests map onto the model."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar, Mapping, Optional, Union
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from mstar_rt.config.base import (KeyValues, Name, Names, PositiveInt, Seconds, Section,
+                                  read_mapping, validate)
+from mstar_rt.config.errors import KeyProblem
+from mstar_rt.config.placement import ModelAndGroups, PlacementOptions
+
+
+class KVCacheSpec(Section):
+    """Sizes for every KVCacheEngine of the model (unset ones keep the model's)."""
+
+    noun: ClassVar[str] = "kv_cache"
+    page_size: Optional[PositiveInt] = None
+    num_pages: Optional[PositiveInt] = None
+    max_batch: Optional[PositiveInt] = None
+    max_tokens_per_step: Optional[PositiveInt] = None
+
+    def sizes(self) -> dict[str, int]:
+        """The sizes the config sets, as KVCacheEngine keyword arguments."""
+        values = {k: getattr(self, k) for k in type(self).model_fields}
+        return {k: v for k, v in values.items() if v is not None}
+
+
+class ServerSpec(Section):
+    """Where the server listens; ``api_key`` (or ``api_key_env``, the environment variable
+    holding it, read when the config is loaded) is required of every client when set."""
+
+    noun: ClassVar[str] = "server"
+    extra_keys: ClassVar[tuple[str, ...]] = ("api_key_env",)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_from_env(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or "api_key_env" not in data:
+            return data
+        data = dict(data)
+        env = data.pop("api_key_env")
+        if data.get("api_key") is not None:
+            raise ValueError("give api_key or api_key_env, not both")
+        if not isinstance(env, str) or not os.environ.get(env):
+            raise KeyProblem("api_key_env", f"environment variable {env!r} is not set (or "
+                             "empty); export it or drop the key")
+        return {**data, "api_key": os.environ[env]}
+
+    @field_validator("host", mode="before")
+    @classmethod
+    def _host(cls, v: Any) -> Any:
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"must be a host name or address, not {v!r}")
+        return v
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _port(cls, v: Any) -> Any:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535:
+            raise ValueError(f"must be an integer in 0..65535 (0 = any free port), not {v!r}")
+        return v
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _key(cls, v: Any) -> Any:
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError("must be a non-empty string")
+        return v
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class SpeechSpec(Section):
+    """How ``/v1/audio/speech`` drives the model: the text and voice inputs, the EMIT carrying
+    float32 audio at ``model_rate`` (default: the model's ``sample_rate``), the voices accepted
+    (default: the model's ``voices``; empty = any), extra ``inputs`` every request gets, and
+    the rate of the returned PCM (OpenAI's ``pcm`` is 24 kHz; audio is resampled to it)."""
+
+    noun: ClassVar[str] = "speech"
+    text_input: Name = "text"
+    voice_input: Optional[Name] = "voice"
+    audio_output: Name = "audio"
+    voices: Optional[Names] = None
+    model_rate: Optional[PositiveInt] = None
+    output_rate: PositiveInt = 24000
+    inputs: KeyValues = Field(default_factory=dict)
+
+
+def _str_map(v: Any) -> dict[str, str]:
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ValueError(f"must be a mapping (key: value), not {type(v).__name__}")
+    for k, x in v.items():
+        if not isinstance(k, str) or not isinstance(x, str):
+            raise ValueError(f"must map strings to strings ({k!r}: {x!r})")
+    return dict(v)
+
+
+class PolicySpec(Section):
+    """How the openpi websocket drives the model: ``observation`` maps observation keys to model
+    inputs (empty: keys named like the inputs), ``images`` are observation keys that may arrive
+    as encoded bytes (JPEG/PNG), ``shapes`` / ``dtypes`` check and cast inputs by model input
+    name (``null`` in a shape = any size), ``actions`` is the EMIT returned as ``actions``,
+    ``outputs`` maps further EMITs to reply keys, ``metadata`` is sent on connect."""
+
+    noun: ClassVar[str] = "policy"
+    observation: dict[str, str] = Field(default_factory=dict)
+    images: Names = ()
+    shapes: dict[str, tuple[Optional[int], ...]] = Field(default_factory=dict)
+    dtypes: dict[str, str] = Field(default_factory=dict)
+    actions: str = "actions"
+    outputs: dict[str, str] = Field(default_factory=dict)
+    metadata: KeyValues = Field(default_factory=dict)
+
+    @field_validator("observation", "outputs", "dtypes", mode="before")
+    @classmethod
+    def _str_maps(cls, v: Any) -> dict[str, str]:
+        return _str_map(v)
+
+    @field_validator("shapes", mode="before")
+    @classmethod
+    def _shapes(cls, v: Any) -> Any:
+        out = {}
+        for k, shape in (v or {}).items():
+            if not isinstance(shape, (list, tuple)) or not all(
+                    d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
+                    for d in shape):
+                raise KeyProblem(str(k), f"must be a list of sizes (null = any), not {shape!r}")
+            out[k] = tuple(shape)
+        return out
+
+    @field_validator("dtypes")
+    @classmethod
+    def _dtypes(cls, v: dict[str, str]) -> dict[str, str]:
+        import numpy as np
+
+        for k, dtype in v.items():
+            try:
+                np.dtype(dtype)
+            except TypeError:
+                raise KeyProblem(k, f"{dtype!r} is not a numpy dtype") from None
+        return v
+
+    @field_validator("actions", mode="before")
+    @classmethod
+    def _actions(cls, v: Any) -> Any:
+        if not isinstance(v, str) or not v:
+            raise ValueError("must be the name of the model's action EMIT")
+        return v
+
+
+class ServeConfig(ModelAndGroups):
+    """The whole serving config. ``base_dir`` is where its relative paths start: the config
+    file's folder (or the directory given to :func:`load_config`)."""
+
+    kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    max_concurrent_requests: PositiveInt = 64
+    request_timeout_s: Optional[Seconds] = None
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    speech: Optional[SpeechSpec] = None
+    policy: Optional[PolicySpec] = None
+    placement: PlacementOptions = Field(default_factory=PlacementOptions)
+    _base_dir: str = PrivateAttr(".")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _groups_in_process(cls, data: Any) -> Any:
+        groups = data.get("node_groups") if isinstance(data, Mapping) else None
+        if isinstance(groups, (list, tuple)):
+            data = {**data, "node_groups": [{"process": False, **g} if isinstance(g, Mapping)
+                                            else g for g in groups]}
+        return data
+
+    @property
+    def base_dir(self) -> str:
+        return self._base_dir
+
+    @property
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        """rank -> {device, process}: the workers a placement runtime starts."""
+        return {g.rank: dict(device=g.device, process=g.process) for g in self.node_groups}
+
+    def with_server(self, **changes: Any) -> "ServeConfig":
+        """A copy whose server section has ``changes`` (None values are left out), checked."""
+        server = {**self.server.model_dump(), **{k: v for k, v in changes.items()
+                                                 if v is not None}}
+        out = self.model_copy(update={"server": validate(ServerSpec, server, "server")})
+        out._base_dir = self._base_dir
+        return out
+
+
+def load_config(source: Union[str, os.PathLike, Mapping[str, Any]],
+                base_dir: Optional[str] = None) -> ServeConfig:
+    """Reads a YAML file (or takes a parsed mapping) and checks every key."""
+    raw, base = read_mapping(source, base_dir)
+    config: ServeConfig = validate(ServeConfig, raw)
+    config._base_dir = base
+    return config

@@ -1,0 +1,257 @@
+// The activation walker: runs a walk's sections (sequential, parallel, loops) for a request and
+// turns the nodes it reaches into work items.
+#include "scheduler/conductor_impl.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace mstar {
+
+using detail::Activation;
+using detail::Item;
+using detail::Request;
+using detail::Slot;
+using detail::StreamState;
+using detail::now_ns;
+
+Item* Conductor::Impl::new_item() {
+  std::uint32_t slot;
+  if (free_slots.empty()) {
+    slot = static_cast<std::uint32_t>(slots.size());
+    slots.push_back(std::make_unique<Item>());
+  } else {
+    slot = free_slots.back();
+    free_slots.pop_back();
+  }
+  Item* item = slots[slot].get();
+  item->id = (static_cast<std::uint64_t>(generation++) << 32) | slot;
+  if (generation == 0) generation = 1;
+  item->in_use = true;
+  item->handles.clear();
+  item->offsets.clear();
+  item->list_input.clear();
+  item->windowed = item->stream_end = false;
+  item->chunk = Chunk{};
+  item->act = nullptr;
+  item->stream = -1;
+  item->batch_size = 0;
+  return item;
+}
+
+Item* Conductor::Impl::find_item(std::uint64_t id) {
+  const std::uint64_t slot = id & 0xffffffffu;
+  if (slot >= slots.size()) return nullptr;
+  Item* item = slots[slot].get();
+  return item->in_use && item->id == id ? item : nullptr;
+}
+
+void Conductor::Impl::free_item(Item* item) {
+  item->in_use = false;
+  free_slots.push_back(static_cast<std::uint32_t>(item->id & 0xffffffffu));
+}
+
+void Conductor::Impl::clear_slot(Slot& s, Outcome* out) {
+  if (!s.present) return;
+  if (s.list) {
+    for (Handle h : s.many) release(h, out);
+    s.many.clear();
+  } else {
+    release(s.single, out);
+  }
+  s.present = s.list = false;
+  s.single = 0;
+}
+
+void Conductor::Impl::set_single(Request& r, NameId name, Handle h, Outcome* out) {
+  retain(h);  // before clearing: the new value may equal the old one
+  clear_slot(r.env[name], out);
+  Slot& s = r.env[name];
+  s.present = true;
+  s.single = h;
+}
+
+Activation* Conductor::Impl::new_act(Request& r, std::uint32_t section, Activation* parent) {
+  Activation* a;
+  if (free_acts.empty()) {
+    a = new Activation();
+  } else {
+    a = free_acts.back();
+    free_acts.pop_back();
+  }
+  a->section = section;
+  a->parent = parent;
+  a->index = 0;
+  a->acc.clear();
+  a->live_pos = static_cast<std::uint32_t>(r.live.size());
+  r.live.push_back(a);
+  return a;
+}
+
+void Conductor::Impl::drop_act(Request& r, Activation* a, Outcome* out) {
+  for (auto& list : a->acc)
+    for (Handle h : list) release(h, out);
+  a->acc.clear();
+  Activation* last = r.live.back();
+  r.live[a->live_pos] = last;
+  last->live_pos = a->live_pos;
+  r.live.pop_back();
+  free_acts.push_back(a);
+}
+
+void Conductor::Impl::start(Request& r, Activation* a, Outcome* out) {
+  const SectionSpec& s = sec(r, a->section);
+  restart_streams(r, a->section, out);
+  switch (s.kind) {
+    case SectionKind::node: {
+      const int st = index[r.walk].consumes_stream[s.node];
+      if (st >= 0) {  // a stream consumer: its windows run as they come; it ends with the stream
+        r.streams[static_cast<std::size_t>(st)].consumer = a;
+        pump(r, static_cast<std::size_t>(st), out);
+      } else {
+        dispatch(r, s.node, a, -1, nullptr, out);
+      }
+      return;
+    }
+    case SectionKind::sequential:
+      if (s.children.empty()) return done(r, a, out);
+      return start(r, new_act(r, s.children[0], a), out);
+    case SectionKind::parallel:
+      if (s.children.empty()) return done(r, a, out);
+      a->index = static_cast<std::uint32_t>(s.children.size());
+      for (std::uint32_t c : std::vector<std::uint32_t>(s.children)) {
+        if (r.state != Request::State::running) return;  // a branch failed the request
+        start(r, new_act(r, c, a), out);
+      }
+      return;
+    case SectionKind::loop:
+      if (s.dynamic) r.stop[s.loop_name] = 0;
+      a->acc.assign(s.accumulated.size(), {});
+      begin_iteration(r, a, s);
+      return start(r, new_act(r, s.children[0], a), out);
+  }
+}
+
+/// Notes each accumulated name's value as an iteration starts: only a value the iteration
+/// itself produced (a different handle) is accumulated at its end.
+void Conductor::Impl::begin_iteration(Request& r, Activation* loop, const SectionSpec& s) {
+  loop->acc_before.resize(s.accumulated.size());
+  for (std::size_t k = 0; k < s.accumulated.size(); ++k) {
+    const Slot& v = r.env[s.accumulated[k]];
+    loop->acc_before[k] = v.present && !v.list ? v.single : 0;
+  }
+}
+
+void Conductor::Impl::done(Request& r, Activation* a, Outcome* out) {
+  for (int st : index[r.walk].ends_streams[a->section]) {
+    StreamState& ss = r.streams[static_cast<std::size_t>(st)];
+    ss.ended = true;
+    pump(r, static_cast<std::size_t>(st), out);
+    if (r.state != Request::State::running) return;
+  }
+  Activation* parent = a->parent;
+  if (parent == nullptr) {
+    drop_act(r, a, out);
+    return walk_done(r, out);
+  }
+  drop_act(r, a, out);
+  const SectionSpec& p = sec(r, parent->section);
+  switch (p.kind) {
+    case SectionKind::sequential:
+      if (++parent->index < p.children.size())
+        return start(r, new_act(r, p.children[parent->index], parent), out);
+      return done(r, parent, out);
+    case SectionKind::parallel:
+      if (--parent->index == 0) return done(r, parent, out);
+      return;
+    case SectionKind::loop: {
+      for (std::size_t k = 0; k < p.accumulated.size(); ++k) {
+        const Slot& v = r.env[p.accumulated[k]];
+        if (v.present && !v.list && v.single != parent->acc_before[k]) {
+          retain(v.single);
+          parent->acc[k].push_back(v.single);
+        }
+      }
+      ++parent->index;
+      const bool stopped = p.dynamic && r.stop[p.loop_name];
+      if (!stopped && parent->index < p.max_iters) {
+        begin_iteration(r, parent, p);
+        return start(r, new_act(r, p.children[0], parent), out);
+      }
+      end_loop(r, parent, p, out);
+      return done(r, parent, out);
+    }
+    case SectionKind::node:
+      return;  // nodes have no children
+  }
+}
+
+void Conductor::Impl::end_loop(Request& r, Activation* loop, const SectionSpec& p, Outcome* out) {
+  for (NameId n : p.scoped) clear_slot(r.env[n], out);
+  for (std::size_t k = 0; k < p.accumulated.size(); ++k) {
+    Slot& s = r.env[p.accumulated[k]];
+    clear_slot(s, out);
+    s.present = s.list = true;
+    s.many = std::move(loop->acc[k]);  // the loop's references move into the slot
+    loop->acc[k].clear();
+  }
+}
+
+std::uint32_t Conductor::Impl::innermost_iteration(const Request& r, const Activation* a) const {
+  for (const Activation* p = a ? a->parent : nullptr; p != nullptr; p = p->parent)
+    if (sec(r, p->section).kind == SectionKind::loop) return p->index;
+  return 0;
+}
+
+void Conductor::Impl::dispatch(Request& r, NodeId node, Activation* act, int stream, const Chunk* chunk,
+              Outcome* out) {
+  const NodeSpec& n = g.nodes[node];
+  Item* item = new_item();
+  item->request = r.id;
+  item->node = node;
+  item->walk = r.walk;
+  item->req = &r;
+  item->act = act;
+  item->stream = stream;
+  item->iteration = innermost_iteration(
+      r, act != nullptr ? act : r.streams[static_cast<std::size_t>(stream)].consumer);
+  item->offsets.reserve(n.inputs.size() + 1);
+  item->offsets.push_back(0);
+  const StreamState* ss = stream >= 0 ? &r.streams[static_cast<std::size_t>(stream)] : nullptr;
+  for (NameId in : n.inputs) {
+    if (ss != nullptr && in == ss->spec->name) {
+      for (std::uint64_t p = chunk->begin; p < chunk->end; ++p)
+        item->handles.push_back(ss->items[static_cast<std::size_t>(p - ss->base)]);
+      item->list_input.push_back(1);
+    } else {
+      const Slot& s = r.env[in];
+      if (!s.present) {
+        free_item(item);
+        return fail_request(r,
+                            "node '" + n.name + "' in walk '" + walk_of(r).name + "' reads '" +
+                                g.names[in] + "', which has no value at this point",
+                            out);
+      }
+      if (s.list) {
+        item->handles.insert(item->handles.end(), s.many.begin(), s.many.end());
+      } else {
+        item->handles.push_back(s.single);
+      }
+      item->list_input.push_back(s.list ? 1 : 0);
+    }
+    item->offsets.push_back(static_cast<std::uint32_t>(item->handles.size()));
+  }
+  if (chunk != nullptr) {
+    item->stream_end = chunk->begin == chunk->end;  // a window always holds a new item
+    item->windowed = !item->stream_end;
+    item->chunk = *chunk;
+  }
+  for (Handle h : item->handles) retain(h);
+  item->queued_ns = now_ns();
+  ++r.queued;
+  auto& q = engines[n.engine];
+  q.insert(item);
+  q.cv.notify_one();
+}
+
+}  // namespace mstar

@@ -1,0 +1,242 @@
+// Conductor: the public API (conductor.hpp); each call takes the mutex and delegates to Impl.
+#include "mstar/conductor.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "core/cpu_relax.hpp"
+#include "scheduler/conductor_impl.hpp"
+
+namespace mstar {
+
+using detail::Item;
+using detail::Request;
+using detail::now_ns;
+
+Conductor::Impl::Impl(GraphSpec graph) : g(std::move(graph)), engines(g.engines.size()) {
+  validate_and_index();
+}
+
+Conductor::Impl::~Impl() {
+  for (Activation* a : free_acts) delete a;
+  for (auto& [id, r] : requests)
+    for (Activation* a : r->live) delete a;
+}
+
+// ---- public API ---------------------------------------------------------------------------------
+
+Conductor::Conductor(GraphSpec graph) : impl_(std::make_unique<Impl>(std::move(graph))) {}
+Conductor::~Conductor() = default;
+
+const GraphSpec& Conductor::graph() const noexcept { return impl_->g; }
+
+RequestId Conductor::submit(WalkId walk, const std::vector<NamedHandle>& inputs,
+                            SubmitOptions options, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  if (walk >= m.g.walks.size()) throw std::invalid_argument("submit: unknown walk id " + std::to_string(walk));
+  std::unique_ptr<Request> r = m.new_request();
+  r->id = m.next_request++;
+  r->seq = r->id;
+  r->options = options;
+  r->env.resize(m.g.names.size());
+  r->is_input.assign(m.g.names.size(), 0);
+  r->stop.assign(m.g.names.size(), 0);
+  for (const NamedHandle& in : inputs) {  // check everything before taking any reference
+    if (in.name >= m.g.names.size()) throw std::invalid_argument("submit: unknown input name id");
+    if (in.handle == kReservedHandle) throw std::invalid_argument("submit: handle ~0 is reserved");
+  }
+  for (const NamedHandle& in : inputs) {
+    m.set_single(*r, in.name, in.handle, out);
+    r->is_input[in.name] = 1;
+  }
+  const RequestId id = r->id;
+  Request& ref = *r;
+  m.requests.emplace(id, std::move(r));
+  m.begin_walk(ref, walk, out);
+  m.reap(id);
+  return id;
+}
+
+bool Conductor::start_walk(RequestId id, WalkId walk, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Request* r = impl_->find(id);
+  if (r == nullptr || r->state == Request::State::over) return false;  // cancelled meanwhile
+  if (r->state != Request::State::between_walks)
+    throw std::logic_error("start_walk: request " + std::to_string(id) + " is still in a walk");
+  impl_->begin_walk(*r, walk, out);
+  impl_->reap(id);
+  return true;
+}
+
+bool Conductor::finish(RequestId id, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Request* r = impl_->find(id);
+  if (r == nullptr || r->state == Request::State::over) return false;
+  impl_->end_request(*r, out);
+  impl_->reap(id);
+  return true;
+}
+
+// Ending a request between walks and ending it mid-walk free the same things (end_request
+// drops queued work and in-flight items are ignored when they come back).
+bool Conductor::cancel(RequestId id, Outcome* out) { return finish(id, out); }
+
+void Conductor::fail(RequestId id, const std::string& message, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Request* r = impl_->find(id);
+  if (r == nullptr) return;
+  impl_->fail_request(*r, message, out);
+  impl_->reap(id);
+}
+
+std::vector<const WorkItem*> Conductor::next_batch(EngineId engine, std::size_t max_batch,
+                                                   std::chrono::nanoseconds timeout) {
+  std::vector<const WorkItem*> batch;
+  next_batch(engine, max_batch, timeout, &batch);
+  return batch;
+}
+
+void Conductor::next_batch(EngineId engine, std::size_t max_batch, std::chrono::nanoseconds timeout,
+                           std::vector<const WorkItem*>* out) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  if (engine >= m.engines.size()) throw std::invalid_argument("next_batch: unknown engine id");
+  auto& q = m.engines[engine];
+  std::vector<const WorkItem*>& batch = *out;
+  batch.clear();
+  // wait_for(max) would overflow the clock arithmetic; an hour is "forever" for a worker loop.
+  timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
+  if (!q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); })) return;
+  if (m.stopping || q.ready.empty()) return;
+  Item* first = q.ready.front();
+  const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
+                                                  m.g.nodes[first->node].max_batch);
+  const std::int64_t t = now_ns();
+  std::size_t kept = 0;  // compact the queue in place while taking the batch out of it
+  for (std::size_t i = 0; i < q.ready.size(); ++i) {
+    Item* item = q.ready[i];
+    if (batch.size() < limit && item->node == first->node && item->walk == first->walk) {
+      --item->req->queued;
+      ++item->req->inflight;
+      ++m.inflight;
+      item->started_ns = t;
+      batch.push_back(item);
+    } else {
+      q.ready[kept++] = item;
+    }
+  }
+  q.ready.resize(kept);
+  for (const WorkItem* w : batch)
+    static_cast<Item*>(const_cast<WorkItem*>(w))->batch_size = static_cast<std::uint32_t>(batch.size());
+}
+
+bool Conductor::wait_ready(EngineId engine, std::chrono::nanoseconds timeout) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  if (engine >= m.engines.size()) throw std::invalid_argument("wait_ready: unknown engine id");
+  auto& q = m.engines[engine];
+  timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
+  if (!m.stopping && q.ready.empty() && timeout > std::chrono::nanoseconds(0)) {
+    // Spin a little before sleeping: a drained queue usually refills within microseconds (the
+    // next request of a burst), and a futex sleep plus wake-up costs tens of µs on a VM, paid by
+    // the submitter too. Bounded by spin_ and the timeout; shutdown ends the wait below.
+    const std::uint64_t seen = q.inserted.load(std::memory_order_acquire);
+    const auto spin = std::min(timeout, m.spin);
+    lock.unlock();
+    const auto until = std::chrono::steady_clock::now() + spin;
+    for (unsigned i = 1; q.inserted.load(std::memory_order_acquire) == seen; ++i) {
+      detail::cpu_relax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) break;
+    }
+    lock.lock();
+    timeout -= spin;
+  }
+  q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); });
+  return !m.stopping && !q.ready.empty();
+}
+
+void Conductor::set_spin(std::chrono::nanoseconds spin) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->spin = std::max(spin, std::chrono::nanoseconds(0));
+}
+
+void Conductor::complete(const std::vector<Completion>& done, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const std::int64_t t = now_ns();
+  for (const Completion& c : done) impl_->complete_one(c, t, out);
+}
+
+void Conductor::fail_items(const std::vector<std::uint64_t>& ids, const std::string& message,
+                           Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  for (std::uint64_t id : ids) {
+    Item* item = m.find_item(id);
+    if (item == nullptr || item->batch_size == 0) continue;  // unknown or not in flight
+    Request& r = *item->req;
+    --r.inflight;
+    --m.inflight;
+    for (Handle h : item->handles) m.release(h, out);
+    const std::string where = "node '" + m.g.nodes[item->node].name + "' in walk '" +
+                              m.g.walks[item->walk].name + "' failed: ";
+    m.free_item(item);
+    m.fail_request(r, where + message, out);
+    m.reap(r.id);
+  }
+}
+
+void Conductor::shutdown() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->stopping = true;
+  for (auto& q : impl_->engines) q.cv.notify_all();
+}
+
+std::vector<NamedHandle> Conductor::values(RequestId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<NamedHandle> out;
+  auto it = impl_->requests.find(id);
+  if (it == impl_->requests.end()) return out;
+  const auto& env = it->second->env;
+  for (NameId n = 0; n < env.size(); ++n)
+    if (env[n].present && !env[n].list) out.push_back({n, env[n].single});
+  return out;
+}
+
+std::vector<TimelineEvent> Conductor::timeline(RequestId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->requests.find(id);
+  if (it != impl_->requests.end() && it->second->state != Request::State::over) return it->second->timeline;
+  auto f = impl_->finished_timelines.find(id);
+  return f == impl_->finished_timelines.end() ? std::vector<TimelineEvent>{} : f->second;
+}
+
+void Conductor::forget(RequestId id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->finished_timelines.find(id);
+  if (it == impl_->finished_timelines.end()) return;
+  impl_->recycle_timeline(std::move(it->second));
+  impl_->finished_timelines.erase(it);
+}
+
+std::size_t Conductor::live_requests() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->requests.size();
+}
+std::size_t Conductor::live_handles() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->refs.size();
+}
+std::size_t Conductor::queued_items() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::size_t n = 0;
+  for (const auto& q : impl_->engines) n += q.ready.size();
+  return n;
+}
+std::size_t Conductor::inflight_items() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->inflight;
+}
+
+}  // namespace mstar

@@ -1,0 +1,91 @@
+// Checks the graph IR the Conductor is given and builds its per-walk lookups.
+#include "scheduler/conductor_impl.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace mstar {
+
+using detail::Activation;
+using detail::Item;
+using detail::Request;
+using detail::Slot;
+using detail::StreamState;
+using detail::now_ns;
+
+void Conductor::Impl::validate_and_index() {
+  auto bad = [](const std::string& what) { throw std::invalid_argument("graph IR: " + what); };
+  const std::size_t n_names = g.names.size();
+  persisted_anywhere.assign(n_names, 0);
+  if (g.engines.empty()) bad("no engines");
+  for (const NodeSpec& n : g.nodes) {
+    if (n.engine >= g.engines.size()) bad("node '" + n.name + "' uses an unknown engine");
+    if (n.max_batch == 0) bad("node '" + n.name + "' has max_batch 0");
+    for (NameId x : n.inputs)
+      if (x >= n_names) bad("node '" + n.name + "' reads an unknown name id");
+    for (NameId x : n.outputs)
+      if (x >= n_names) bad("node '" + n.name + "' writes an unknown name id");
+  }
+  for (const WalkSpec& w : g.walks) {
+    detail::WalkIndex ix;
+    ix.node_section.assign(g.nodes.size(), -1);
+    ix.emit_names.resize(g.nodes.size());
+    ix.produces_streams.resize(g.nodes.size());
+    ix.consumes_stream.assign(g.nodes.size(), -1);
+    ix.ends_streams.resize(w.sections.size());
+    ix.persist.assign(n_names, 0);
+    if (w.root >= w.sections.size()) bad("walk '" + w.name + "' has no root section");
+    std::vector<std::uint8_t> has_parent(w.sections.size(), 0);
+    for (std::uint32_t s = 0; s < w.sections.size(); ++s) {
+      const SectionSpec& sec = w.sections[s];
+      for (std::uint32_t c : sec.children) {
+        // A tree: the root has no parent and every other section at most one, so a cycle
+        // could only be one the root never reaches (and it is never run).
+        if (c >= w.sections.size() || c == w.root || has_parent[c])
+          bad("walk '" + w.name + "' sections do not form a tree");
+        has_parent[c] = 1;
+      }
+      if (sec.kind == SectionKind::loop) {
+        if (sec.dynamic && sec.loop_name >= n_names) bad("walk '" + w.name + "' has a loop with an unknown name id");
+        for (const auto* ids : {&sec.outputs, &sec.accumulated, &sec.scoped})
+          for (NameId x : *ids)
+            if (x >= n_names) bad("walk '" + w.name + "' has a loop listing an unknown name id");
+      }
+      if (sec.kind == SectionKind::node) {
+        if (sec.node >= g.nodes.size()) bad("walk '" + w.name + "' runs an unknown node");
+        if (ix.node_section[sec.node] != -1)
+          bad("node '" + g.nodes[sec.node].name + "' appears twice in walk '" + w.name + "'");
+        ix.node_section[sec.node] = static_cast<int>(s);
+      }
+      if (sec.kind == SectionKind::loop && (sec.children.size() != 1 || sec.max_iters == 0))
+        bad("walk '" + w.name + "' has a loop without exactly one body or with max_iters 0");
+    }
+    for (auto [node, name] : w.emits) {
+      if (node >= g.nodes.size() || name >= n_names) bad("walk '" + w.name + "' emits nonsense");
+      ix.emit_names[node].push_back(name);
+    }
+    for (NameId p : w.persist) {
+      if (p >= n_names) bad("walk '" + w.name + "' persists an unknown name");
+      ix.persist[p] = 1;
+      persisted_anywhere.resize(n_names, 0);
+      persisted_anywhere[p] = 1;
+    }
+    for (std::size_t k = 0; k < w.streams.size(); ++k) {
+      const StreamSpec& st = w.streams[k];
+      if (st.producer >= g.nodes.size() || st.consumer >= g.nodes.size() ||
+          st.producer_scope >= w.sections.size() || st.name >= n_names ||
+          ix.node_section[st.producer] < 0 || ix.node_section[st.consumer] < 0)
+        bad("walk '" + w.name + "' has a malformed streaming edge (unknown ids, or a producer or "
+            "consumer the walk does not run)");
+      if (ix.consumes_stream[st.consumer] != -1)
+        bad("node '" + g.nodes[st.consumer].name + "' consumes two streams in one walk");
+      ix.produces_streams[st.producer].push_back(static_cast<int>(k));
+      ix.consumes_stream[st.consumer] = static_cast<int>(k);
+      ix.ends_streams[st.producer_scope].push_back(static_cast<int>(k));
+    }
+    index.push_back(std::move(ix));
+  }
+}
+
+}  // namespace mstar

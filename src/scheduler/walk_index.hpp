@@ -1,0 +1,21 @@
+// Per-walk lookups the Conductor computes once from the graph IR (walk_index.cpp checks the IR).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mstar/graph.hpp"
+
+namespace mstar::detail {
+
+/// Per-walk lookups computed once from the IR.
+struct WalkIndex {
+  std::vector<int> node_section;                  // node -> its section, -1 if not in the walk
+  std::vector<std::vector<NameId>> emit_names;    // node -> names it emits
+  std::vector<std::vector<int>> produces_streams; // node -> streams it feeds
+  std::vector<int> consumes_stream;               // node -> stream it consumes, -1 if none
+  std::vector<std::vector<int>> ends_streams;     // section -> streams its end closes
+  std::vector<std::uint8_t> persist;              // name -> kept across walks
+};
+
+}  // namespace mstar::detail
