@@ -145,6 +145,10 @@ def test_every_module_imports_on_its_own():
     assert failed == [], "\n".join(failed)
 
 
+# Known offenders still to be split (issue 15), with the length they may not exceed meanwhile.
+STILL_LONG = {"python/mstar_rt/placement/link.py": 576}
+
+
 @pytest.mark.parametrize("root, suffixes, limit", [
     ("python/mstar_rt", (".py",), MAX_PY),
     ("src", (".cpp", ".hpp"), MAX_CPP),
@@ -152,6 +156,13 @@ def test_every_module_imports_on_its_own():
     ("cpp/include", (".hpp",), MAX_CPP),
 ])
 def test_no_file_is_too_long(root, suffixes, limit):
-    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / root).rglob("*"))
-            if p.suffix in suffixes and (n := len(p.read_text().splitlines())) > limit]
+    long = []
+    for p in sorted((ROOT / root).rglob("*")):
+        if p.suffix not in suffixes:
+            continue
+        name, n = str(p.relative_to(ROOT)), len(p.read_text().splitlines())
+        allowed = STILL_LONG.get(name, limit)
+        if n > allowed or (name in STILL_LONG and n <= limit):
+            long.append(f"{name}: {n} lines" + (" (now short: drop it from STILL_LONG)"
+                                                 if n <= limit else ""))
     assert long == [], f"files over {limit} lines (split them by concept):\n" + "\n".join(long)

@@ -2,11 +2,9 @@
 every work item it holds, and fail exactly those requests when it dies.
 
 Accounting: each work item the parent's Conductor hands to a :class:`RemoteEngine` is reported
-back exactly once -- completed or failed by the worker's reply, failed here when the worker dies
-or when its request ends first. ``_inflight`` (item -> request, node) is the single record; a
-report happens only for the item that is popped from it. ``_known`` is what the worker holds
-state for (request -> last node), so a death fails those requests too and an ended request
-tells the worker to free its pages.
+back exactly once, through the link's :class:`~mstar_rt.placement.ledger.ItemLedger`; a death
+fails the items and the requests the worker held state for, and an ended request tells the
+worker to free its pages.
 
 Threads: engine threads call :meth:`send_batch`; the hub's receiver thread calls
 :meth:`on_message` and :meth:`release` (through the Runtime) and must never wait for the
@@ -31,6 +29,7 @@ import zmq
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder, scalar_items
 from mstar_rt.placement.config import ModelSpec, RankPlan
+from mstar_rt.placement.ledger import ItemLedger
 from mstar_rt.placement.process import WorkerProcess, WorkerStartError, describe_exit, say
 from mstar_rt.placement.protocol import (
     PARENT_ID,
@@ -75,9 +74,7 @@ class WorkerLink:
         self._tx = threading.Lock()   # the DEALER socket and the outgoing arena
         self._rx = threading.Lock()   # the incoming arena
         self._pending: collections.deque = collections.deque()
-        self._inflight: dict[int, tuple[int, str]] = {}
-        self._by_rid: dict[int, set[int]] = {}
-        self._known: dict[int, str] = {}
+        self._ledger = ItemLedger()  # under _lock
         self._dealer: Optional[zmq.Socket] = None
         self._res_gen = self._rx_gen = self._dead_gen = -1
         self._p2w: Optional[ShmArena] = None
@@ -271,8 +268,7 @@ class WorkerLink:
             self.state = "starting" if restart else "down"
             self.last_exit = f"pid {proc.pid} {how}"
             self._dead_gen = gen
-            inflight, self._inflight, self._by_rid = self._inflight, {}, {}
-            known, self._known = self._known, {}
+            inflight, known = self._ledger.clear()
             self._cond.notify_all()
         rt, conductor = self.rt, self.rt.conductor
         fix = ("it is being restarted" if restart
@@ -330,11 +326,8 @@ class WorkerLink:
                         ended.append(item[0])
                         continue
                     live.append(item)
-                    self._inflight[item[0]] = (rid, node_name)
-                    self._by_rid.setdefault(rid, set()).add(item[0])
-                    if rid not in self._known:
+                    if self._ledger.record(item[0], rid, node_name):
                         opens.append(rid)
-                    self._known[rid] = node_name
         if rejected is not None:
             rt.report(rt.conductor.fail_items([it[0] for it in items], rejected))
             return
@@ -427,12 +420,9 @@ class WorkerLink:
         """The request ended in the parent: its items still out are reported as failed (their
         results, if any come, are ignored) and the worker frees what it holds for it."""
         with self._lock:
-            if rid not in self._known:
+            held, ids = self._ledger.forget(rid)
+            if not held:
                 return
-            del self._known[rid]
-            ids = self._by_rid.pop(rid, set())
-            for i in ids:
-                self._inflight.pop(i, None)
             gen = self.gen
         if ids:
             self.rt.report(self.rt.conductor.fail_items(sorted(ids), "the request ended"))
@@ -555,19 +545,8 @@ class WorkerLink:
         rt.report(outcome)
 
     def _take(self, ids: list[int]) -> set[int]:
-        taken = set()
         with self._lock:
-            for i in ids:
-                entry = self._inflight.pop(i, None)
-                if entry is None:
-                    continue
-                taken.add(i)
-                items = self._by_rid.get(entry[0])
-                if items is not None:
-                    items.discard(i)
-                    if not items:
-                        del self._by_rid[entry[0]]
-        return taken
+            return self._ledger.take(ids)
 
     def _report_failed(self, ids: list[int], message: str) -> None:
         taken = self._take(ids)
@@ -579,12 +558,12 @@ class WorkerLink:
     @property
     def inflight_items(self) -> int:
         with self._lock:
-            return len(self._inflight)
+            return len(self._ledger.inflight)
 
     @property
     def known_requests(self) -> int:
         with self._lock:
-            return len(self._known)
+            return len(self._ledger.known)
 
     def info(self) -> dict:
         proc = self.proc

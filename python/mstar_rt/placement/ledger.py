@@ -1,0 +1,60 @@
+"""What a worker process holds, as its parent accounts for it: every work item handed to it
+(item -> request, node) until it is reported back, and every request whose state it holds
+(request -> the last node that ran there).
+
+Each item is reported back exactly once -- completed or failed by the worker's reply, failed by
+the parent when the worker dies or the request ends first -- because a report happens only for
+an item that :meth:`ItemLedger.take` (or :meth:`forget` / :meth:`clear`) removed. The ledger
+takes no lock itself: its link calls it under the link's lock, so that recording an item and
+seeing the worker alive (or declaring it dead and clearing the ledger) happen together."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class ItemLedger:
+    def __init__(self) -> None:
+        self.inflight: dict[int, tuple[int, str]] = {}  # item -> (request, node)
+        self.by_request: dict[int, set[int]] = {}        # request -> its items in flight
+        self.known: dict[int, str] = {}                  # request -> last node
+
+    def record(self, item: int, rid: int, node: str) -> bool:
+        """Notes an item sent to the worker; True if the worker did not know its request yet
+        (the batch must then carry the request's inputs and state)."""
+        self.inflight[item] = (rid, node)
+        self.by_request.setdefault(rid, set()).add(item)
+        new = rid not in self.known
+        self.known[rid] = node
+        return new
+
+    def take(self, items: Iterable[int]) -> set[int]:
+        """Removes and returns those of `items` still in flight (each is then reported once)."""
+        taken = set()
+        for i in items:
+            entry = self.inflight.pop(i, None)
+            if entry is None:
+                continue
+            taken.add(i)
+            pending = self.by_request.get(entry[0])
+            if pending is not None:
+                pending.discard(i)
+                if not pending:
+                    del self.by_request[entry[0]]
+        return taken
+
+    def forget(self, rid: int) -> tuple[bool, set[int]]:
+        """The request ended: (whether the worker held state for it, its items in flight)."""
+        if rid not in self.known:
+            return False, set()
+        del self.known[rid]
+        items = self.by_request.pop(rid, set())
+        for i in items:
+            self.inflight.pop(i, None)
+        return True, items
+
+    def clear(self) -> tuple[dict[int, tuple[int, str]], dict[int, str]]:
+        """The worker died: everything it held, (inflight, known); the ledger starts empty."""
+        inflight, known = self.inflight, self.known
+        self.inflight, self.by_request, self.known = {}, {}, {}
+        return inflight, known
