@@ -37,7 +37,7 @@ mstar::NameId name_id(const mstar::GraphSpec& ir, const std::string& name) {
 
 Walk build(const std::string& walk) {
   mstar::Model m;
-  const mstar::NodeOptions batched{"default", 64, {}};
+  const mstar::NodeOptions batched{"default", 64};
   const auto noop = [](mstar::NodeCall&) {};
   if (walk == "chain10") {
     m.input("x0");

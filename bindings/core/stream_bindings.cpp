@@ -154,7 +154,7 @@ Fixed, SlidingWindow, LeftContext or Ramp.)doc")
       .def_static("ramp", &ChunkPolicy::ramp, py::arg("first"), py::arg("steady"),
                   py::arg("context") = 0)
       .def_property_readonly("context", &ChunkPolicy::context)
-      .def_property_readonly("max_window", &ChunkPolicy::max_window)
+      .def_property_readonly("max_chunk", &ChunkPolicy::max_chunk)
       .def("new_size", &ChunkPolicy::new_size, py::arg("index"))
       .def("__repr__", &ChunkPolicy::describe);
 

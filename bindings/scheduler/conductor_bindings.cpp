@@ -7,6 +7,7 @@
 
 #include "mstar/conductor.hpp"
 #include "core/waiting.hpp"
+#include "scheduler/records.hpp"
 #include "scheduler/work_context.hpp"
 
 namespace mstar::py_bind {
@@ -14,67 +15,6 @@ namespace mstar::py_bind {
 namespace {
 
 using ConductorPtr = std::shared_ptr<Conductor>;
-
-SectionKind parse_kind(const std::string& k) {
-  if (k == "node") return SectionKind::node;
-  if (k == "sequential") return SectionKind::sequential;
-  if (k == "parallel") return SectionKind::parallel;
-  if (k == "loop") return SectionKind::loop;
-  throw py::value_error("unknown section kind '" + k + "'");
-}
-
-/// Builds the IR from the plain lists python/mstar_rt/compiler.py produces.
-GraphSpec build_spec(std::vector<std::string> names, std::vector<std::string> engines,
-                     const py::list& nodes, const py::list& walks) {
-  GraphSpec g;
-  g.names = std::move(names);
-  g.engines = std::move(engines);
-  for (py::handle n : nodes) {
-    auto t = n.cast<py::tuple>();
-    NodeSpec spec;
-    spec.name = t[0].cast<std::string>();
-    spec.engine = t[1].cast<EngineId>();
-    spec.max_batch = t[2].cast<std::uint32_t>();
-    spec.inputs = t[3].cast<std::vector<NameId>>();
-    spec.outputs = t[4].cast<std::vector<NameId>>();
-    spec.on_stream_end = t.size() > 5 && t[5].cast<bool>();
-    g.nodes.push_back(std::move(spec));
-  }
-  for (py::handle w : walks) {
-    auto d = w.cast<py::dict>();
-    WalkSpec walk;
-    walk.name = d["name"].cast<std::string>();
-    walk.root = d["root"].cast<std::uint32_t>();
-    for (py::handle s : d["sections"].cast<py::list>()) {
-      auto sd = s.cast<py::dict>();
-      SectionSpec sec;
-      sec.kind = parse_kind(sd["kind"].cast<std::string>());
-      sec.node = sd["node"].cast<NodeId>();
-      sec.children = sd["children"].cast<std::vector<std::uint32_t>>();
-      sec.max_iters = sd["max_iters"].cast<std::uint32_t>();
-      sec.dynamic = sd["dynamic"].cast<bool>();
-      sec.loop_name = sd["loop_name"].cast<NameId>();
-      sec.outputs = sd["outputs"].cast<std::vector<NameId>>();
-      sec.accumulated = sd["accumulated"].cast<std::vector<NameId>>();
-      sec.scoped = sd["scoped"].cast<std::vector<NameId>>();
-      walk.sections.push_back(std::move(sec));
-    }
-    walk.emits = d["emits"].cast<std::vector<std::pair<NodeId, NameId>>>();
-    walk.persist = d["persist"].cast<std::vector<NameId>>();
-    for (py::handle s : d["streams"].cast<py::list>()) {
-      auto t = s.cast<py::tuple>();
-      StreamSpec st;
-      st.producer = t[0].cast<NodeId>();
-      st.name = t[1].cast<NameId>();
-      st.consumer = t[2].cast<NodeId>();
-      st.policy = t[3].cast<ChunkPolicy>();
-      st.producer_scope = t[4].cast<std::uint32_t>();
-      walk.streams.push_back(std::move(st));
-    }
-    g.walks.push_back(std::move(walk));
-  }
-  return g;
-}
 
 /// The Python face of a Conductor: the C++ Conductor routes handles; this wrapper holds the
 /// values behind them (the tensor store) and converts at the boundary, so a batch crosses into
@@ -115,7 +55,7 @@ class PyConductor {
     --stored_;
   }
 
-  /// (emits [(request, name, value)], walks_done [request], failed [(request, message)])
+  /// Outcome(emits [(request, name, value)], walks_done [request], failed [(request, message)])
   py::tuple outcome(const Outcome& o) {
     if (o.emits.empty() && o.walks_done.empty() && o.failed.empty()) {
       for (Handle h : o.released) drop(h);
@@ -126,7 +66,7 @@ class PyConductor {
     for (RequestId r : o.walks_done) done.append(r);
     for (const auto& [r, msg] : o.failed) failed.append(py::make_tuple(r, msg));
     for (Handle h : o.released) drop(h);  // after the emits took their values
-    return py::make_tuple(emits, done, failed);
+    return py::reinterpret_borrow<py::tuple>(new_outcome(emits, done, failed));
   }
 
   py::tuple submit(WalkId walk, const py::dict& inputs, std::int64_t deadline_ns, std::int32_t priority) {
@@ -166,7 +106,7 @@ class PyConductor {
   }
 
   /// One turn of a stateless worker: (batch, outcome, finished). Waits for a batch; if its node
-  /// is bound (bind_nodes) and no item carries a stream window, prepares, runs and completes it
+  /// is bound (bind_nodes) and no item carries a stream chunk, prepares, runs and completes it
   /// here: returns (None, outcome | None, finished | None), finished being what finish_walks
   /// ended. Otherwise returns ((node, walk, items), None, None), as next_batch would, for the
   /// caller to run; or ((node, walk, items), True, None) when a hook raised or returned
@@ -180,7 +120,7 @@ class PyConductor {
     const NodeId node = batch.front()->node;
     py::handle spec = node < specs_.size() ? specs_[node] : py::handle(Py_None);
     bool plain = !spec.is_none();
-    for (const WorkItem* w : batch) plain = plain && !w->windowed && !w->stream_end;
+    for (const WorkItem* w : batch) plain = plain && !w->chunked && !w->stream_end;
     if (!plain) return hand_back(batch, false);
     // Looked up per batch, not bound once: a submodule's methods may be replaced while it serves.
     py::handle sub = PyTuple_GET_ITEM(spec.ptr(), 0);
@@ -423,9 +363,9 @@ class PyConductor {
     py::list items;
     for (const WorkItem* w : batch) {
       py::object chunk = py::none();
-      if (w->windowed || w->stream_end)  // a stream end: an empty chunk (Runtime._run)
+      if (w->chunked || w->stream_end)  // a stream end: an empty chunk (Runtime._run)
         chunk = py::make_tuple(w->chunk.begin, w->chunk.new_begin, w->chunk.end, w->chunk.last);
-      items.append(py::make_tuple(w->id, w->request, w->iteration, input_dict(*w), chunk));
+      items.append(new_work_item(w->id, w->request, w->iteration, input_dict(*w), chunk));
     }
     return py::make_tuple(batch.front()->node, batch.front()->walk, items);
   }
@@ -436,7 +376,8 @@ class PyConductor {
   py::str context_attr_ = py::str("context");  // made once: attr("...") would build it per item
   py::dict loop_ids_;
   bool finish_walks_ = false;
-  py::tuple empty_outcome_ = py::make_tuple(py::tuple(), py::tuple(), py::tuple());
+  py::tuple empty_outcome_ =
+      py::reinterpret_borrow<py::tuple>(new_outcome(py::tuple(), py::tuple(), py::tuple()));
   std::vector<py::str> names_;
   std::vector<std::vector<py::str>> outputs_;
   std::vector<py::object> store_;  // touched only with the GIL held
@@ -452,11 +393,7 @@ Runs requests through a compiled walk graph (see mstar_rt.compile_model) and hol
 its handles stand for. Engine workers pull batches with next_batch() (GIL released while
 waiting) and report complete(); each call that changes state returns its outcome
 (emits [(request, name, value)], walks_done [request], failed [(request, message)]).)doc")
-      .def(py::init([](std::vector<std::string> names, std::vector<std::string> engines,
-                       const py::list& nodes, const py::list& walks) {
-             return std::make_unique<PyConductor>(build_spec(std::move(names), std::move(engines), nodes, walks));
-           }),
-           py::arg("names"), py::arg("engines"), py::arg("nodes"), py::arg("walks"))
+      .def(py::init<GraphSpec>(), py::arg("graph"))
       .def("submit", &PyConductor::submit, py::arg("walk"), py::arg("inputs"),
            py::arg("deadline_ns") = INT64_MAX, py::arg("priority") = 0)
       .def("start_walk", &PyConductor::start_walk)

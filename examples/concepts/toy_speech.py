@@ -42,7 +42,7 @@ class Codec(m.NodeSubmodule):
     def forward(self, batch):
         out = []
         for x in batch:
-            window = x["token"]  # a StreamWindow: the tokens, and which of them are new
+            window = x["token"]  # a StreamChunk: the tokens, and which of them are new
             tones = [t for t in window.new_items if t != END]
             t = np.arange(80) / 8000
             audio = np.concatenate([np.sin(2 * np.pi * (200 + 50 * k) * t) for k in tones]) \

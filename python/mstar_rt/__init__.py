@@ -23,7 +23,7 @@ from mstar_rt.graph import (
     Sequential,
     StreamingGraphEdge,
 )
-from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext
+from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamChunk, WorkContext
 from mstar_rt.runtime import RequestCancelled, RequestFailed, RequestHandle, Runtime, compile_model
 from mstar_rt.streaming import (
     Fixed,
@@ -58,7 +58,7 @@ __all__ = [
     "RequestHandle",
     "Runtime",
     "Sequential",
-    "StreamWindow",
+    "StreamChunk",
     "StreamingGraphEdge",
     "WorkContext",
     "compile_model",

@@ -14,14 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from mstar_rt._core import ChunkPolicy
+# GraphError (a ValueError) is the graph compiler's (C++, mstar::GraphError): it raises it for a
+# malformed graph or walk, and the DSL here for a malformed node.
+from mstar_rt._core import ChunkPolicy, GraphError
 
 EMIT = "EMIT"
 """Edge destination that streams an output to the caller (the request handle's iterator)."""
-
-
-class GraphError(ValueError):
-    """A malformed graph or walk; the message names what is wrong, where, and what to do."""
 
 
 @dataclass(frozen=True)

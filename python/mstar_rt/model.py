@@ -29,8 +29,8 @@ class RequestContext:
 
 
 @dataclass(frozen=True)
-class StreamWindow:
-    """What a stream consumer receives for its streamed input: the window's items (stream
+class StreamChunk:
+    """What a stream consumer receives for its streamed input: the chunk's items (stream
     positions ``begin`` .. ``end``), of which ``items[new_begin - begin:]`` are new."""
 
     items: list
@@ -76,11 +76,11 @@ class NodeSubmodule(abc.ABC):
         return [list(range(len(batch)))]
 
     def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:
-        """A stream consumer's end of stream, when no window told it: the stream ended exactly
-        where a window already sent (not marked ``last``) ended, or carried no items. Returns
+        """A stream consumer's end of stream, when no chunk told it: the stream ended exactly
+        where a chunk already sent (not marked ``last``) ended, or carried no items. Returns
         the node's outputs, as forward() does for one item (e.g. audio flushed from what the
-        node held back). Called at most once per stream, never with a window; a node that does
-        not override it is not called at all. Either way the windows a consumer sees are
+        node held back). Called at most once per stream, never with a chunk; a node that does
+        not override it is not called at all. Either way the chunks a consumer sees are
         exactly the chunk policy's, never an empty one."""
         return {}
 

@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from mstar_rt.compiler import CompiledGraph
 from mstar_rt.graph import StreamingGraphEdge
-from mstar_rt.model import (Model, NodeSubmodule, RequestContext, StreamWindow, WorkContext,
+from mstar_rt._core import WorkItem
+from mstar_rt.model import (Model, NodeSubmodule, RequestContext, StreamChunk, WorkContext,
                             hears_stream_end)
 
 
@@ -24,14 +25,14 @@ def overrides(obj: object, name: str, base: type) -> bool:
 
 def is_stream_end(chunk: Optional[tuple]) -> bool:
     """An empty chunk is the Conductor's end-of-stream item (NodeSubmodule.end_stream): a
-    window always holds at least one new item."""
+    chunk always holds at least one new item."""
     return chunk is not None and chunk[0] == chunk[2]
 
 
 @dataclass(frozen=True)
 class NodeEntry:
     """One node as the runtime runs it: its submodule, its engine, its batch limit, the input its
-    stream windows arrive under (if it consumes a stream), and which optional hooks it has (the
+    stream chunks arrive under (if it consumes a stream), and which optional hooks it has (the
     defaults are skipped)."""
 
     name: str
@@ -82,31 +83,32 @@ class NodeTable:
 
 
 class BatchRunner:
-    """Runs batches of work items ``(item id, request id, iteration, {input: value}, chunk)``.
+    """Runs batches of work items (:class:`_core.WorkItem`: id, request, iteration, inputs,
+    chunk).
 
     ``contexts(items)`` gives each item's :class:`RequestContext`; ``loop_id(name)`` maps a
     DynamicLoop name from check_stop to what the host's queue takes."""
 
     def __init__(self, nodes: NodeTable,
-                 contexts: Callable[[Sequence[tuple]], list[RequestContext]],
+                 contexts: Callable[[Sequence[WorkItem]], list[RequestContext]],
                  loop_id: Callable[[str], Any]) -> None:
         self.nodes, self.contexts, self.loop_id = nodes, contexts, loop_id
 
-    def run(self, node: int, items: Sequence[tuple]) -> tuple[list, list, Optional[list]]:
+    def run(self, node: int, items: Sequence[WorkItem]) -> tuple[list, list, Optional[list]]:
         """(item ids, outputs per item, stops per item or None), in one order."""
-        if any(is_stream_end(item[4]) for item in items):
+        if any(is_stream_end(item.chunk) for item in items):
             return self._run_with_ends(node, items)
         outputs, stops = self.forward(node, items)
-        return [item[0] for item in items], outputs, stops
+        return [item.id for item in items], outputs, stops
 
-    def forward(self, node: int, items: Sequence[tuple]) -> tuple[list, Optional[list]]:
+    def forward(self, node: int, items: Sequence[WorkItem]) -> tuple[list, Optional[list]]:
         """prepare -> forward -> check_stop for a batch: (outputs, loop ids to stop | None)."""
         entry = self.nodes[node]
         sub = entry.submodule
-        if entry.prepares or any(item[4] is not None for item in items):
+        if entry.prepares or any(item.chunk is not None for item in items):
             prepared = self.prepare(node, items, entry.prepares)
         else:
-            prepared = [item[3] for item in items]
+            prepared = [item.inputs for item in items]
         if entry.splits:
             outputs: list = [None] * len(items)
             for group in sub.split_batch(prepared):
@@ -126,28 +128,28 @@ class BatchRunner:
             stops = [[self.loop_id(s) for s in stop] for stop in sub.check_stop(prepared, outputs)]
         return outputs, stops
 
-    def prepare(self, node: int, items: Sequence[tuple], call_prepare: bool) -> list:
-        """Each item's inputs as forward() takes them: stream windows made, prepare_inputs run."""
+    def prepare(self, node: int, items: Sequence[WorkItem], call_prepare: bool) -> list:
+        """Each item's inputs as forward() takes them: stream chunks made, prepare_inputs run."""
         entry = self.nodes[node]
         stream_input = entry.stream_input
         contexts = self.contexts(items) if call_prepare else ()
         prepared = []
         for n, (_id, _rid, iteration, values, chunk) in enumerate(items):
             if chunk is not None:
-                values = {**values, stream_input: StreamWindow(values[stream_input], *chunk)}
+                values = {**values, stream_input: StreamChunk(values[stream_input], *chunk)}
             if call_prepare:
                 values = entry.submodule.prepare_inputs(WorkContext(contexts[n], iteration), values)
             prepared.append(values)
         return prepared
 
-    def _run_with_ends(self, node: int, items: Sequence[tuple]) -> tuple[list, list, Optional[list]]:
-        """A batch holding stream ends: those go to end_stream, the windows to forward."""
+    def _run_with_ends(self, node: int, items: Sequence[WorkItem]) -> tuple[list, list, Optional[list]]:
+        """A batch holding stream ends: those go to end_stream, the chunks to forward."""
         sub = self.nodes[node].submodule
-        windows = [item for item in items if not is_stream_end(item[4])]
-        ends = [item for item in items if is_stream_end(item[4])]
-        outputs, stops = self.forward(node, windows) if windows else ([], None)
+        chunks = [item for item in items if not is_stream_end(item.chunk)]
+        ends = [item for item in items if is_stream_end(item.chunk)]
+        outputs, stops = self.forward(node, chunks) if chunks else ([], None)
         for item, ctx in zip(ends, self.contexts(ends)):
-            outputs.append(sub.end_stream(WorkContext(ctx, item[2])))
+            outputs.append(sub.end_stream(WorkContext(ctx, item.iteration)))
         if stops is not None:
             stops += [[] for _ in ends]
-        return [item[0] for item in windows] + [item[0] for item in ends], outputs, stops
+        return [item.id for item in chunks] + [item.id for item in ends], outputs, stops

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterator, Optional, Sequence
 
+from mstar_rt._core import WorkItem
 from mstar_rt.model import RequestContext
 
 
@@ -38,14 +39,14 @@ class RequestRegistry:
         with self.lock:
             return rid in self.by_id
 
-    def contexts(self, items: Sequence[tuple]) -> list[RequestContext]:
+    def contexts(self, items: Sequence[WorkItem]) -> list[RequestContext]:
         """The context of each work item's request (a blank one for a request already gone)."""
         get = self.by_id.get
-        entries = [get(item[1]) for item in items]
+        entries = [get(item.request) for item in items]
         if None in entries:
             with self.lock:
-                entries = [get(item[1]) for item in items]
-        return [e.context if e is not None else RequestContext(item[1], {})
+                entries = [get(item.request) for item in items]
+        return [e.context if e is not None else RequestContext(item.request, {})
                 for e, item in zip(entries, items)]
 
     def ids(self) -> list[int]:

@@ -156,7 +156,7 @@ class Runtime:
         self.graph = compile_model(model)
         g = self.graph
         # The Conductor routes handles; its Python face holds the values (the tensor store).
-        self.conductor = _core.Conductor(g.names, g.engines, g.nodes, g.walks)
+        self.conductor = _core.Conductor(g.spec)
         # An idle worker spins this long before sleeping: work that arrives meanwhile costs no
         # wake-up (tens of µs on a VM); 0 saves the CPU time instead.
         self.conductor.set_spin(max(0.0, spin_us) * 1e-6)

@@ -54,7 +54,7 @@ ChunkPolicy ChunkPolicy::ramp(std::vector<std::size_t> first, std::size_t steady
   return ChunkPolicy(Kind::ramp, std::move(first), steady, context);
 }
 
-std::size_t ChunkPolicy::max_window() const noexcept {
+std::size_t ChunkPolicy::max_chunk() const noexcept {
   std::size_t biggest = steady_;
   for (std::size_t s : first_) biggest = std::max(biggest, s);
   // Sliding windows: the first window (W) has no context, later ones are S + (W - S) = W.

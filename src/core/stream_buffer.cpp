@@ -15,9 +15,9 @@ const ChunkPolicy& checked(const ChunkPolicy& policy, std::size_t capacity) {
                                 std::to_string(policy.context()) +
                                 " items, which leaves no room for new items in a ring of capacity " +
                                 std::to_string(capacity) + "; raise the capacity");
-  if (policy.max_window() > capacity)
+  if (policy.max_chunk() > capacity)
     throw std::invalid_argument("StreamBuffer: " + policy.describe() + " needs windows of up to " +
-                                std::to_string(policy.max_window()) +
+                                std::to_string(policy.max_chunk()) +
                                 " items but the ring holds only " + std::to_string(capacity) +
                                 "; raise the capacity to at least that (a power of two)");
   return policy;
@@ -28,14 +28,14 @@ const ChunkPolicy& checked(const ChunkPolicy& policy, std::size_t capacity) {
 StreamBuffer::StreamBuffer(std::size_t item_size, std::size_t capacity, ChunkPolicy policy,
                            Overflow overflow)
     : policy_(checked(policy, capacity)),
-      ring_(item_size, capacity, overflow, policy_.max_window()),
+      ring_(item_size, capacity, overflow, policy_.max_chunk()),
       cursor_(policy_) {}
 
 WaitStatus StreamBuffer::poll(ChunkView* out, std::uint64_t* need) {
   // Read `closed` before the write position: a producer writes, then closes, so if we see the
   // close we also see every item it wrote.
   const bool ended = ring_.closed();
-  const ReadRegion region = ring_.peek(policy_.max_window());
+  const ReadRegion region = ring_.peek(policy_.max_chunk());
   const std::uint64_t oldest = region.position;
   Chunk chunk;
   // An empty peek pins nothing: do not look at items that arrived after it.

@@ -1,46 +1,11 @@
-// Model: the C++ builder and its compiler into the graph IR (the rules of the Python compiler,
-// python/mstar_rt/compiler.py, with the same error wording).
+// Model: nodes with C++ functions, walks and the next-walk state machine. Its graph structure is
+// compiled by mstar::GraphBuilder (src/scheduler/graph_builder.cpp), the compiler the Python DSL
+// uses too.
 #include <algorithm>
-#include <map>
-#include <set>
-#include <stdexcept>
 
 #include "mstar/model.hpp"
 
 namespace mstar {
-
-Section Section::seq(std::vector<Section> parts) {
-  Section s;
-  s.kind = SectionKind::sequential;
-  s.children = std::move(parts);
-  return s;
-}
-
-Section Section::par(std::vector<Section> branches) {
-  Section s;
-  s.kind = SectionKind::parallel;
-  s.children = std::move(branches);
-  return s;
-}
-
-Section Section::loop(Section body, std::uint32_t max_iters, std::vector<std::string> outputs,
-                      std::vector<std::string> accumulated) {
-  Section s;
-  s.kind = SectionKind::loop;
-  s.children.push_back(std::move(body));
-  s.max_iters = max_iters;
-  s.outputs = std::move(outputs);
-  s.accumulated = std::move(accumulated);
-  return s;
-}
-
-Section Section::dynamic_loop(std::string name, Section body, std::uint32_t max_iters,
-                              std::vector<std::string> outputs, std::vector<std::string> accumulated) {
-  Section s = loop(std::move(body), max_iters, std::move(outputs), std::move(accumulated));
-  s.dynamic = true;
-  s.loop_name = std::move(name);
-  return s;
-}
 
 Model& Model::input(std::string name, TensorSpec spec) {
   inputs_.emplace_back(std::move(name), std::move(spec));
@@ -51,7 +16,7 @@ Model& Model::node(std::string name, std::vector<std::string> inputs, std::vecto
                    NodeFn fn, NodeOptions options) {
   if (!fn) throw GraphError("node '" + name + "' has no function; pass a callable");
   nodes_.push_back({std::move(name), std::move(inputs), std::move(outputs), std::move(fn), nullptr,
-                    std::move(options)});
+                    std::move(options), nullptr});
   return *this;
 }
 
@@ -59,8 +24,17 @@ Model& Model::batch_node(std::string name, std::vector<std::string> inputs,
                          std::vector<Edge> outputs, BatchNodeFn fn, NodeOptions options) {
   if (!fn) throw GraphError("node '" + name + "' has no function; pass a callable");
   nodes_.push_back({std::move(name), std::move(inputs), std::move(outputs), nullptr, std::move(fn),
-                    std::move(options)});
+                    std::move(options), nullptr});
   return *this;
+}
+
+Model& Model::on_stream_end(const std::string& node, NodeFn fn) {
+  for (auto& n : nodes_)
+    if (n.name == node) {
+      n.stream_end_fn = std::move(fn);
+      return *this;
+    }
+  throw GraphError("on_stream_end: the model has no node '" + node + "'; declare it first");
 }
 
 Model& Model::walk(std::string name, Section root) {
@@ -87,7 +61,7 @@ Model Model::load(GraphSpec ir, std::vector<std::string> inputs) {
     NodeDef d;
     d.name = n.name;
     for (NameId x : n.inputs) d.inputs.push_back(ir.names.at(x));
-    for (NameId x : n.outputs) d.outputs.push_back(Edge::to_node("", ir.names.at(x)));
+    for (NameId x : n.outputs) d.outputs.push_back(Edge::output(ir.names.at(x)));
     d.options.engine = ir.engines.at(n.engine);
     d.options.max_batch = n.max_batch;
     m.nodes_.push_back(std::move(d));
@@ -122,362 +96,21 @@ const std::string& Model::first_walk() const {
   return initial_walk_;
 }
 
-namespace {
-
-struct Names {
-  std::vector<std::string> list;
-  std::map<std::string, NameId> ids;
-  NameId operator()(const std::string& n) {
-    auto it = ids.find(n);
-    if (it != ids.end()) return it->second;
-    list.push_back(n);
-    return ids[n] = static_cast<NameId>(list.size() - 1);
-  }
-};
-
-void nodes_in(const Section& s, std::vector<std::string>* out) {
-  if (s.kind == SectionKind::node) {
-    out->push_back(s.node);
-    return;
-  }
-  for (const Section& c : s.children) nodes_in(c, out);
-}
-
-// node -> its path from the root: (section, kind, child index) per level.
-using Step = std::tuple<const Section*, SectionKind, std::size_t>;
-void paths(const Section& s, std::vector<Step> prefix, std::map<std::string, std::vector<Step>>* out) {
-  if (s.kind == SectionKind::node) {
-    (*out)[s.node] = prefix;
-    return;
-  }
-  for (std::size_t i = 0; i < s.children.size(); ++i) {
-    auto p = prefix;
-    p.emplace_back(&s, s.kind, i);
-    paths(s.children[i], p, out);
-  }
-}
-
-// node -> innermost enclosing loop (nullptr outside loops)
-void loop_levels(const Section& s, const Section* loop, std::map<std::string, const Section*>* out) {
-  if (s.kind == SectionKind::node) {
-    (*out)[s.node] = loop;
-    return;
-  }
-  for (const Section& c : s.children) loop_levels(c, s.kind == SectionKind::loop ? &s : loop, out);
-}
-
-using NodeMap = std::map<std::string, const Model::NodeDef*>;
-
-std::vector<std::string> output_names(const Model::NodeDef& n) {
-  std::vector<std::string> v;
-  for (const Edge& e : n.outputs)
-    if (std::find(v.begin(), v.end(), e.name) == v.end()) v.push_back(e.name);
-  return v;
-}
-
-class WalkCompiler {
- public:
-  WalkCompiler(const std::string& walk, const Section& root, const NodeMap& graph,
-               const std::vector<std::string>& inputs, const std::set<std::string>& persisted,
-               Names& names, const std::map<std::string, NodeId>& node_ids)
-      : walk_(walk), graph_(graph), persisted_(persisted), names_(names), node_ids_(node_ids) {
-    std::vector<std::string> members;
-    nodes_in(root, &members);
-    for (const auto& n : members) {
-      if (!graph.count(n))
-        throw GraphError("walk '" + walk + "' runs node '" + n + "', which is not in the graph; "
-                         "add node '" + n + "' to the model or fix the name");
-      if (!members_.insert(n).second)
-        throw GraphError("node '" + n + "' appears twice in walk '" + walk + "'; a node runs at "
-                         "most once per place: use a Loop to repeat it");
-    }
-    std::map<std::string, const Section*> level;
-    loop_levels(root, nullptr, &level);
-    std::map<std::pair<std::string, const Section*>, std::string> by_level;
-    for (const auto& n : members)
-      for (const auto& out : output_names(*graph.at(n))) {
-        auto key = std::make_pair(out, level[n]);
-        if (by_level.count(key))
-          throw GraphError("output '" + out + "' is produced by both '" + by_level[key] + "' and '" +
-                           n + "' in walk '" + walk + "'; rename one of them");
-        by_level[key] = n;
-        producer_.emplace(out, n);
-      }
-    std::map<std::string, std::vector<Step>> path;
-    paths(root, {}, &path);
-    for (const auto& n : members)
-      for (const Edge& e : graph.at(n)->outputs) {
-        if (!e.streaming) continue;
-        if (!members_.count(e.to))
-          throw GraphError("streaming edge '" + e.name + "' from '" + n + "' goes to '" + e.to +
-                           "', which walk '" + walk + "' does not run; add '" + e.to + "' to the walk");
-        if (stream_input_.count(e.to))
-          throw GraphError("node '" + e.to + "' consumes two streams in walk '" + walk +
-                           "'; a node reads at most one stream");
-        stream_input_[e.to] = e.name;
-        streams_.push_back({n, &e});
-        check_stream_placement(n, e.to, path);
-      }
-    std::set<std::string> available(inputs.begin(), inputs.end());
-    available.insert(persisted.begin(), persisted.end());
-    root_ = compile(root, available, {}).first;
-  }
-
-  WalkSpec spec() {
-    WalkSpec w;
-    w.name = walk_;
-    w.root = root_;
-    w.sections = sections_;
-    for (const auto& n : members_)
-      for (const Edge& e : graph_.at(n)->outputs) {
-        if (!e.streaming && e.to == kEmit) w.emits.emplace_back(node_ids_.at(n), names_(e.name));
-        const NameId id = names_(e.name);
-        if (e.persist && std::find(w.persist.begin(), w.persist.end(), id) == w.persist.end())
-          w.persist.push_back(id);
-      }
-    for (const auto& [producer, edge] : streams_) {
-      StreamSpec s;
-      s.producer = node_ids_.at(producer);
-      s.name = names_(edge->name);
-      s.consumer = node_ids_.at(edge->to);
-      s.policy = edge->policy;
-      s.producer_scope = scope_of_.at(producer);
-      w.streams.push_back(s);
-    }
-    return w;
-  }
-
- private:
-  void check_stream_placement(const std::string& producer, const std::string& consumer,
-                              std::map<std::string, std::vector<Step>>& path) {
-    const auto& a = path[producer];
-    const auto& b = path[consumer];
-    std::size_t common = 0;
-    while (common < std::min(a.size(), b.size()) && a[common] == b[common]) ++common;
-    const Section* inner_loop = nullptr;
-    for (const auto& step : a)
-      if (std::get<1>(step) == SectionKind::loop) inner_loop = std::get<0>(step);
-    for (const auto& step : b)
-      if (inner_loop != nullptr && std::get<0>(step) == inner_loop)
-        throw GraphError("node '" + consumer + "' consumes the stream of '" + producer +
-                         "' inside the same Loop in walk '" + walk_ + "', but the stream ends only "
-                         "when that loop does; place '" + consumer + "' after the loop or in a "
-                         "Parallel with it");
-    if (common < std::min(a.size(), b.size()) && std::get<1>(a[common]) == SectionKind::sequential &&
-        std::get<2>(b[common]) < std::get<2>(a[common]))
-      throw GraphError("node '" + consumer + "' consumes the stream of '" + producer + "' but runs "
-                       "before it in walk '" + walk_ + "' and would wait forever; move it after '" +
-                       producer + "' or put both in a Parallel");
-  }
-
-  std::uint32_t add(SectionSpec s) {
-    sections_.push_back(std::move(s));
-    return static_cast<std::uint32_t>(sections_.size() - 1);
-  }
-
-  std::pair<std::uint32_t, std::set<std::string>> compile(const Section& s,
-                                                          const std::set<std::string>& available,
-                                                          std::vector<std::uint32_t> loops) {
-    if (s.kind == SectionKind::node) return node(s.node, available, loops);
-    const std::uint32_t index = add(SectionSpec{});
-    sections_[index].kind = s.kind;
-    if (s.kind == SectionKind::sequential) {
-      std::set<std::string> avail = available;
-      for (const Section& part : s.children) {
-        auto [child, after] = compile(part, avail, loops);
-        sections_[index].children.push_back(child);
-        avail = std::move(after);
-      }
-      return {index, avail};
-    }
-    if (s.kind == SectionKind::parallel) {
-      std::set<std::string> after = available;
-      for (const Section& branch : s.children) {
-        auto [child, b_after] = compile(branch, available, loops);
-        sections_[index].children.push_back(child);
-        for (const auto& x : available)
-          if (!b_after.count(x)) after.erase(x);
-        for (const auto& x : b_after) after.insert(x);
-      }
-      return {index, after};
-    }
-    return loop(s, index, available, std::move(loops));
-  }
-
-  std::pair<std::uint32_t, std::set<std::string>> loop(const Section& s, std::uint32_t index,
-                                                       const std::set<std::string>& available,
-                                                       std::vector<std::uint32_t> loops) {
-    const std::string label = s.dynamic ? "DynamicLoop '" + s.loop_name + "'" : "Loop";
-    if (s.children.size() != 1) throw GraphError(label + " in walk '" + walk_ + "' needs one body");
-    if (s.max_iters < 1)
-      throw GraphError(label + " in walk '" + walk_ + "' has max_iters=0; it must be >= 1");
-    std::vector<std::string> inner;
-    nodes_in(s.children[0], &inner);
-    std::set<std::string> inside;
-    for (const auto& n : inner)
-      if (graph_.count(n))
-        for (const auto& o : output_names(*graph_.at(n))) inside.insert(o);
-    for (const auto& name : s.outputs)
-      if (std::find(s.accumulated.begin(), s.accumulated.end(), name) != s.accumulated.end())
-        throw GraphError(label + " in walk '" + walk_ + "' lists '" + name + "' as both an output "
-                         "and an accumulated output; choose one (last value or every value)");
-    std::vector<std::string> listed = s.outputs;
-    listed.insert(listed.end(), s.accumulated.begin(), s.accumulated.end());
-    for (const auto& name : listed)
-      if (!inside.count(name))
-        throw GraphError(label + " in walk '" + walk_ + "' lists '" + name + "' as an output, but "
-                         "no node inside it produces that; fix the name or add the node");
-    SectionSpec& e = sections_[index];
-    e.max_iters = s.max_iters;
-    for (const auto& n : s.outputs) e.outputs.push_back(names_(n));
-    for (const auto& n : s.accumulated) e.accumulated.push_back(names_(n));
-    if (s.dynamic) {
-      if (s.loop_name.empty())
-        throw GraphError("a DynamicLoop in walk '" + walk_ + "' needs a name: NodeCall::stop "
-                         "stops loops by name");
-      if (!loop_names_.insert(s.loop_name).second)
-        throw GraphError("two DynamicLoops named '" + s.loop_name + "' in walk '" + walk_ +
-                         "'; names must be unique within a walk");
-      e.dynamic = true;
-      e.loop_name = names_(s.loop_name);
-    }
-    loops.push_back(index);
-    const std::uint32_t child = compile(s.children[0], available, loops).first;
-    sections_[index].children = {child};
-    for (const auto& name : s.accumulated)
-      if (!accumulated_.insert(name).second)
-        throw GraphError(label + " in walk '" + walk_ + "' accumulates '" + name + "', which an "
-                         "inner Loop already accumulates; accumulate it in one of the two loops");
-    std::set<std::string> kept(listed.begin(), listed.end());
-    for (const auto& x : inside)
-      if (persisted_.count(x)) kept.insert(x);
-    std::set<std::string> after = available;
-    std::vector<NameId> scoped;
-    for (const auto& x : inside)
-      if (!kept.count(x)) {
-        kept_inside_.emplace(x, label);
-        scoped.push_back(names_(x));
-        after.erase(x);
-      }
-    std::sort(scoped.begin(), scoped.end());
-    sections_[index].scoped = scoped;
-    after.insert(kept.begin(), kept.end());
-    return {index, after};
-  }
-
-  std::pair<std::uint32_t, std::set<std::string>> node(const std::string& name,
-                                                       const std::set<std::string>& available,
-                                                       const std::vector<std::uint32_t>& loops) {
-    SectionSpec spec;
-    spec.kind = SectionKind::node;
-    spec.node = node_ids_.at(name);
-    const std::uint32_t index = add(spec);
-    scope_of_[name] = loops.empty() ? index : loops.back();
-    const Model::NodeDef& n = *graph_.at(name);
-    auto stream = stream_input_.find(name);
-    for (const auto& x : n.inputs) {
-      if ((stream != stream_input_.end() && stream->second == x) || available.count(x)) continue;
-      if (kept_inside_.count(x))
-        throw GraphError("node '" + name + "' in walk '" + walk_ + "' reads '" + x + "', which is "
-                         "made inside a " + kept_inside_[x] + " and stays there; list '" + x +
-                         "' in that loop's outputs or accumulated outputs");
-      auto p = producer_.find(x);
-      if (p != producer_.end() && p->second != name)
-        throw GraphError("node '" + name + "' in walk '" + walk_ + "' reads '" + x + "', which '" +
-                         p->second + "' produces only later or in a parallel branch (a cycle "
-                         "outside a loop?); run '" + p->second + "' first, or put both in a Loop");
-      if (p != producer_.end())
-        throw GraphError("node '" + name + "' in walk '" + walk_ + "' reads its own output '" + x +
-                         "' with no value for the first run; give it one (a request input or an "
-                         "earlier node) and put the node in a Loop");
-      throw GraphError("node '" + name + "' in walk '" + walk_ + "' reads '" + x + "', which no "
-                       "node produces; add an edge named '" + x + "' or rename the input");
-    }
-    std::set<std::string> after = available;
-    for (const auto& o : output_names(n)) after.insert(o);
-    return {index, after};
-  }
-
-  std::string walk_;
-  const NodeMap& graph_;
-  const std::set<std::string>& persisted_;
-  Names& names_;
-  const std::map<std::string, NodeId>& node_ids_;
-  std::set<std::string> members_;
-  std::map<std::string, std::string> producer_;
-  std::map<std::string, std::string> stream_input_;
-  std::vector<std::pair<std::string, const Edge*>> streams_;
-  std::map<std::string, std::uint32_t> scope_of_;
-  std::set<std::string> accumulated_, loop_names_;
-  std::map<std::string, std::string> kept_inside_;
-  std::vector<SectionSpec> sections_;
-  std::uint32_t root_ = 0;
-};
-
-}  // namespace
-
 GraphSpec Model::compile() const {
-  for (const NodeDef& n : nodes_) {
+  for (const NodeDef& n : nodes_)
     if (!n.fn && !n.batch_fn)
       throw GraphError("node '" + n.name + "' has no function; bind() one before running the model");
-    if (n.options.max_batch < 1)
-      throw GraphError("node '" + n.name + "' has max_batch 0; it must be >= 1");
-  }
   if (loaded_) return loaded_ir_;
-  NodeMap graph;
+  GraphBuilder graph;
+  for (const auto& [x, spec] : inputs_) graph.input(x);
   for (const NodeDef& n : nodes_)
-    if (!graph.emplace(n.name, &n).second)
-      throw GraphError("two nodes are named '" + n.name + "'; node names must be unique");
-  if (walks_.empty()) throw GraphError("the model has no walks; add at least one");
-  std::set<std::string> persisted;
-  for (const NodeDef& n : nodes_)
-    for (const Edge& e : n.outputs) {
-      if (e.streaming && e.to == kEmit)
-        throw GraphError("streaming edge '" + e.name + "' from '" + n.name + "' goes to EMIT; "
-                         "stream to a consumer node, or use Edge::emit to emit each value");
-      if (e.to != kEmit) {
-        auto to = graph.find(e.to);
-        if (to == graph.end())
-          throw GraphError("edge '" + e.name + "' from '" + n.name + "' goes to '" + e.to +
-                           "', which is not a node; use an existing node or kEmit");
-        const auto& in = to->second->inputs;
-        if (std::find(in.begin(), in.end(), e.name) == in.end())
-          throw GraphError("edge '" + e.name + "' from '" + n.name + "' goes to '" + e.to +
-                           "', which does not read '" + e.name + "'; add it to " + e.to + "'s inputs");
-      }
-      if (e.persist) persisted.insert(e.name);
-    }
-  Names names;
-  std::vector<std::string> inputs;
-  for (const auto& [x, spec] : inputs_) {
-    names(x);
-    inputs.push_back(x);
-  }
-  std::map<std::string, NodeId> node_ids;
-  GraphSpec ir;
-  for (const NodeDef& n : nodes_) {
-    node_ids[n.name] = static_cast<NodeId>(ir.nodes.size());
-    NodeSpec spec;
-    spec.name = n.name;
-    auto e = std::find(ir.engines.begin(), ir.engines.end(), n.options.engine);
-    if (e == ir.engines.end()) e = ir.engines.insert(ir.engines.end(), n.options.engine);
-    spec.engine = static_cast<EngineId>(e - ir.engines.begin());
-    spec.max_batch = n.options.max_batch;
-    spec.on_stream_end = static_cast<bool>(n.options.on_stream_end);
-    for (const auto& x : n.inputs) spec.inputs.push_back(names(x));
-    for (const auto& x : output_names(n)) spec.outputs.push_back(names(x));
-    ir.nodes.push_back(std::move(spec));
-  }
-  std::set<std::string> walk_names;
-  for (const auto& [name, root] : walks_) {
-    if (!walk_names.insert(name).second)
-      throw GraphError("two walks are named '" + name + "'; walk names must be unique");
-    WalkCompiler wc(name, root, graph, inputs, persisted, names, node_ids);
-    ir.walks.push_back(wc.spec());
-  }
-  if (!walk_names.count(initial_walk_))
+    graph.node(n.name, n.inputs, n.outputs, n.options.engine, n.options.max_batch,
+               static_cast<bool>(n.stream_end_fn));
+  for (const auto& [name, root] : walks_) graph.walk(name, root);
+  GraphSpec ir = graph.compile();
+  if (std::none_of(ir.walks.begin(), ir.walks.end(),
+                   [&](const WalkSpec& w) { return w.name == initial_walk_; }))
     throw GraphError("initial walk '" + initial_walk_ + "' is not a walk of the model");
-  ir.names = names.list;
   return ir;
 }
 

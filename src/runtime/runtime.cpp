@@ -31,7 +31,7 @@ struct NodeCall::Data {
   std::uint32_t iteration = 0;
   std::vector<std::vector<Tensor>> inputs;  // aligned with def->inputs
   std::vector<std::uint8_t> is_list;
-  bool windowed = false;
+  bool chunked = false;
   bool stream_end = false;
   Chunk chunk;
   std::vector<Tensor> outputs;  // aligned with *output_names
@@ -51,7 +51,7 @@ RequestId NodeCall::request() const noexcept { return d_->request; }
 const std::string& NodeCall::node() const noexcept { return d_->def->name; }
 const std::string& NodeCall::walk() const noexcept { return *d_->walk; }
 std::uint32_t NodeCall::iteration() const noexcept { return d_->iteration; }
-const Chunk* NodeCall::window() const noexcept { return d_->windowed ? &d_->chunk : nullptr; }
+const Chunk* NodeCall::chunk() const noexcept { return d_->chunked ? &d_->chunk : nullptr; }
 bool NodeCall::stream_ended() const noexcept { return d_->stream_end; }
 
 const Tensor& NodeCall::input(const std::string& name) const {
@@ -59,7 +59,7 @@ const Tensor& NodeCall::input(const std::string& name) const {
   if (d_->is_list[k] || d_->inputs[k].size() != 1)
     throw std::invalid_argument("node '" + d_->def->name + "' input '" + name + "' holds " +
                                 std::to_string(d_->inputs[k].size()) +
-                                " values (a loop accumulation or stream window); read it with list()");
+                                " values (a loop accumulation or stream chunk); read it with list()");
   return d_->inputs[k][0];
 }
 
@@ -263,7 +263,7 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
         d.output_names = &output_names[node];
         d.name_ids = &name_ids;
         d.iteration = it.iteration;
-        d.windowed = it.windowed;
+        d.chunked = it.chunked;
         d.stream_end = it.stream_end;
         d.chunk = it.chunk;
         d.is_list = it.list_input;
@@ -309,7 +309,7 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
     }
     for (std::size_t i = 0; i < batch.size(); ++i) {
       if (batch[i]->stream_end)
-        run_one(i, def.options.on_stream_end);
+        run_one(i, def.stream_end_fn);
       else if (!def.batch_fn)
         run_one(i, def.fn);
     }

@@ -31,7 +31,7 @@ Item* Conductor::Impl::new_item() {
   item->handles.clear();
   item->offsets.clear();
   item->list_input.clear();
-  item->windowed = item->stream_end = false;
+  item->chunked = item->stream_end = false;
   item->chunk = Chunk{};
   item->act = nullptr;
   item->stream = -1;
@@ -105,7 +105,7 @@ void Conductor::Impl::start(Request& r, Activation* a, Outcome* out) {
   switch (s.kind) {
     case SectionKind::node: {
       const int st = index[r.walk].consumes_stream[s.node];
-      if (st >= 0) {  // a stream consumer: its windows run as they come; it ends with the stream
+      if (st >= 0) {  // a stream consumer: its chunks run as they come; it ends with the stream
         r.streams[static_cast<std::size_t>(st)].consumer = a;
         pump(r, static_cast<std::size_t>(st), out);
       } else {
@@ -242,8 +242,8 @@ void Conductor::Impl::dispatch(Request& r, NodeId node, Activation* act, int str
     item->offsets.push_back(static_cast<std::uint32_t>(item->handles.size()));
   }
   if (chunk != nullptr) {
-    item->stream_end = chunk->begin == chunk->end;  // a window always holds a new item
-    item->windowed = !item->stream_end;
+    item->stream_end = chunk->begin == chunk->end;  // a chunk always holds a new item
+    item->chunked = !item->stream_end;
     item->chunk = *chunk;
   }
   for (Handle h : item->handles) retain(h);

@@ -110,24 +110,17 @@ void Conductor::next_batch(EngineId engine, std::size_t max_batch, std::chrono::
   timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
   if (!q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); })) return;
   if (m.stopping || q.ready.empty()) return;
-  Item* first = q.ready.front();
   const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
-                                                  m.g.nodes[first->node].max_batch);
+                                                  m.g.nodes[q.ready.front().node].max_batch);
   const std::int64_t t = now_ns();
-  std::size_t kept = 0;  // compact the queue in place while taking the batch out of it
-  for (std::size_t i = 0; i < q.ready.size(); ++i) {
-    Item* item = q.ready[i];
-    if (batch.size() < limit && item->node == first->node && item->walk == first->walk) {
-      --item->req->queued;
-      ++item->req->inflight;
-      ++m.inflight;
-      item->started_ns = t;
-      batch.push_back(item);
-    } else {
-      q.ready[kept++] = item;
-    }
-  }
-  q.ready.resize(kept);
+  q.ready.take_batch(limit, [&](ReadyQueue<Item*>::Entry& e) {
+    Item* item = e.value;
+    --item->req->queued;
+    ++item->req->inflight;
+    ++m.inflight;
+    item->started_ns = t;
+    batch.push_back(item);
+  });
   for (const WorkItem* w : batch)
     static_cast<Item*>(const_cast<WorkItem*>(w))->batch_size = static_cast<std::uint32_t>(batch.size());
 }

@@ -1,7 +1,7 @@
 // The Conductor's state and the operations its parts share. conductor.cpp: the public API and
 // its locking; walk_index.cpp: checks of the IR and per-walk lookups; activations.cpp: the
 // activation walker (sections, loops, work items); streams.cpp: streaming edges and their
-// windows; requests.cpp: request lifecycle, recycling and completion. Every member function runs
+// chunks; requests.cpp: request lifecycle, recycling and completion. Every member function runs
 // with `mu` held.
 #pragma once
 
@@ -103,9 +103,9 @@ struct Conductor::Impl {
   // ---- streams (streams.cpp) -----------------------------------------------------------------------
 
   /// A stream's producer scope starting again (an outer loop's next iteration) starts a fresh
-  /// stream: positions, windows and the end-of-stream flag begin anew.
+  /// stream: positions, chunks and the end-of-stream flag begin anew.
   void restart_streams(Request& r, std::uint32_t section, Outcome* out);
-  /// Windows go out once the walk has reached the consumer (its place in the walk says when it
+  /// Chunks go out once the walk has reached the consumer (its place in the walk says when it
   /// may run: put it in a Parallel with the producer to stream while the producer runs).
   void pump(Request& r, std::size_t st, Outcome* out);
   void clear_streams(Request& r, Outcome* out);

@@ -9,7 +9,7 @@
 
 namespace mstar::detail {
 
-/// The value a name has for one request: nothing, one handle, or a list (accumulated, window).
+/// The value a name has for one request: nothing, one handle, or a list (accumulated, chunk).
 struct Slot {
   bool present = false;
   bool list = false;
@@ -36,8 +36,8 @@ struct StreamState {
   std::uint64_t base = 0;
   std::uint64_t written = 0;
   bool ended = false;
-  bool inflight = false;       // a window is with an engine: windows run one at a time, in order
-  bool last_sent = false;      // the window marked last (or the stream-end item) was dispatched
+  bool inflight = false;       // a chunk is with an engine: chunks run one at a time, in order
+  bool last_sent = false;      // the chunk marked last (or the stream-end item) was dispatched
   Activation* consumer = nullptr;  // the consumer's activation, once the walk has reached it
   ChunkCursor cursor;
 };
@@ -45,8 +45,8 @@ struct StreamState {
 struct Item : WorkItem {
   bool in_use = false;
   Request* req = nullptr;
-  Activation* act = nullptr;  // the node activation (nullptr for stream windows)
-  int stream = -1;            // window of this stream
+  Activation* act = nullptr;  // the node activation (nullptr for stream chunks)
+  int stream = -1;            // chunk of this stream
   std::int64_t queued_ns = 0, started_ns = 0;
   std::uint32_t batch_size = 0;
 };

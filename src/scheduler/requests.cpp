@@ -38,13 +38,13 @@ void Conductor::Impl::end_request(Request& r, Outcome* out) {
   r.state = Request::State::over;
   if (r.queued != 0) {  // cancellation is rare: a scan of the ready queues is fine
     for (auto& q : engines) {
-      auto keep = std::remove_if(q.ready.begin(), q.ready.end(), [&](Item* it) {
+      q.ready.remove_if([&](const ReadyQueue<Item*>::Entry& e) {
+        Item* it = e.value;
         if (it->req != &r) return false;
         for (Handle h : it->handles) release(h, out);
         free_item(it);
         return true;
       });
-      q.ready.erase(keep, q.ready.end());
     }
     r.queued = 0;
   }

@@ -1,4 +1,4 @@
-// Streaming edges: a producer's items, cut into windows by the chunk policy, for the consumer.
+// Streaming edges: a producer's items, cut into chunks by the chunk policy, for the consumer.
 #include "scheduler/conductor_impl.hpp"
 
 #include <algorithm>
@@ -15,7 +15,7 @@ using detail::StreamState;
 using detail::now_ns;
 
 /// A stream's producer scope starting again (an outer loop's next iteration) starts a fresh
-/// stream: positions, windows and the end-of-stream flag begin anew.
+/// stream: positions, chunks and the end-of-stream flag begin anew.
 void Conductor::Impl::restart_streams(Request& r, std::uint32_t section, Outcome* out) {
   for (int st : index[r.walk].ends_streams[section]) {
     StreamState& s = r.streams[static_cast<std::size_t>(st)];
@@ -28,7 +28,7 @@ void Conductor::Impl::restart_streams(Request& r, std::uint32_t section, Outcome
   }
 }
 
-/// Windows go out once the walk has reached the consumer (its place in the walk says when it
+/// Chunks go out once the walk has reached the consumer (its place in the walk says when it
 /// may run: put it in a Parallel with the producer to stream while the producer runs).
 void Conductor::Impl::pump(Request& r, std::size_t st, Outcome* out) {
   StreamState& s = r.streams[st];
@@ -41,8 +41,8 @@ void Conductor::Impl::pump(Request& r, std::size_t st, Outcome* out) {
       return dispatch(r, s.spec->consumer, nullptr, static_cast<int>(st), &chunk, out);
     case ChunkCursor::Next::finished:
       if (!s.last_sent && g.nodes[s.spec->consumer].on_stream_end) {
-        // No window said `last` (the stream ended on a chunk boundary, or was empty): the
-        // consumer asked to be told, with a stream-end item rather than an empty window.
+        // No chunk said `last` (the stream ended on a chunk boundary, or was empty): the
+        // consumer asked to be told, with a stream-end item rather than an empty chunk.
         chunk.begin = chunk.new_begin = chunk.end = s.written;
         chunk.index = s.cursor.index();
         chunk.last = true;

@@ -279,7 +279,7 @@ TEST(ChunkInvariant, EveryItemIsNewInExactlyOneChunk) {
         ASSERT_LE(r.begin, r.new_begin);
         const u64 ctx = policy.context();
         ASSERT_EQ(r.begin, r.new_begin > ctx ? r.new_begin - ctx : 0);
-        ASSERT_LE(r.end - r.begin, policy.max_window());
+        ASSERT_LE(r.end - r.begin, policy.max_chunk());
         if (r.ready_when != kEnd) {
           ASSERT_EQ(r.ready_when, r.end);  // ready as soon as `end` items exist
           ASSERT_EQ(r.end - r.new_begin, policy.new_size(i));
@@ -406,7 +406,7 @@ TEST(ChunkPolicyParams, AccessorsReflectTheSizeAndContextRule) {
   EXPECT_EQ(sw.new_size(1), 7u);
   EXPECT_EQ(sw.new_size(1000), 7u);
   EXPECT_EQ(sw.context(), 21u);
-  EXPECT_EQ(sw.max_window(), 28u);
+  EXPECT_EQ(sw.max_chunk(), 28u);
 
   const ChunkPolicy ramp = ChunkPolicy::ramp({1, 8, 2}, 4, 3);
   EXPECT_EQ(ramp.kind(), ChunkPolicy::Kind::ramp);
@@ -414,13 +414,13 @@ TEST(ChunkPolicyParams, AccessorsReflectTheSizeAndContextRule) {
   EXPECT_EQ(ramp.steady_size(), 4u);
   EXPECT_EQ(ramp.new_size(1), 8u);
   EXPECT_EQ(ramp.new_size(3), 4u);
-  EXPECT_EQ(ramp.max_window(), 11u);
+  EXPECT_EQ(ramp.max_chunk(), 11u);
 
   EXPECT_EQ(ChunkPolicy::fixed(3).kind(), ChunkPolicy::Kind::fixed);
   EXPECT_EQ(ChunkPolicy::fixed(3).context(), 0u);
-  EXPECT_EQ(ChunkPolicy::fixed(3).max_window(), 3u);
+  EXPECT_EQ(ChunkPolicy::fixed(3).max_chunk(), 3u);
   EXPECT_EQ(ChunkPolicy::left_context(25, 25).kind(), ChunkPolicy::Kind::left_context);
-  EXPECT_EQ(ChunkPolicy::left_context(25, 25).max_window(), 50u);
+  EXPECT_EQ(ChunkPolicy::left_context(25, 25).max_chunk(), 50u);
   EXPECT_EQ(ChunkPolicy::sliding_window(4, 4).context(), 0u);
 }
 

@@ -537,8 +537,8 @@ TEST(ConductorStress, TwoEngineWorkersAndASubmitterWithRandomCancels) {
   };
   std::unordered_map<RequestId, std::pair<int, bool>> lasts;  // (last windows, last came last)
   app.fns[ir.node_id("voc")] = [&](const WorkItem& it, const auto& in, auto& out, auto&) {
-    if (it.windowed == it.stream_end) return false;  // exactly one of the two
-    if (it.windowed && in[0].empty()) return false;  // a window is never empty
+    if (it.chunked == it.stream_end) return false;  // exactly one of the two
+    if (it.chunked && in[0].empty()) return false;  // a window is never empty
     auto& l = lasts[it.request];  // fns run under app.mu
     if (l.first > 0) l.second = false;  // something after the end
     if (it.chunk.last) {

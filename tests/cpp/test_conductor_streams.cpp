@@ -84,7 +84,7 @@ void run_stream_case(const StreamCase& sc) {
       const WorkItem& it = windows[i];
       const Chunk& want = sc.expected[i];
       SCOPED_TRACE("window " + std::to_string(i));
-      EXPECT_TRUE(it.windowed);
+      EXPECT_TRUE(it.chunked);
       EXPECT_EQ(it.chunk.begin, want.begin);
       EXPECT_EQ(it.chunk.new_begin, want.new_begin);
       EXPECT_EQ(it.chunk.end, want.end);
@@ -179,13 +179,13 @@ TEST(Conductor, StreamEndingOnAChunkBoundaryMakesNoEmptyWindow) {
       ASSERT_EQ(calls.size(), told_by_item ? 3u : 2u);
       if (told_by_item) {
         EXPECT_TRUE(calls.back().stream_end);
-        EXPECT_FALSE(calls.back().windowed);
+        EXPECT_FALSE(calls.back().chunked);
         EXPECT_EQ(calls.back().handles.size(), 0u);
         calls.pop_back();
       }
       const std::vector<Chunk> want = {chunk(0, 0, 3, 0, false), chunk(3, 3, 6, 1, !parallel)};
       for (std::size_t i = 0; i < want.size(); ++i) {
-        EXPECT_TRUE(calls[i].windowed);
+        EXPECT_TRUE(calls[i].chunked);
         EXPECT_FALSE(calls[i].stream_end);
         EXPECT_EQ(calls[i].chunk.begin, want[i].begin) << i;
         EXPECT_EQ(calls[i].chunk.new_begin, want[i].new_begin) << i;
@@ -231,7 +231,9 @@ TEST(Conductor, AnEmptyStreamTellsOnlyAConsumerThatAsked) {
     }
     const auto calls = app.items_of(ir.node_id("C"), r);
     ASSERT_EQ(calls.size(), on_end ? 1u : 0u);
-    if (on_end) EXPECT_TRUE(calls[0].stream_end && calls[0].chunk.last);
+    if (on_end) {
+      EXPECT_TRUE(calls[0].stream_end && calls[0].chunk.last);
+    }
     EXPECT_TRUE(app.finished.count(r));
     app.expect_all_released();
   }

@@ -42,7 +42,7 @@ TEST(Conductor, SequentialChainPassesValuesNodeToNode) {
     EXPECT_EQ(it.request, r);
     EXPECT_EQ(it.walk, main);
     EXPECT_EQ(it.iteration, 0u);
-    EXPECT_FALSE(it.windowed);
+    EXPECT_FALSE(it.chunked);
     EXPECT_EQ(it.offsets, (std::vector<std::uint32_t>{0, 1}));
     EXPECT_EQ(it.list_input, (std::vector<std::uint8_t>{0}));
   }
@@ -123,7 +123,7 @@ TEST(Conductor, LoopKeepsLastValueAndAccumulatesEveryIteration) {
   EXPECT_EQ(sums[0].offsets, (std::vector<std::uint32_t>{0, 1, 4}));
   EXPECT_EQ(sums[0].list_input, (std::vector<std::uint8_t>{0, 1}));
   EXPECT_EQ(sums[0].iteration, 0u);
-  EXPECT_FALSE(sums[0].windowed);
+  EXPECT_FALSE(sums[0].chunked);
   EXPECT_EQ(app.emitted(r, ir.name("z")), (std::vector<long>{8 + 50 + 60 + 70}));
   app.expect_all_released();
 }
@@ -366,7 +366,7 @@ TEST(Conductor, ValidIRConstructsAndRuns) {
   const auto windows = app.items_of(2, r);
   ASSERT_EQ(windows.size(), 2u);
   EXPECT_EQ(windows[1].chunk.end, 4u);
-  for (const auto& w : windows) EXPECT_TRUE(w.windowed && !w.stream_end);
+  for (const auto& w : windows) EXPECT_TRUE(w.chunked && !w.stream_end);
   EXPECT_EQ(app.emitted(r, 3).size(), windows.size());
   app.expect_all_released();
 }

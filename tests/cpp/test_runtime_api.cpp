@@ -127,7 +127,7 @@ TEST(RuntimeApi, TwoWalksPersistValuesAndStreamWindowsToAConsumer) {
            c.output("tok", Tensor::scalar<float>(h));
          });
   m.node("codec", {"tok"}, {Edge::emit("audio")}, [](NodeCall& c) {
-    ASSERT_NE(c.window(), nullptr);
+    ASSERT_NE(c.chunk(), nullptr);
     float sum = 0;
     for (const Tensor& t : c.list("tok")) sum += first(t);
     c.output("audio", Tensor::scalar<float>(sum));

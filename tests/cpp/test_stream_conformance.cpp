@@ -1,7 +1,7 @@
 // Stream conformance under any timing, through the C++ runtime API: for random chunk policies,
 // stream lengths from 0 to several chunks and random sleeps in the producer and the consumer
 // (so the consumer runs before, during and after the producer's last iterations), the windows a
-// consumer sees are exactly the policy's table, never empty, and a consumer with on_stream_end
+// consumer sees are exactly the policy's table, never empty, and a consumer with on_stream_end()
 // hears the end exactly once, last. (tests/python/test_stream_conformance.py does the same for
 // the Python Runtime and a placement worker.)
 #include <gtest/gtest.h>
@@ -105,17 +105,9 @@ Model stream_model(const ChunkPolicy& policy, bool parallel, bool hears_end) {
     sleep_at(c.input("pd"), i);
     if (i < n) c.output("tok", Tensor::scalar<float>(kItem0 + static_cast<float>(i)));
     if (i + 1 >= std::max<std::uint32_t>(n, 1)) c.stop("gen");
-  }, NodeOptions{"producer", 1, {}});
-  NodeOptions use_options{"consumer", 1, {}};
-  if (hears_end)
-    use_options.on_stream_end = [](NodeCall& c) {
-      EXPECT_EQ(c.window(), nullptr);
-      EXPECT_TRUE(c.stream_ended());
-      EXPECT_TRUE(c.list("tok").empty());
-      c.output("win", Tensor::from<float>({kEnd}, {1}));
-    };
+  }, NodeOptions{"producer", 1});
   m.node("use", {"tok", "cd"}, {Edge::emit("win")}, [](NodeCall& c) {
-    const mstar::Chunk* w = c.window();
+    const mstar::Chunk* w = c.chunk();
     ASSERT_NE(w, nullptr);
     EXPECT_FALSE(c.stream_ended());
     // The k-th window of this stream is the one whose index is k.
@@ -125,7 +117,14 @@ Model stream_model(const ChunkPolicy& policy, bool parallel, bool hears_end) {
     for (const Tensor& t : c.list("tok")) v.push_back(t.data<float>()[0]);
     const auto size = static_cast<std::int64_t>(v.size());
     c.output("win", Tensor::from<float>(v, {size}));
-  }, use_options);
+  }, NodeOptions{"consumer", 1});
+  if (hears_end)
+    m.on_stream_end("use", [](NodeCall& c) {
+      EXPECT_EQ(c.chunk(), nullptr);
+      EXPECT_TRUE(c.stream_ended());
+      EXPECT_TRUE(c.list("tok").empty());
+      c.output("win", Tensor::from<float>({kEnd}, {1}));
+    });
   const Section loop = Section::dynamic_loop("gen", "gen", 1024);
   m.walk("main", parallel ? Section::par({loop, "use"}) : Section::seq({loop, "use"}));
   return m;

@@ -16,7 +16,7 @@ from mstar_rt import (
     Parallel,
     Sequential,
     StreamingGraphEdge,
-    StreamWindow,
+    StreamChunk,
 )
 
 from walk_models import ZERO_LIVE, CtxFn, Fn, WalkModel, settled
@@ -32,7 +32,7 @@ def _stream_model(policy, n_items, walk_kind="parallel"):
 
     def window(d):
         w = d["tok"]
-        assert isinstance(w, StreamWindow)
+        assert isinstance(w, StreamChunk)
         return {"win": (w.begin, w.new_begin, w.end, w.last, list(w.items), list(w.new_items),
                         d["x"])}
 

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import mstar_rt  # noqa: E402
 from mstar_rt import (EMIT, DynamicLoop, Fixed, GraphEdge, GraphNode, LeftContext,  # noqa: E402
                       Model, NodeSubmodule, Parallel, Ramp, SlidingWindow, StreamingGraphEdge,
-                      StreamWindow)
+                      StreamChunk)
 from mstar_rt.model import RequestContext, WorkContext  # noqa: E402
 from mstar_rt.models.causal_codec import CausalConvDecoder  # noqa: E402
 from mstar_rt.models.snac import PositionalNoise, SnacConfig, SnacDecoder  # noqa: E402
@@ -195,7 +195,7 @@ def direct(node: SnacStreamNode, tokens, policy, paced: bool = True, watch=None)
     with end_stream, as the runtime calls it); else only after the end of stream.
     ``watch(state)`` runs after each window."""
     n = len(tokens)
-    buf = mstar_rt.StreamBuffer(np.int64, 1 << (n + policy.max_window).bit_length(), policy)
+    buf = mstar_rt.StreamBuffer(np.int64, 1 << (n + policy.max_chunk).bit_length(), policy)
     spans = []
 
     def drain():
@@ -219,7 +219,7 @@ def direct(node: SnacStreamNode, tokens, policy, paced: bool = True, watch=None)
     ctx = WorkContext(RequestContext(1, {}), 0)
     chunks = []
     for b, nb, e, last in spans:
-        work = node.prepare_inputs(ctx, {"token": StreamWindow(list(tokens[b:e]), b, nb, e, last)})
+        work = node.prepare_inputs(ctx, {"token": StreamChunk(list(tokens[b:e]), b, nb, e, last)})
         chunks.append(node.forward([work])[0]["audio"])
         if watch is not None:
             watch(ctx.request.state)
@@ -332,7 +332,7 @@ def assert_streams_exactly(node: SnacStreamNode, tokens, policy) -> None:
         assert got == dict(frames_emitted=len(kept), invalid_frames=len(dropped),
                            incomplete_frames=int(stop % 7 != 0),
                            short_context_frames=got["short_context_frames"])
-        assert state[_CURSOR].window is None  # nothing is kept once the stream is flushed
+        assert state[_CURSOR].chunk is None  # nothing is kept once the stream is flushed
 
 
 @pytest.mark.parametrize("policy", CARRY_POLICIES, ids=str)
@@ -401,7 +401,7 @@ def test_carried_context_is_bounded(policy):
     held = []
 
     def watch(state) -> None:
-        window = state[_CURSOR].window
+        window = state[_CURSOR].chunk
         held.append(0 if window is None else len(window.items))
 
     node = SnacStreamNode(Silent(), LAYOUT)
@@ -439,7 +439,7 @@ def test_a_failed_decode_commits_no_context(snac):
     spans = [(b, min(b + 7, 80), b + 7 >= 80) for b in range(0, 80, 7)]
     chunks, failures = [], 0
     for b, e, last in spans:
-        window = {"token": StreamWindow(tokens[b:e], b, b, e, last)}
+        window = {"token": StreamChunk(tokens[b:e], b, b, e, last)}
         before = dict(ctx.request.state)
         try:
             chunks.append(node.forward([node.prepare_inputs(ctx, window)])[0]["audio"])

@@ -88,7 +88,7 @@ class ChunkPolicy {
   const std::vector<std::size_t>& first_sizes() const noexcept { return first_; }
   std::size_t steady_size() const noexcept { return steady_; }
   /// The largest chunk the policy can make: a ring must hold at least this many items.
-  std::size_t max_window() const noexcept;
+  std::size_t max_chunk() const noexcept;
   /// The constructor call that makes this policy, e.g. "SlidingWindow(28, 7)".
   std::string describe() const;
 

@@ -45,12 +45,12 @@ struct WorkItem {
   WalkId walk = 0;
   std::uint32_t iteration = 0;  ///< of the innermost enclosing loop (0 outside loops)
   /// Input k of the node is handles[offsets[k] .. offsets[k+1]); list_input[k] says whether it is
-  /// a list (an accumulated loop output or a stream window) rather than one value.
+  /// a list (an accumulated loop output or a stream chunk) rather than one value.
   std::vector<Handle> handles;
   std::vector<std::uint32_t> offsets;
   std::vector<std::uint8_t> list_input;
-  bool windowed = false;  ///< a stream consumer's window: `chunk` says which items
-  /// Not a window: the consumed stream ended and no window marked `last` went out
+  bool chunked = false;  ///< a stream consumer's chunk: `chunk` says which items
+  /// Not a chunk: the consumed stream ended and no chunk marked `last` went out
   /// (NodeSpec::on_stream_end). `chunk` is then empty at the stream's end, marked `last`.
   bool stream_end = false;
   Chunk chunk;

@@ -1,9 +1,10 @@
 // mstar/graph.hpp — the compiled graph IR: what the Conductor runs.
 //
 // A model is (G, W): nodes (one component's forward pass each, run by an engine) and named walks,
-// each a tree of sections over those nodes. The Python DSL validates a model and compiles it into
-// this plain form; names (the data flowing between nodes) become small integer ids. The
-// Conductor trusts the shape of the IR (Conductor::Conductor checks ids and throws on nonsense).
+// each a tree of sections over those nodes. GraphBuilder (graph_builder.hpp) validates a model and
+// compiles it into this plain form; names (the data flowing between nodes) become small integer
+// ids. The Conductor trusts the shape of the IR (Conductor::Conductor checks ids and throws on
+// nonsense).
 #pragma once
 
 #include <cstdint>
@@ -29,10 +30,10 @@ struct NodeSpec {
   std::uint32_t max_batch = 1;   ///< the most work items of this node one batch may hold
   std::vector<NameId> inputs;    ///< in the order the node receives them
   std::vector<NameId> outputs;   ///< in the order the node reports them
-  /// A stream consumer that wants to hear when its stream ends without a window marked `last`
-  /// (it ended exactly where a window already sent ended, or carried no items): it then gets
-  /// one stream-end work item (WorkItem::stream_end), with no window. Otherwise the end of
-  /// stream costs no call, and either way every window is one the chunk policy makes.
+  /// A stream consumer that wants to hear when its stream ends without a chunk marked `last`
+  /// (it ended exactly where a chunk already sent ended, or carried no items): it then gets
+  /// one stream-end work item (WorkItem::stream_end), with no chunk. Otherwise the end of
+  /// stream costs no call, and either way every chunk is one the chunk policy makes.
   bool on_stream_end = false;
 };
 
@@ -51,7 +52,7 @@ struct SectionSpec {
 };
 
 /// A streaming edge: each execution of `producer` appends its output `name` as one item; the
-/// consumer node runs on every window the policy makes of those items, reading them as `name`.
+/// consumer node runs on every chunk the policy makes of those items, reading them as `name`.
 struct StreamSpec {
   NodeId producer = 0;
   NameId name = 0;

@@ -8,7 +8,7 @@ and the tokenizer through transformers' ``AutoTokenizer`` (local files only). Gi
     reply:  asr -> chat (prompt ids) -> prefill (KV engine "lm")
     speak:  Parallel(DynamicLoop(decode), split, DynamicLoop(tts))
 
-``decode`` streams each token through ``Fixed(1)`` windows into ``split``
+``decode`` streams each token through ``Fixed(1)`` chunks into ``split``
 (:class:`SentenceSplitter`), which detokenizes, cuts complete sentences and queues them for the
 ``tts`` loop: the first sentence is spoken while the LM is still writing the next. Generation
 stops at EOS, at a newline (any token whose text holds one) or after ``max_new_tokens``.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from mstar_rt.audio.tts import split_sentences
-from mstar_rt.model import NodeSubmodule, StreamWindow, WorkContext
+from mstar_rt.model import NodeSubmodule, StreamChunk, WorkContext
 
 # A sentence is complete once whitespace follows its final mark (as tts.split_sentences cuts).
 _BOUNDARY = re.compile(r"(?<=[.!?;])\s+")
@@ -199,10 +199,10 @@ class _Written:
 
 
 class SentenceSplitter(NodeSubmodule):
-    """Stream consumer of the decode node's ``token`` windows: detokenizes the reply so far,
+    """Stream consumer of the decode node's ``token`` chunks: detokenizes the reply so far,
     queues each complete sentence for the ``tts`` loop (see
     :func:`mstar_rt.audio.agent.speech_queue`) and EMITs ``reply`` (the text queued so far) when
-    one is; the last window queues the rest and closes the queue."""
+    one is; the last chunk queues the rest and closes the queue."""
 
     max_batch = 8
     _KEY = "_lm_reply_text"
@@ -213,17 +213,17 @@ class SentenceSplitter(NodeSubmodule):
     def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> Any:
         from mstar_rt.audio.speak import speech_queue
 
-        window = inputs[self.input_name]
-        if not isinstance(window, StreamWindow):
-            raise TypeError(f"SentenceSplitter reads '{self.input_name}' as a StreamWindow "
+        chunk = inputs[self.input_name]
+        if not isinstance(chunk, StreamChunk):
+            raise TypeError(f"SentenceSplitter reads '{self.input_name}' as a StreamChunk "
                             "(feed it through a StreamingGraphEdge), got "
-                            f"{type(window).__name__}")
+                            f"{type(chunk).__name__}")
         state = ctx.request.state
         written = state.setdefault(self._KEY, _Written())
-        return written, [int(t) for t in window.new_items], window.last, speech_queue(state)
+        return written, [int(t) for t in chunk.new_items], chunk.last, speech_queue(state)
 
     def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:
-        """The reply ended where the last window ended: queue the rest and close the queue."""
+        """The reply ended where the last chunk ended: queue the rest and close the queue."""
         from mstar_rt.audio.speak import speech_queue
 
         state = ctx.request.state

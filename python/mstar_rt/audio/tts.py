@@ -76,9 +76,11 @@ class EspeakTTS:
         self.sample_rate = sample_rate  # espeak-ng's native rate; checked per WAV below
 
     def _speak(self, sentence: str) -> np.ndarray:
+        # The text goes in on stdin, never as an argument: a sentence such as "-f/etc/passwd"
+        # would be an option (espeak-ng would speak that file), and argv cannot carry a NUL.
         out = subprocess.run(["espeak-ng", "-v", self.voice, "-s", str(self.speed), "--stdout",
-                              sentence], capture_output=True, timeout=30, check=True,
-                             stdin=subprocess.DEVNULL).stdout
+                              "--stdin"], input=sentence.encode("utf-8", "replace"),
+                             capture_output=True, timeout=30, check=True).stdout
         # RIFF header: rate at bytes 24..28; PCM s16 data after the "data" chunk header.
         rate = int.from_bytes(out[24:28], "little")
         if rate != self.sample_rate:

@@ -188,7 +188,7 @@ class VADNode(NodeSubmodule):
         return s
 
     def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> Any:
-        window = inputs[self.input_name]  # a StreamWindow
+        window = inputs[self.input_name]  # a StreamChunk
         items = window.new_items
         try:
             x = np.asarray(items, np.float32).reshape(-1)

@@ -92,6 +92,8 @@ class PlacementOptions(Section):
     max_restarts: Optional[Count] = None
     progress: Optional[Flag] = None
     poll_s: Optional[Seconds] = None
+    heartbeat_timeout_s: Optional[Seconds] = None
+    node_timeout_s: Optional[Seconds] = None
 
     @field_validator("restart")
     @classmethod

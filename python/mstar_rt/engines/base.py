@@ -90,7 +90,7 @@ class StatelessEngine(Engine):
                 try:
                     outcomes.append(host.run(node, [item]))
                 except Exception as e:
-                    outcomes.append(queue.fail_items([item[0]], f"{type(e).__name__}: {e}"))
+                    outcomes.append(queue.fail_items([item.id], f"{type(e).__name__}: {e}"))
             self._report(host, outcomes)
 
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from mstar_rt._core import WorkItem
     from mstar_rt.nodes import BatchRunner, NodeTable
     from mstar_rt.registry import RequestRegistry
 
@@ -26,7 +27,7 @@ class EngineHost(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def run(self, node: int, items: Sequence[tuple]) -> tuple:
+    def run(self, node: int, items: Sequence[WorkItem]) -> tuple:
         """prepare -> forward -> check_stop for one batch, reported to the queue; the outcome."""
 
     def report(self, outcome: tuple) -> None:

@@ -181,7 +181,7 @@ class KVCacheEngine(Engine):
                     time.sleep(0.002)  # waiting for another request to end and free pages
             except Exception as e:  # a bug here must not strand items: fail what was in hand
                 traceback.print_exc()
-                self._fail([item[0] for _n, item, _w in pending],
+                self._fail([item.id for _n, item, _w in pending],
                            f"KV engine '{self.name}' failed: {type(e).__name__}: {e}")
                 pending = []
 
@@ -210,7 +210,7 @@ class KVCacheEngine(Engine):
                 raise ValueError(f"a KVWork needs at least one new token (got {work.num_tokens})")
             return work
         except Exception as e:
-            self._fail([item[0]], f"{type(e).__name__}: {e}")
+            self._fail([item.id], f"{type(e).__name__}: {e}")
             return None
 
     def _fail(self, ids: list[int], message: str) -> None:
@@ -227,9 +227,9 @@ class KVCacheEngine(Engine):
         keys: set[tuple[int, str]] = set()
         tokens = 0
         for node, item, work in pending:
-            rid = item[1]
+            rid = item.request
             if not self._live(rid):  # ended while it waited: tell the Conductor the item is done
-                self._fail([item[0]], "request ended")
+                self._fail([item.id], "request ended")
                 cache.release(rid)
                 continue
             key = (rid, work.label)
@@ -245,7 +245,7 @@ class KVCacheEngine(Engine):
                 else:
                     seq = cache.sequence(rid, work.label)
             except (OutOfPages, KeyError) as e:
-                self._fail([item[0]], str(e).strip("'\""))
+                self._fail([item.id], str(e).strip("'\""))
                 continue
             if seq is None and work.persist:
                 waiting.append((node, item, work))
@@ -258,17 +258,17 @@ class KVCacheEngine(Engine):
                            SeqStep(cached, work.num_tokens, pages, work.persist, work.mask)))
         # A cancel that raced the admissions above released the request before (or while) its
         # pages were taken: give them back now, before any K/V is written.
-        for entry in [c for c in chosen if not self._live(c[1][1])]:
+        for entry in [c for c in chosen if not self._live(c[1].request)]:
             chosen.remove(entry)
-            cache.release(entry[1][1])
-            self._fail([entry[1][0]], "request ended")
+            cache.release(entry[1].request)
+            self._fail([entry[1].id], "request ended")
         if not chosen and waiting and self._stuck(waiting):
             node, item, work = waiting.pop()  # the youngest waiter gives way
-            self._fail([item[0]], (
+            self._fail([item.id], (
                 f"the KV cache is full ({cache.num_pages} pages of {cache.page_size} tokens) and "
                 "every request holding pages is waiting for more; raise num_pages, or lower "
                 "max_batch / the requests' reserve"))
-            cache.release(item[1])
+            cache.release(item.request)
         return chosen, waiting
 
     def _live(self, rid: int) -> bool:
@@ -276,7 +276,7 @@ class KVCacheEngine(Engine):
 
     def _stuck(self, waiting: list) -> bool:
         """True when no request outside ``waiting`` holds pages, so none will free any."""
-        waiting_rids = {item[1] for _n, item, _w in waiting}
+        waiting_rids = {item.request for _n, item, _w in waiting}
         return self.cache.holders() <= waiting_rids
 
     def _run_step(self, chosen: list) -> None:
@@ -311,7 +311,7 @@ class KVCacheEngine(Engine):
         stops = sub.check_stop(works, outputs) if entry.stops else None
         for _n, item, work, _s in group:
             if work.persist:
-                cache.commit(item[1], work.label, work.num_tokens)
+                cache.commit(item.request, work.label, work.num_tokens)
         return [(entry, outputs[i], stops[i] if stops is not None else ())
                 for i, entry in enumerate(group)]
 
@@ -320,15 +320,15 @@ class KVCacheEngine(Engine):
         by_node: dict[int, tuple[list, list, list]] = {}
         for (node, item, _w, _s), out, extra in results:
             if out is None:
-                self._fail([item[0]], extra)
+                self._fail([item.id], extra)
                 continue
             try:
                 stop_ids = [host.loop_id(s) for s in extra]
             except Exception as e:
-                self._fail([item[0]], str(e))
+                self._fail([item.id], str(e))
                 continue
             ids, outs, stops = by_node.setdefault(node, ([], [], []))
-            ids.append(item[0])
+            ids.append(item.id)
             outs.append(out)
             stops.append(stop_ids)
         for node, (ids, outs, stops) in by_node.items():

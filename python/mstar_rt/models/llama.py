@@ -4,7 +4,6 @@ follow Hugging Face checkpoints, so their safetensors load as they are."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -39,38 +38,54 @@ class LlamaConfig:
     dtype: str = "float32"
 
     @staticmethod
-    def from_hf(config: Mapping[str, Any]) -> "LlamaConfig":
-        """Reads a transformers ``config.json`` (4.x or 5.x dialect)."""
-        act = config.get("hidden_act", "silu")
+    def from_hf(config: Mapping[str, Any], source: str = "the Llama config") -> "LlamaConfig":
+        """Reads a transformers ``config.json`` (4.x or 5.x dialect); a missing field, a wrong
+        type or an absurd size is a ValueError naming the field and ``source``."""
+        from mstar_rt.models.checkpoint import MAX_LAYERS, ConfigFields
+
+        c = ConfigFields(config, source)
+        act = c.text("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"hidden_act '{act}' is not a Llama SwiGLU ('silu')")
-        heads = int(config["num_attention_heads"])
+            raise ValueError(f"hidden_act '{act}' in {source} is not a Llama SwiGLU ('silu')")
+        heads = c.integer("num_attention_heads")
+        hidden = c.integer("hidden_size")
+        kv_heads = c.integer("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} in {source} is not a multiple of "
+                             f"num_key_value_heads {kv_heads}")
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        if not all(type(e) is int and e >= 0 for e in eos_ids):
+            raise ValueError(f"field 'eos_token_id' of {source} must be a token id or a list "
+                             f"of them, not {eos!r}")
+        bos = config.get("bos_token_id")
+        if bos is not None and (type(bos) is not int or bos < 0):
+            raise ValueError(f"field 'bos_token_id' of {source} must be a token id, not {bos!r}")
         dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
         return LlamaConfig(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
+            vocab_size=c.integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=c.integer("intermediate_size"),
+            num_hidden_layers=c.integer("num_hidden_layers", maximum=MAX_LAYERS),
             num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            rope=RopeConfig.from_hf(config),
-            bos_token_id=config.get("bos_token_id"),
+            num_key_value_heads=kv_heads,
+            head_dim=c.integer("head_dim", max(hidden // heads, 1)),
+            rms_norm_eps=c.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=c.integer("max_position_embeddings", 2048),
+            tie_word_embeddings=c.flag("tie_word_embeddings", False),
+            attention_bias=c.flag("attention_bias", False),
+            mlp_bias=c.flag("mlp_bias", False),
+            rope=RopeConfig.from_hf(config, source),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
             dtype=str(dtype).removeprefix("torch."),
         )
 
     @staticmethod
     def from_dir(path: Union[str, os.PathLike]) -> "LlamaConfig":
-        with open(os.path.join(path, "config.json")) as f:
-            return LlamaConfig.from_hf(json.load(f))
+        from mstar_rt.models.checkpoint import read_config
+
+        return LlamaConfig.from_hf(read_config(path), os.path.join(path, "config.json"))
 
 
 class RMSNorm(nn.Module):
@@ -179,19 +194,19 @@ def load_llama(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
                device: str = "cpu", progress: bool = True) -> LlamaForCausalLM:
     """Builds a :class:`LlamaForCausalLM` from a HF checkpoint directory (``config.json`` and
     safetensors, sharded or not). ``dtype`` defaults to the checkpoint's."""
-    from mstar_rt.models.checkpoint import load_weights
+    from mstar_rt.models.checkpoint import check_weights, load_weights, meta_module
 
     config = LlamaConfig.from_dir(path)
     if dtype is None:
         if config.dtype not in _DTYPES:
-            raise ValueError(f"checkpoint dtype '{config.dtype}' is not one of {list(_DTYPES)}; "
-                             "pass dtype=")
+            raise ValueError(f"checkpoint dtype '{config.dtype}' in "
+                             f"{os.path.join(path, 'config.json')} is not one of "
+                             f"{list(_DTYPES)}; pass dtype=")
         dtype = _DTYPES[config.dtype]
-    with torch.device("meta"):
-        module = LlamaForCausalLM(config)
+    tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    module = meta_module(lambda: LlamaForCausalLM(config), os.path.join(path, "config.json"))
+    check_weights(module, path, allow_missing=tied, ignore=tied)  # before allocating anything
     module = module.to_empty(device=device).to(dtype)
     module.rotary.inv_freq = config.rope.inv_freq(config.head_dim).to(device)
-    load_weights(module, path, progress=progress,
-                 allow_missing=("lm_head.weight",) if config.tie_word_embeddings else (),
-                 ignore=("lm_head.weight",) if config.tie_word_embeddings else ())
+    load_weights(module, path, progress=progress, allow_missing=tied, ignore=tied)
     return module.eval()

@@ -73,12 +73,12 @@ class Pi0Config:
         return {"model_type": "mstar_pi0", **asdict(self)}
 
     @staticmethod
-    def from_dict(d: dict) -> "Pi0Config":
-        known = set(Pi0Config.__dataclass_fields__)
-        unknown = sorted(set(d) - known - {"model_type", "architectures"})
-        if unknown:
-            raise ValueError(f"unknown pi0 config keys {unknown}; known: {sorted(known)}")
-        return Pi0Config(**{k: v for k, v in d.items() if k in known})
+    def from_dict(d: dict, source: str = "the pi0 config") -> "Pi0Config":
+        """A config.json's fields, each checked (type, range), so a bad one is a ValueError
+        naming it rather than an error in a layer, or an absurd allocation."""
+        from mstar_rt.models.checkpoint import dataclass_config
+
+        return dataclass_config(Pi0Config, d, source, ignore=("model_type", "architectures"))
 
 
 def time_embedding(tau: torch.Tensor, width: int, min_period: float = 4e-3,
@@ -174,9 +174,13 @@ def save_pi0(module: Pi0Module, path: Union[str, os.PathLike]) -> None:
 def load_pi0(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
              device: str = "cpu", progress: bool = True) -> Pi0Module:
     """Builds a :class:`Pi0Module` from a checkpoint directory written by :func:`save_pi0`."""
-    from mstar_rt.models.checkpoint import load_weights, read_config
+    from mstar_rt.models.checkpoint import (check_weights, load_weights, meta_module,
+                                            read_config)
 
-    module = Pi0Module(Pi0Config.from_dict(read_config(path)))
+    config = Pi0Config.from_dict(read_config(path), os.path.join(path, "config.json"))
+    # the config's sizes against the weights, before allocating
+    check_weights(meta_module(lambda: Pi0Module(config), os.path.join(path, "config.json")), path)
+    module = Pi0Module(config)
     module = module.to(device=device, dtype=dtype or torch.float32)
     load_weights(module, path, progress=progress)
     return module.eval()

@@ -21,22 +21,28 @@ class RopeConfig:
     original_max_positions: int = 8192
 
     @staticmethod
-    def from_hf(config: Mapping[str, Any]) -> "RopeConfig":
-        params: Optional[Mapping[str, Any]] = config.get("rope_parameters")
+    def from_hf(config: Mapping[str, Any], source: str = "the config") -> "RopeConfig":
+        from mstar_rt.models.checkpoint import ConfigFields
+
+        top = ConfigFields(config, source)
+        params: Optional[Mapping[str, Any]] = top.mapping("rope_parameters") \
+            if config.get("rope_parameters") is not None else None
         if params is None:  # transformers 4.x
-            params = dict(config.get("rope_scaling") or {})
+            params = dict(top.mapping("rope_scaling"))
             params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+        p = ConfigFields(params, f"the rope parameters of {source}")
         kind = params.get("rope_type", params.get("type", "default")) or "default"
         if kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope type '{kind}' is not supported (supported: default, linear, "
-                             "llama3); convert the checkpoint or add the scaling to models/rope.py")
+            raise ValueError(f"rope type {kind!r} in {source} is not supported (supported: "
+                             "default, linear, llama3); convert the checkpoint or add the "
+                             "scaling to models/rope.py")
         return RopeConfig(
-            theta=float(params.get("rope_theta", config.get("rope_theta", 10000.0))),
+            theta=p.number("rope_theta", top.number("rope_theta", 10000.0)),
             kind=kind,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_positions=int(params.get("original_max_position_embeddings", 8192)),
+            factor=p.number("factor", 1.0),
+            low_freq_factor=p.number("low_freq_factor", 1.0),
+            high_freq_factor=p.number("high_freq_factor", 4.0),
+            original_max_positions=p.integer("original_max_position_embeddings", 8192),
         )
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:

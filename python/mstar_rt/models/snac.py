@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -65,18 +64,24 @@ class SnacConfig:
                              f"{len(self.decoder_rates)} times (one per decoder rate)")
 
     @staticmethod
-    def from_dict(config: Mapping[str, Any]) -> "SnacConfig":
+    def from_dict(config: Mapping[str, Any], source: str = "the SNAC config") -> "SnacConfig":
+        """Each field checked (type, range), so a bad one is a ValueError naming it."""
+        from mstar_rt.models.checkpoint import dataclass_config
+
+        if not isinstance(config, Mapping):
+            raise ValueError(f"{source} must be a JSON object, not {type(config).__name__}")
         known = {f.name for f in dataclasses.fields(SnacConfig)}
-        unknown = sorted(set(config) - known)
+        unknown = sorted(set(map(str, config)) - known)
         if unknown:
-            raise ValueError(f"unknown SNAC config fields {unknown}; expected some of "
-                             f"{sorted(known)}")
-        return SnacConfig(**config)
+            raise ValueError(f"unknown SNAC config fields {unknown} in {source}; expected some "
+                             f"of {sorted(known)}")
+        return dataclass_config(SnacConfig, config, source)
 
     @staticmethod
     def from_dir(path: Union[str, os.PathLike]) -> "SnacConfig":
-        with open(os.path.join(path, "config.json")) as f:
-            return SnacConfig.from_dict(json.load(f))
+        from mstar_rt.models.checkpoint import read_config
+
+        return SnacConfig.from_dict(read_config(path), os.path.join(path, "config.json"))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``config.json`` form (lists, as `snac` writes them)."""
@@ -142,7 +147,7 @@ class SnacConfig:
         return math.lcm(s, self.attn_window_size) // s
 
     def receptive_field_frames(self) -> tuple[int, int]:
-        """``(left, right)`` coarse frames of context that make a windowed decode exact: decoding
+        """``(left, right)`` coarse frames of context that make a chunked decode exact: decoding
         coarse frames [a - left, b + right) (clipped to the stream) and keeping the samples of
         [a, b) gives what one decode of the whole stream gives there, up to float rounding --
         with noise off or :class:`PositionalNoise`. (3, 3) for the 24 kHz model."""
@@ -155,7 +160,7 @@ class SnacConfig:
 @dataclass(frozen=True)
 class PositionalNoise:
     """Noise that depends only on (seed, decoder block, absolute position), not on how the
-    stream is cut into decode windows, so windowed decodes agree with a one-shot one.
+    stream is cut into decode chunks, so chunked decodes agree with a one-shot one.
     ``frame_offset`` is the latent frame the decoded codes start at; ``seed`` and
     ``frame_offset`` may be one value for every batch row or a sequence with one per row."""
 
@@ -321,14 +326,20 @@ class SnacDecoder(nn.Module):
                              source: str = "the state dict") -> "SnacDecoder":
         """A decoder holding a `snac.SNAC` state dict's quantizer and decoder tensors (weight
         norm as ``parametrizations.weight.original0/1`` or the older ``weight_g/weight_v``)."""
+        from mstar_rt.models.checkpoint import meta_module
+
+        # the config's sizes against the weights, before allocating
+        meta_module(lambda: cls(config), f"the SNAC config for {source}") \
+            .load_snac_state_dict(state_dict, source, check_only=True)
         model = cls(config)
         model.load_snac_state_dict(state_dict, source)
         return model.fold_weight_norm() if fold else model
 
     def load_snac_state_dict(self, state_dict: Mapping[str, torch.Tensor],
-                             source: str = "the state dict") -> None:
+                             source: str = "the state dict", check_only: bool = False) -> None:
         """Loads a SNAC state dict into this (unfolded) decoder; unknown keys, missing
-        parameters and shape mismatches are one ValueError listing them."""
+        parameters and shape mismatches are one ValueError listing them (``check_only``: only
+        that check, which works on a decoder built on the meta device)."""
         if any(isinstance(m, WNConv1d) and m.folded for m in self.modules()):
             raise ValueError("load a SNAC state dict before fold_weight_norm(), not after")
         wanted = self.state_dict()
@@ -350,7 +361,8 @@ class SnacDecoder(nn.Module):
             raise ValueError(f"{source} does not fit SnacDecoder({self.config}): "
                              + "; ".join(problems) + ". Check that config.json belongs to "
                              "these weights")
-        self.load_state_dict(state)
+        if not check_only:
+            self.load_state_dict(state)
 
 
 def _encoder_side(key: str) -> bool:
@@ -400,7 +412,11 @@ def read_snac_weights(path: Union[str, os.PathLike],
         state: dict[str, torch.Tensor] = {}
         for file in tqdm(files, desc=f"loading {os.path.basename(os.fspath(path))}",
                          unit="file", disable=not progress):
-            state.update(load_file(file))
+            try:
+                state.update(load_file(file))
+            except Exception as e:  # SafetensorError, OSError: truncated, corrupt, missing
+                raise ValueError(f"{file} is not a readable safetensors file: "
+                                 f"{type(e).__name__}: {e}") from None
         return state
     if "pytorch_model.bin" in names:
         return torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",

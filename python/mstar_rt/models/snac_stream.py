@@ -2,23 +2,23 @@
 
 An Orpheus-style speech LM emits audio tokens one at a time, 7 per *frame* (one SNAC coarse
 frame, 2048 samples at 24 kHz). A :class:`~mstar_rt.StreamingGraphEdge` hands the decoder node
-windows of those tokens; the node decodes each window and EMITs the audio of the frames the window
+chunks of those tokens; the node decodes each chunk and EMITs the audio of the frames the chunk
 completes. The concatenation of everything it emits equals :func:`decode_one_shot` -- one decode
 of all valid frames -- sample for sample (up to float rounding), first and last frames included.
 
 Why the node carries context: every SNAC layer is non-causal, so the samples of frame f depend
 on frames [f - L, f + R] ((3, 3) for the 24 kHz model). The node emits frame f once the stream
 holds the R frames after it (or has ended), decoding it with the L frames before it. Those may lie
-in earlier windows: a short policy's window does not hold them. So, per request, the node keeps
+in earlier chunks: a short policy's chunk does not hold them. So, per request, the node keeps
 the tokens a later frame can still need -- the last L + R frames and any partial frame, never
-more -- and extends each window on the left with them before planning (``carry_context=True``,
+more -- and extends each chunk on the left with them before planning (``carry_context=True``,
 the default). Then every chunk policy streams exactly (all of them deliver every token), Orpheus'
 own ``SlidingWindow(28, 7)`` included: first audio after R + 1 = 4 frames, then a frame per 7
-tokens. The cost: each window decodes up to L + R + 1 frames, 7 for the 24 kHz SNAC (Orpheus'
-reference decodes the 4-frame window and keeps its second frame: cheaper, but one frame of context
-before and two after where three and three are needed, hence seams at every window boundary).
+tokens. The cost: each chunk decodes up to L + R + 1 frames, 7 for the 24 kHz SNAC (Orpheus'
+reference decodes the 4-frame chunk and keeps its second frame: cheaper, but one frame of context
+before and two after where three and three are needed, hence seams at every chunk boundary).
 
-With ``carry_context=False`` the node uses only the context the window holds, and the policy must
+With ``carry_context=False`` the node uses only the context the chunk holds, and the policy must
 keep the L frames before each new one: :meth:`SnacStreamNode.exact_policy` gives the smallest such
 policy, ``LeftContext(7 * (L + R), 7)``, and :meth:`SnacStreamNode.check_policy` (with
 ``carry_context=False``) rejects policies that cannot be exact in that mode, such as
@@ -26,9 +26,9 @@ policy, ``LeftContext(7 * (L + R), 7)``, and :meth:`SnacStreamNode.check_policy`
 
 Invalid tokens (outside their slot's code range) drop their whole frame without shifting the
 frame alignment: a frame is always stream positions 7f .. 7f + 6. One-shot decoding then joins
-the valid frames around the gap; a window joins them the same way, but holds fewer valid frames
+the valid frames around the gap; a chunk joins them the same way, but holds fewer valid frames
 around a gap (the node keeps context by stream position), so exactness is guaranteed for the
-valid frames whose context window (L frames before, R after, by position) holds no dropped frame.
+valid frames whose context chunk (L frames before, R after, by position) holds no dropped frame.
 
 The node works with any decoder exposing ``decode(codes)`` (codes: one LongTensor
 [B, frames * codes_per_frame_of_level] per codebook level; audio [B, 1, frames * samples]),
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from mstar_rt import _core
-from mstar_rt.model import NodeSubmodule, StreamWindow, WorkContext
+from mstar_rt.model import NodeSubmodule, StreamChunk, WorkContext
 from mstar_rt.models.snac import Noise, PositionalNoise, SnacDecoder
 from mstar_rt.streaming import LeftContext
 
@@ -172,21 +172,21 @@ _CURSOR = "_snac_stream_cursor"
 @dataclass(frozen=True)
 class _Cursor:
     """Where one request's stream stands: the next frame to emit, the stream position of the end
-    token once seen, whether the tail was flushed, and ``window``: the tokens kept for later
-    windows. Carrying context, those are the last L + R frames and any partial frame (what a
-    later frame can still need); else the last window. Either way :meth:`SnacStreamNode.end_stream`
-    flushes from them when the stream ends where a window already sent ended."""
+    token once seen, whether the tail was flushed, and ``chunk``: the tokens kept for later
+    chunks. Carrying context, those are the last L + R frames and any partial frame (what a
+    later frame can still need); else the last chunk. Either way :meth:`SnacStreamNode.end_stream`
+    flushes from them when the stream ends where a chunk already sent ended."""
 
     next_frame: int = 0
     emitted: int = 0
     end_position: Optional[int] = None
     flushed: bool = False
-    window: Optional[StreamWindow] = None
+    chunk: Optional[StreamChunk] = None
 
 
 @dataclass
 class _Work:
-    """One window, planned: decode ``codes`` (valid frames), keep frames [keep_lo, keep_hi) of
+    """One chunk, planned: decode ``codes`` (valid frames), keep frames [keep_lo, keep_hi) of
     them; on success commit ``cursor`` and add ``counts`` to the request's counters."""
 
     state: dict
@@ -204,9 +204,9 @@ class _Work:
 
 
 class SnacStreamNode(NodeSubmodule):
-    """A stream consumer node: windows of audio tokens in (``input_name``, a
-    :class:`StreamWindow`), ``{output_name: float32 samples}`` out per window (empty when no
-    frame became ready). Windows of several requests with equally many frames to decode run as
+    """A stream consumer node: chunks of audio tokens in (``input_name``, a
+    :class:`StreamChunk`), ``{output_name: float32 samples}`` out per chunk (empty when no
+    frame became ready). Chunks of several requests with equally many frames to decode run as
     one decoder call. Per request it keeps, in ``request.state``, the counters
     ``frames_emitted``, ``invalid_frames``, ``incomplete_frames`` and ``short_context_frames``
     (frames emitted with less context than exactness needs: 0 unless dropped frames lie in the
@@ -214,8 +214,8 @@ class SnacStreamNode(NodeSubmodule):
     :meth:`check_policy`).
 
     ``carry_context``: keep each request's last L + R frames of tokens (and any partial frame)
-    and put them before the next window, so that any chunk policy streams exactly; False uses
-    only the context a window holds (then the policy must, see :meth:`exact_policy`)."""
+    and put them before the next chunk, so that any chunk policy streams exactly; False uses
+    only the context a chunk holds (then the policy must, see :meth:`exact_policy`)."""
 
     def __init__(self, decoder: Decoder, layout: AudioTokenLayout = AudioTokenLayout(),
                  max_batch: int = 8, noise: Noise = False, input_name: str = "token",
@@ -234,7 +234,7 @@ class SnacStreamNode(NodeSubmodule):
     def exact_policy(decoder: Decoder,
                      layout: AudioTokenLayout = AudioTokenLayout()) -> _core.ChunkPolicy:
         """The smallest policy that streams ``decoder`` exactly without carried context: a frame
-        of new tokens per window, after (L + R) frames of context. (Carrying context, any policy
+        of new tokens per chunk, after (L + R) frames of context. (Carrying context, any policy
         is exact; this one then decodes no more than the node would anyway.)"""
         left, right = _receptive_field(decoder)
         return LeftContext(layout.frame_size * (left + right), layout.frame_size)
@@ -243,10 +243,10 @@ class SnacStreamNode(NodeSubmodule):
     def check_policy(decoder: Decoder, policy: _core.ChunkPolicy,
                      layout: AudioTokenLayout = AudioTokenLayout(),
                      carry_context: bool = True) -> None:
-        """ValueError, naming the minimum window, if some stream length would make a node with
+        """ValueError, naming the minimum chunk, if some stream length would make a node with
         this ``carry_context`` decode a frame with less context than ``decoder`` needs (or lose
         frames). With ``carry_context`` (the node's default) every policy passes: each delivers
-        every token, and the node itself keeps the context a window lacks."""
+        every token, and the node itself keeps the context a chunk lacks."""
         if carry_context:
             return
         left, right = _receptive_field(decoder)
@@ -256,7 +256,7 @@ class SnacStreamNode(NodeSubmodule):
             raise ValueError(
                 f"{policy} cannot stream {type(decoder).__name__} exactly: {problem}. Each frame "
                 f"({fs} tokens) needs {left} frames of context before it and {right} after it, so "
-                f"a window must hold at least {fs * (left + right + 1)} tokens "
+                f"a chunk must hold at least {fs * (left + right + 1)} tokens "
                 f"({left + right + 1} frames), {fs * (left + right)} of them context before the "
                 f"new ones: use {SnacStreamNode.exact_policy(decoder, layout)} or "
                 f"SlidingWindow({fs * (left + right + 1)}, {fs})")
@@ -264,25 +264,25 @@ class SnacStreamNode(NodeSubmodule):
     # ---- NodeSubmodule ------------------------------------------------------------------------
 
     def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> _Work:
-        window = inputs.get(self.input_name)
-        if not isinstance(window, StreamWindow):
-            raise TypeError(f"SnacStreamNode reads input '{self.input_name}' as a StreamWindow "
-                            f"(feed it through a StreamingGraphEdge), got {type(window).__name__}")
+        chunk = inputs.get(self.input_name)
+        if not isinstance(chunk, StreamChunk):
+            raise TypeError(f"SnacStreamNode reads input '{self.input_name}' as a StreamChunk "
+                            f"(feed it through a StreamingGraphEdge), got {type(chunk).__name__}")
         state = ctx.request.state
         cursor = state.get(_CURSOR) or _Cursor()
         if self.carry_context:
-            window = _extend(cursor.window, window)
-        return self._plan(state, cursor, window, ctx.request.id)
+            chunk = _extend(cursor.chunk, chunk)
+        return self._plan(state, cursor, chunk, ctx.request.id)
 
     def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:
-        """The stream ended exactly where the last window ended (or carried nothing): the
+        """The stream ended exactly where the last chunk ended (or carried nothing): the
         frames held back for their right context are decoded from the kept tokens."""
         state = ctx.request.state
         cursor = state.get(_CURSOR) or _Cursor()
-        prev = cursor.window
-        window = (StreamWindow([], 0, 0, 0, True) if prev is None
-                  else StreamWindow(prev.items, prev.begin, prev.end, prev.end, True))
-        return self._decode([self._plan(state, cursor, window, ctx.request.id)])[0]
+        prev = cursor.chunk
+        chunk = (StreamChunk([], 0, 0, 0, True) if prev is None
+                  else StreamChunk(prev.items, prev.begin, prev.end, prev.end, True))
+        return self._decode([self._plan(state, cursor, chunk, ctx.request.id)])[0]
 
     def forward(self, batch: list[_Work]) -> list[Mapping[str, Any]]:
         return self._decode(batch)
@@ -306,23 +306,23 @@ class SnacStreamNode(NodeSubmodule):
 
     # ---- planning -----------------------------------------------------------------------------
 
-    def _plan(self, state: dict, cur: _Cursor, window: StreamWindow, request_id: int) -> _Work:
+    def _plan(self, state: dict, cur: _Cursor, chunk: StreamChunk, request_id: int) -> _Work:
         layout, fs = self.layout, self.layout.frame_size
         counts = dict.fromkeys(COUNTERS, 0)
         empty = np.zeros((0, fs), np.int64)
-        if cur.flushed:  # tokens after the end token, or windows after the flush
+        if cur.flushed:  # tokens after the end token, or chunks after the flush
             return _Work(state, cur, counts, empty)
         end = cur.end_position
         if end is None:
-            end = layout.end_position(window.items, window.begin)
-        stop = window.end if end is None else min(window.end, end)
-        done = window.last or end is not None
-        parsed = layout.frames(window.items[: max(0, stop - window.begin)], window.begin)
+            end = layout.end_position(chunk.items, chunk.begin)
+        stop = chunk.end if end is None else min(chunk.end, end)
+        done = chunk.last or end is not None
+        parsed = layout.frames(chunk.items[: max(0, stop - chunk.begin)], chunk.begin)
         first, hi = parsed.first, parsed.stop
         if cur.next_frame < (min(first, stop // fs) if done else first):
             raise ValueError(
                 f"SnacStreamNode: {_frames_text(cur.next_frame, first)} of request {request_id} "
-                f"left the stream before the window [{window.begin}, {window.end}) could decode "
+                f"left the stream before the chunk [{chunk.begin}, {chunk.end}) could decode "
                 f"them with {self.right} frames of context after them; the chunk policy is too "
                 "small for this decoder (see SnacStreamNode.check_policy / exact_policy)")
         target = hi if done else hi - self.right
@@ -331,79 +331,79 @@ class SnacStreamNode(NodeSubmodule):
         counts["invalid_frames"] = int((~parsed.valid[span]).sum())
         if done:
             counts["incomplete_frames"] = int(stop % fs != 0)
-        valid_index = np.flatnonzero(parsed.valid)  # window frame -> valid-frame order
+        valid_index = np.flatnonzero(parsed.valid)  # chunk frame -> valid-frame order
         emit = np.flatnonzero((valid_index >= span.start) & (valid_index < span.stop))
         counts["frames_emitted"] = len(emit)
-        cursor = _Cursor(nxt, cur.emitted + len(emit), end, done, self._kept(window, nxt, done))
+        cursor = _Cursor(nxt, cur.emitted + len(emit), end, done, self._kept(chunk, nxt, done))
         if not len(emit):
             return _Work(state, cursor, counts, empty)
         k0, k1, n = int(emit[0]), int(emit[-1]) + 1, len(valid_index)
         lo, hi_k = max(0, k0 - self.left), min(n, k1 + self.right)
-        v0 = cur.emitted - k0  # valid frames before the window's first valid frame
+        v0 = cur.emitted - k0  # valid frames before the chunk's first valid frame
         ks = np.arange(k0, k1)
         exact = ((ks >= self.left) | (v0 == 0)) & ((n - 1 - ks >= self.right) | done)
         counts["short_context_frames"] = int((~exact).sum())
         codes = parsed.codes[valid_index[lo:hi_k]]
         return _Work(state, cursor, counts, codes, k0 - lo, k1 - lo, v0 + lo)
 
-    def _kept(self, window: StreamWindow, next_frame: int, done: bool) -> Optional[StreamWindow]:
-        """The tokens of ``window`` to keep for the next ones: carrying context, those from the L
+    def _kept(self, chunk: StreamChunk, next_frame: int, done: bool) -> Optional[StreamChunk]:
+        """The tokens of ``chunk`` to keep for the next ones: carrying context, those from the L
         frames before ``next_frame`` on (no later frame needs earlier ones), none once done."""
         if not self.carry_context:
-            return window
+            return chunk
         if done:
             return None
         start = (next_frame - self.left) * self.layout.frame_size
-        start = min(window.end, max(window.begin, start))
-        items = list(window.items[start - window.begin:])
-        return StreamWindow(items, start, window.end, window.end, False)
+        start = min(chunk.end, max(chunk.begin, start))
+        items = list(chunk.items[start - chunk.begin:])
+        return StreamChunk(items, start, chunk.end, chunk.end, False)
 
 
-def _extend(kept: Optional[StreamWindow], window: StreamWindow) -> StreamWindow:
-    """``window`` preceded by the kept tokens before its begin. Every policy hands over every
-    token, so the kept ones reach the window; if they did not, the gap is left for planning to
+def _extend(kept: Optional[StreamChunk], chunk: StreamChunk) -> StreamChunk:
+    """``chunk`` preceded by the kept tokens before its begin. Every policy hands over every
+    token, so the kept ones reach the chunk; if they did not, the gap is left for planning to
     report (frames lost)."""
-    if kept is None or not kept.begin < window.begin <= kept.end:
-        return window
-    items = list(kept.items[: window.begin - kept.begin]) + list(window.items)
-    return StreamWindow(items, kept.begin, window.new_begin, window.end, window.last)
+    if kept is None or not kept.begin < chunk.begin <= kept.end:
+        return chunk
+    items = list(kept.items[: chunk.begin - kept.begin]) + list(chunk.items)
+    return StreamChunk(items, kept.begin, chunk.new_begin, chunk.end, chunk.last)
 
 
 def _policy_problem(policy: _core.ChunkPolicy, left: int, right: int, fs: int) -> str:
-    """Why ``policy`` cannot stream exactly (the first failing window), or ''. Simulates the
-    node's emission rule for every stream length up to a horizon past which windows repeat."""
+    """Why ``policy`` cannot stream exactly (the first failing chunk), or ''. Simulates the
+    node's emission rule for every stream length up to a horizon past which chunks repeat."""
     context = policy.context
-    horizon = 4 * policy.max_window + 4 * fs * (left + right + 2)
-    windows, nb = [], 0  # the non-last windows (begin, end)
-    while nb <= horizon or len(windows) < 64:
-        size = policy.new_size(len(windows))
-        windows.append((max(0, nb - context), nb + size))
+    horizon = 4 * policy.max_chunk + 4 * fs * (left + right + 2)
+    chunks, nb = [], 0  # the non-last chunks (begin, end)
+    while nb <= horizon or len(chunks) < 64:
+        size = policy.new_size(len(chunks))
+        chunks.append((max(0, nb - context), nb + size))
         nb += size
 
     def check(next_frame: int, begin: int, end: int, done: bool) -> tuple[int, str]:
         first, hi = -(-begin // fs), end // fs
         if next_frame < (min(first, hi) if done else first):
-            return next_frame, (f"frame {next_frame} would leave the stream before a window "
-                                f"holds the {right} frames after it (next window: tokens "
+            return next_frame, (f"frame {next_frame} would leave the stream before a chunk "
+                                f"holds the {right} frames after it (next chunk: tokens "
                                 f"[{begin}, {end}))")
         target = hi if done else hi - right
         f = next_frame  # the first frame emitted has the least context before it
         if f < target and f - first < min(left, f):
-            return next_frame, (f"frame {f} would be decoded from the window of tokens "
+            return next_frame, (f"frame {f} would be decoded from the chunk of tokens "
                                 f"[{begin}, {end}) with {f - first} of the {min(left, f)} "
                                 "frames before it that it needs")
         return max(next_frame, target), ""
 
     cursors, next_frame = [0], 0
-    for begin, end in windows:  # cursor after each non-last window
+    for begin, end in chunks:  # cursor after each non-last chunk
         next_frame, problem = check(next_frame, begin, end, False)
         if problem:
             return problem
         cursors.append(next_frame)
     last_end = 0
-    for i, (begin, end) in enumerate(windows):
-        for n in range(last_end + 1, end + 1):  # streams ending inside window i, or at its end
-            if n == end:  # window i, then the end of stream: end_stream flushes from window i
+    for i, (begin, end) in enumerate(chunks):
+        for n in range(last_end + 1, end + 1):  # streams ending inside chunk i, or at its end
+            if n == end:  # chunk i, then the end of stream: end_stream flushes from chunk i
                 _, problem = check(cursors[i + 1], begin, end, True)
             else:
                 _, problem = check(cursors[i], max(0, last_end - context), n, True)
@@ -437,10 +437,10 @@ def _check_decoder(decoder: Decoder, layout: AudioTokenLayout, noise: Noise) -> 
                              f"{[len(s) for s in layout.level_slots]} codes a frame; this SNAC "
                              f"(vq_strides {list(cfg.vq_strides)}) takes {list(per_frame)}")
         if cfg.window_alignment != 1:
-            raise ValueError("SNAC models with window attention (attn_window_size="
+            raise ValueError("SNAC models with chunk attention (attn_window_size="
                              f"{cfg.attn_window_size}) cannot be streamed by SnacStreamNode: "
-                             "their decode windows would have to stay aligned to attention "
-                             "windows across dropped frames")
+                             "their decode chunks would have to stay aligned to attention "
+                             "chunks across dropped frames")
         size = cfg.codebook_size
     else:
         if noise is not False:

@@ -67,12 +67,13 @@ class WorldModelConfig:
         return self.hidden_size // self.num_heads
 
     @staticmethod
-    def from_dict(d: dict) -> "WorldModelConfig":
-        known = set(WorldModelConfig.__dataclass_fields__)
-        unknown = sorted(set(d) - known - {"model_type", "architectures"})
-        if unknown:
-            raise ValueError(f"unknown world-model config keys {unknown}; known: {sorted(known)}")
-        return WorldModelConfig(**{k: v for k, v in d.items() if k in known})
+    def from_dict(d: dict, source: str = "the world-model config") -> "WorldModelConfig":
+        """A config.json's fields, each checked (type, range), so a bad one is a ValueError
+        naming it rather than an error in a layer, or an absurd allocation."""
+        from mstar_rt.models.checkpoint import dataclass_config
+
+        return dataclass_config(WorldModelConfig, d, source,
+                                ignore=("model_type", "architectures"))
 
     def to_dict(self) -> dict:
         return {"model_type": "mstar_ac_predictor", **asdict(self)}
@@ -285,9 +286,13 @@ def load_world_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype]
                      device: str = "cpu", progress: bool = True) -> ACPredictor:
     """Builds an :class:`ACPredictor` from a checkpoint directory (``config.json`` with the
     :class:`WorldModelConfig` fields, safetensors weights)."""
-    from mstar_rt.models.checkpoint import load_weights, read_config
+    from mstar_rt.models.checkpoint import (check_weights, load_weights, meta_module,
+                                            read_config)
 
-    module = ACPredictor(WorldModelConfig.from_dict(read_config(path)))
+    config = WorldModelConfig.from_dict(read_config(path), os.path.join(path, "config.json"))
+    # the config's sizes against the weights, before allocating
+    check_weights(meta_module(lambda: ACPredictor(config), os.path.join(path, "config.json")), path)
+    module = ACPredictor(config)
     module = module.to(device=device, dtype=dtype or torch.float32)
     load_weights(module, path, progress=progress)
     return module.eval()

@@ -65,9 +65,9 @@ def _torch_dtypes() -> dict[str, Any]:
 
 
 def _register_builtin_types() -> None:
-    from mstar_rt.model import StreamWindow
+    from mstar_rt.model import StreamChunk
 
-    register_type(StreamWindow)
+    register_type(StreamChunk)
     try:
         from mstar_rt.engines.sampling import SamplingParams
     except ImportError:  # torch missing: no LM, no SamplingParams to send

@@ -9,13 +9,13 @@ its engines, KV pages) until the parent says the request ended. Results leave th
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from mstar_rt import _core
 from mstar_rt.engines.base import Engine, StatelessEngine
-from mstar_rt.model import Model, RequestContext
+from mstar_rt.model import NO_DEADLINE, Model, RequestContext
 from mstar_rt.nodes import BatchRunner, NodeTable
 from mstar_rt.placement.codec import scalar_items
 from mstar_rt.registry import RequestRegistry
@@ -25,35 +25,38 @@ _EMPTY: tuple = ((), (), ())  # an outcome with nothing for the (absent) Conduct
 
 
 class _Request:
-    __slots__ = ("context", "key")
+    __slots__ = ("context",)
 
-    def __init__(self, context: RequestContext, key: tuple) -> None:
+    def __init__(self, context: RequestContext) -> None:
         self.context = context
-        self.key = key  # queue order, as the Conductor's: deadline, then priority, then arrival
 
 
 class LocalQueue:
-    """Ready items per engine; ``next_batch`` takes the most urgent one (deadline, then
-    priority, then request arrival, as the Conductor orders) and batches it with the next most
-    urgent items of the same node and walk."""
+    """Ready items per engine, in the Conductor's order (the same C++ ready queue: deadline, then
+    priority, then request arrival); ``next_batch`` takes the most urgent one and batches it with
+    the next most urgent items of the same node and walk."""
 
     def __init__(self, host: "WorkerHost", num_engines: int, engine_of_node: dict[int, int],
                  reply: Callable[..., None]) -> None:
         self._host = host
-        self._cv = threading.Condition()
-        self._ready: list[collections.deque] = [collections.deque() for _ in range(num_engines)]
+        self._ready = _core.ReadyQueue(num_engines, [e.max_batch for e in host.nodes.entries])
         self._engine_of_node = engine_of_node
+        self._lock = threading.Lock()
         self._item_rid: dict[int, int] = {}  # items handed to an engine -> request
+        # engine -> [node, since, items not yet reported]: what the heartbeat says it runs
+        self._running: dict[int, list] = {}
         self._reply = reply
-        self._stopping = False
         self.batches = 0
 
     def put(self, node: int, walk: int, items: Sequence[tuple]) -> None:
-        with self._cv:
-            q = self._ready[self._engine_of_node[node]]
-            for item in items:
-                q.append((node, walk, item))
-            self._cv.notify_all()
+        engine, get = self._engine_of_node[node], self._host.requests.get
+        for item in items:
+            entry = get(item.request)
+            deadline, priority = ((entry.context.deadline_ns, entry.context.priority)
+                                  if entry is not None else (NO_DEADLINE, 0))
+            # Request ids are the parent's, given in arrival order.
+            self._ready.put(engine, node, walk, item.request, deadline, priority, item.request, item.id,
+                            item)
 
     def run_batch(self, engine: int, max_batch: int, timeout_s: float) -> tuple:
         """What StatelessEngine calls: the batch, for the engine to run (this queue runs no
@@ -61,53 +64,39 @@ class LocalQueue:
         return self.next_batch(engine, max_batch, timeout_s), None, None
 
     def next_batch(self, engine: int, max_batch: int, timeout_s: float) -> Optional[tuple]:
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            q = self._ready[engine]
-            while not q and not self._stopping:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cv.wait(left)
-            if self._stopping:
-                return None
-            get = self._host.requests.get
-            late = (2**63 - 1, 0, 0)
+        batch = self._ready.next_batch(engine, max_batch, timeout_s)
+        if batch is not None:
+            with self._lock:
+                for item in batch[2]:
+                    self._item_rid[item.id] = item.request
+                running = self._running.setdefault(engine, [batch[0], time.monotonic(), set()])
+                running[2].update(item.id for item in batch[2])
+                self.batches += 1
+        return batch
 
-            def key(entry: tuple) -> tuple:
-                r = get(entry[2][1])
-                return r.key if r is not None else late
-
-            node, walk, _ = min(q, key=key)  # min() keeps arrival order among equals
-            limit = min(max(max_batch, 1), self._host.nodes[node].max_batch)
-            same = sorted((e for e in q if e[0] == node and e[1] == walk), key=key)[:limit]
-            chosen = {id(e) for e in same}
-            self._ready[engine] = collections.deque(e for e in q if id(e) not in chosen)
-            taken = [e[2] for e in same]
-            for item in taken:
-                self._item_rid[item[0]] = item[1]
-            self.batches += 1
-            return node, walk, taken
+    def busy(self) -> list[list]:
+        """[[node name, seconds it has been running], ...] for each engine that is busy."""
+        now, names = time.monotonic(), self._host.node_names
+        with self._lock:
+            return [[names[node], now - since] for node, since, _ in self._running.values()]
 
     def purge(self, rid: int) -> None:
         """Drops the queued items of an ended request (the parent already reported them)."""
-        with self._cv:
-            for e, q in enumerate(self._ready):
-                if any(entry[2][1] == rid for entry in q):
-                    self._ready[e] = collections.deque(x for x in q if x[2][1] != rid)
+        self._ready.purge(rid)
 
     @property
     def queued(self) -> int:
-        with self._cv:
-            return sum(len(q) for q in self._ready)
+        return len(self._ready)
 
     def shutdown(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
+        self._ready.shutdown()
 
     def _take(self, ids: Sequence[int]) -> list[Optional[int]]:
-        with self._cv:
+        with self._lock:
+            for engine, running in list(self._running.items()):
+                running[2].difference_update(ids)
+                if not running[2]:
+                    del self._running[engine]
             return [self._item_rid.pop(i, None) for i in ids]
 
     # ---- what engines report (the Conductor's complete / fail_items) ----------------------------
@@ -205,7 +194,7 @@ class WorkerHost:
                 ctx = RequestContext(id=rid, inputs=inputs or {}, deadline_ns=order[0],
                                      priority=order[1])
                 ctx.state.update(state)
-                self.requests.add(rid, _Request(ctx, (order[0], -order[1], rid)))
+                self.requests.add(rid, _Request(ctx))
 
     def set_walk(self, rid: int, walk: int) -> None:
         handle = self.requests.get(rid)

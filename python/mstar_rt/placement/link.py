@@ -7,14 +7,13 @@ fails the items and the requests the worker held state for, and an ended request
 worker to free its pages.
 
 Threads: engine threads call :meth:`send_batch`; the hub's receiver thread calls
-:meth:`on_message` and :meth:`release` (through the Runtime) and must never wait for the
-worker, so small messages go through ``_pending``, sent by whichever thread holds the send lock;
-a monitor thread per process waits for it to exit; a pump thread forwards its output.
+:meth:`on_message` and :meth:`release` (through the Runtime) and never waits for the worker
+(placement/channel.py); a monitor thread per process waits for it to exit, a pump thread
+forwards its output, a watchdog (placement/watchdog.py) declares it hung.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import os
@@ -26,21 +25,16 @@ from typing import TYPE_CHECKING, Optional
 
 import zmq
 
-from mstar_rt.placement.arena import ArenaFull, ShmArena
-from mstar_rt.placement.codec import CodecError, Decoder, Encoder, scalar_items
+from mstar_rt.placement.arena import ShmArena
+from mstar_rt.placement.codec import CodecError, Decoder, scalar_items
 from mstar_rt.placement.config import ModelSpec, RankPlan
+from mstar_rt.placement.channel import SendChannel
 from mstar_rt.placement.ledger import ItemLedger
+from mstar_rt.placement.replies import complete_from_reply, fail_for_death
+from mstar_rt.placement.watchdog import Watchdog, heartbeat_period
 from mstar_rt.placement.process import WorkerProcess, WorkerStartError, describe_exit, say
-from mstar_rt.placement.protocol import (
-    PARENT_ID,
-    TO_PARENT,
-    TO_WORKER_HEADER,
-    VERSION,
-    ProtocolError,
-    check_header,
-    field,
-    int_list,
-)
+from mstar_rt.placement.protocol import (PARENT_ID, TO_PARENT, VERSION, ProtocolError,
+                                         check_header, field, int_list)
 
 if TYPE_CHECKING:
     from mstar_rt.placement.runtime import PlacedRuntime
@@ -71,15 +65,13 @@ class WorkerLink:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._restart_lock = threading.Lock()
-        self._tx = threading.Lock()   # the DEALER socket and the outgoing arena
         self._rx = threading.Lock()   # the incoming arena
-        self._pending: collections.deque = collections.deque()
+        self._channel = SendChannel(self.rank)  # the DEALER socket and the outgoing arena
         self._ledger = ItemLedger()  # under _lock
-        self._dealer: Optional[zmq.Socket] = None
-        self._res_gen = self._rx_gen = self._dead_gen = -1
-        self._p2w: Optional[ShmArena] = None
+        self._watchdog: Optional[Watchdog] = None
+        self._hang: tuple[int, str] = (-1, "")  # (generation, why it counts as hung)
+        self._rx_gen = self._dead_gen = -1
         self._w2p: Optional[ShmArena] = None
-        self._encoder: Optional[Encoder] = None
         self._decoder: Optional[Decoder] = None
         self._ready = threading.Event()
         self._fatal: Optional[str] = None
@@ -114,16 +106,15 @@ class WorkerLink:
         dealer.setsockopt(zmq.SNDHWM, 100_000)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.endpoint)
-        with self._tx:
-            self._dealer, self._p2w, self._encoder = dealer, p2w, Encoder(p2w)
-            self._res_gen = gen
+        self._channel.attach(gen, dealer, p2w)
         with self._rx:
             self._w2p, self._decoder = w2p, Decoder(w2p)
             self._rx_gen = gen
         cfg = dict(rank=self.rank, gen=gen, parent_pid=os.getpid(), factory=self.spec.factory,
                    kwargs={**self.spec.args, **self.plan.model_kwargs}, nodes=self.plan.nodes,
                    device=self.plan.device, engines=self.engine_settings, endpoint=self.endpoint,
-                   parent=self._parent_endpoint, p2w=p2w.name, w2p=w2p.name)
+                   parent=self._parent_endpoint, p2w=p2w.name, w2p=w2p.name,
+                   heartbeat_s=heartbeat_period(self.rt.heartbeat_timeout_s))
         config_path = os.path.join(self._workdir, f"rank{self.rank}-g{gen}.json")
         with open(config_path, "w") as f:
             json.dump(cfg, f)
@@ -166,6 +157,10 @@ class WorkerLink:
         with self._lock:
             if self.gen == gen and self.state == "starting":
                 self.state = "up"
+                self._watchdog = Watchdog(self.rt.heartbeat_timeout_s, self.rt.node_timeout_s,
+                                          lambda why: self._on_hang(gen, why),
+                                          f"mstar-worker{self.rank}-watchdog")
+                self._watchdog.start()
             self._cond.notify_all()
             if self.state != "up":
                 raise WorkerStartError(f"worker process rank {self.rank} died right after "
@@ -212,8 +207,10 @@ class WorkerLink:
         with self._lock:
             self.state = "closed"
             self._cond.notify_all()
+            if self._watchdog is not None:
+                self._watchdog.stop()
         if proc is not None and proc.poll() is None:
-            self._post(self.gen, {"kind": "shutdown"})
+            self._channel.post(self.gen, {"kind": "shutdown"})
             self.worker.stop(graceful=True)
         for t in self._threads:
             t.join(timeout=5)
@@ -222,15 +219,8 @@ class WorkerLink:
     def _disconnect(self, gen: Optional[int] = None) -> None:
         """Closes the socket and unmaps and unlinks both arenas (only if they are still those
         of generation ``gen``, when given: a restart may have replaced them)."""
-        with self._tx:
-            if gen is not None and gen != self._res_gen:
-                return
-            if self._dealer is not None:
-                self._dealer.close(0)
-            if self._p2w is not None:
-                self._p2w.unlink()
-                self._p2w.close()
-            self._dealer, self._p2w, self._encoder = None, None, None
+        if not self._channel.detach(gen):
+            return
         with self._rx:
             if gen is not None and gen != self._rx_gen:
                 return
@@ -256,9 +246,22 @@ class WorkerLink:
         except Exception:
             traceback.print_exc()
 
+    def _on_hang(self, gen: int, why: str) -> None:
+        """The watchdog says generation `gen` hangs: kill it; its death does the rest."""
+        with self._lock:
+            if gen != self.gen or self.state != "up" or self.proc is None:
+                return
+            self._hang, proc = (gen, why), self.proc
+        self._say(f"pid {proc.pid} {why}; killing it")
+        proc.kill()
+
     def _on_exit(self, proc: subprocess.Popen, gen: int, code: int) -> None:
         how = describe_exit(code)
         with self._lock:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            if self._hang[0] == gen:
+                how = f"{self._hang[1]} and was killed"
             if gen != self.gen or self.state in ("closed", "new"):
                 return  # an older generation, or a close that expected it
             was = self.state
@@ -270,21 +273,12 @@ class WorkerLink:
             self._dead_gen = gen
             inflight, known = self._ledger.clear()
             self._cond.notify_all()
-        rt, conductor = self.rt, self.rt.conductor
+        rt = self.rt
         fix = ("it is being restarted" if restart
                else f"restart it with restart_worker({self.rank})")
-        failed = set()
         # Fail first: the promise is within a second of the death.
-        for item, (rid, node) in inflight.items():
-            failed.add(rid)
-            rt.report(conductor.fail_items(
-                [item], f"worker process rank {self.rank} (pid {proc.pid}) {how} while running "
-                        f"it; {fix}"))
-        for rid, node in known.items():
-            if rid not in failed:
-                rt.report(conductor.fail(
-                    rid, f"worker process rank {self.rank} (pid {proc.pid}) {how}; it held this "
-                         f"request's state of node '{node}'; {fix}"))
+        fail_for_death(rt, f"worker process rank {self.rank} (pid {proc.pid}) {how}", fix,
+                       inflight, known)
         if self.progress and was == "up":
             self._say(f"pid {proc.pid} {how}")
         self._disconnect(gen)
@@ -321,15 +315,15 @@ class WorkerLink:
                             f"restart_worker({self.rank})")
             else:
                 for item in items:
-                    rid = item[1]
+                    rid = item.request
                     if not self._live(rid):
-                        ended.append(item[0])
+                        ended.append(item.id)
                         continue
                     live.append(item)
-                    if self._ledger.record(item[0], rid, node_name):
+                    if self._ledger.record(item.id, rid, node_name):
                         opens.append(rid)
         if rejected is not None:
-            rt.report(rt.conductor.fail_items([it[0] for it in items], rejected))
+            rt.report(rt.conductor.fail_items([it.id for it in items], rejected))
             return
         if ended:
             rt.report(rt.conductor.fail_items(ended, "the request ended"))
@@ -349,72 +343,32 @@ class WorkerLink:
 
     def _transmit(self, gen: int, node: int, walk: int, items: list, opens: list) -> None:
         failures: list[tuple[list[int], str]] = []
-        with self._tx:
-            if self.gen != gen or self._dealer is None:
+        channel = self._channel
+        with channel.lock:
+            if self.gen != gen or not channel.is_open(gen):
                 return  # the worker died meanwhile: its death failed these items
             groups = [items]
             while groups:
                 group = groups.pop()
                 group_opens = {rid: self._open(rid) for rid in opens
-                               if any(it[1] == rid for it in group)}
+                               if any(it.request == rid for it in group)}
                 msg = {"v": VERSION, "kind": "batch", "node": node, "walk": walk,
-                       "items": [[it[0], it[1], it[2], it[3], it[4]] for it in group],
+                       "items": [[it.id, it.request, it.iteration, it.inputs, it.chunk] for it in group],
                        "open": group_opens}
-                error = self._send_locked(gen, msg)
+                error = channel.send_locked(gen, msg, lambda: self._alive(gen))
                 if error is None:
                     continue
                 if len(group) > 1:  # isolate: one by one, so only the culprit's request fails
                     groups.extend([it] for it in group)
                 else:
-                    failures.append(([group[0][0]], error))
-        self._flush()
+                    failures.append(([group[0].id], error))
+        channel.flush()
         for ids, message in failures:
             self._report_failed(ids, message)
 
-    def _send_locked(self, gen: int, msg: dict) -> Optional[str]:
-        """Packs and sends under the send lock; returns an error text instead of raising."""
-        arena, dealer, encoder = self._p2w, self._dealer, self._encoder
-        assert arena is not None and dealer is not None and encoder is not None
-        mark = arena.mark()
-        try:
-            payload = encoder.pack(msg)
-        except (CodecError, ArenaFull) as e:
-            arena.rollback(mark)
-            return f"cannot send its inputs to worker process rank {self.rank}: {e}"
-        span = arena.publish()
-        frames = [TO_WORKER_HEADER.pack(gen, span), payload]
-        while True:
-            try:
-                dealer.send_multipart(frames, flags=zmq.NOBLOCK)
-                return None
-            except zmq.Again:  # not connected yet or the worker lags: wait while it lives
-                with self._lock:
-                    if self.gen != gen or self._dead_gen >= gen or self.state == "closed":
-                        return None  # its death reports the items
-                time.sleep(0.0005)
-
-    def _post(self, gen: int, msg: dict) -> None:
-        """Queues a small message (no tensors) and sends it if the send lock is free; never
-        waits, so the receiver thread may call it."""
-        self._pending.append((gen, {"v": VERSION, **msg}))
-        self._flush()
-
-    def _flush(self) -> None:
-        # Whoever holds the send lock drains; a poster that misses it is drained by the holder,
-        # which checks again after letting go.
-        while self._pending and self._tx.acquire(blocking=False):
-            try:
-                while self._pending:
-                    gen, msg = self._pending.popleft()
-                    if gen == self.gen and self._dealer is not None:
-                        try:
-                            self._dealer.send_multipart(
-                                [TO_WORKER_HEADER.pack(gen, self._p2w.mark()),
-                                 Encoder(None).pack(msg)], flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            pass  # the worker is gone or hopelessly behind; its death cleans up
-            finally:
-                self._tx.release()
+    def _alive(self, gen: int) -> bool:
+        with self._lock:
+            return self.gen == gen and self._dead_gen < gen and self.state != "closed"
 
     def release(self, rid: int) -> None:
         """The request ended in the parent: its items still out are reported as failed (their
@@ -426,7 +380,7 @@ class WorkerLink:
             gen = self.gen
         if ids:
             self.rt.report(self.rt.conductor.fail_items(sorted(ids), "the request ended"))
-        self._post(gen, {"kind": "release", "requests": [rid]})
+        self._channel.post(gen, {"kind": "release", "requests": [rid]})
 
     def stats(self, timeout: float = 5.0) -> dict:
         with self._lock:
@@ -438,7 +392,7 @@ class WorkerLink:
         waiter: list = [threading.Event(), None]
         self._waiters[token] = waiter
         try:
-            self._post(gen, {"kind": "stats", "token": token})
+            self._channel.post(gen, {"kind": "stats", "token": token})
             if not waiter[0].wait(timeout):
                 raise TimeoutError(f"worker process rank {self.rank} did not answer a stats "
                                    f"request within {timeout} s")
@@ -480,7 +434,7 @@ class WorkerLink:
     def _dispatch(self, kind: str, msg: dict) -> None:
         rt = self.rt
         if kind == "done":
-            self._done(msg)
+            complete_from_reply(self.rt, msg, self._take)
         elif kind == "failed":
             self._report_failed(int_list(msg, "items"), field(msg, "message", str))
         elif kind == "ready":
@@ -493,6 +447,9 @@ class WorkerLink:
                     self.proc.kill()
                 return
             self._ready.set()
+        elif kind == "heartbeat":
+            if self._watchdog is not None:
+                self._watchdog.beat(field(msg, "busy", list))
         elif kind == "fatal":
             self._fatal = field(msg, "message", str)
         elif kind == "stats":
@@ -504,45 +461,6 @@ class WorkerLink:
             self.error_replies += 1
             self.last_error = field(msg, "message", str)
             self._say(self.last_error)
-
-    def _done(self, msg: dict) -> None:
-        rt = self.rt
-        node = field(msg, "node", int)
-        ids = int_list(msg, "items")
-        outputs = field(msg, "outputs", list)
-        stops = field(msg, "stops", list, optional=True)
-        states = field(msg, "states", dict)
-        if len(outputs) != len(ids) or (stops is not None and len(stops) != len(ids)):
-            raise ProtocolError("'done' needs one output map (and stop list) per item")
-        if not 0 <= node < len(rt.node_names):
-            raise ProtocolError(f"node id {node} is out of range")
-        taken = self._take(ids)
-        if not taken:
-            return
-        for rid, state in states.items():  # before complete(): next_walk may read it
-            handle = rt.requests.get(rid)
-            if handle is not None and isinstance(state, dict):
-                handle.context.state.update(state)
-        keep_ids, keep_out, keep_stops = [], [], []
-        for i, item in enumerate(ids):
-            if item not in taken:
-                continue
-            try:
-                stop_ids = [] if stops is None else [rt.loop_id(s) for s in stops[i]]
-            except Exception as e:
-                rt.report(rt.conductor.fail_items([item], str(e)))
-                continue
-            keep_ids.append(item)
-            keep_out.append(outputs[i])
-            keep_stops.append(stop_ids)
-        if not keep_ids:
-            return
-        try:
-            outcome = rt.conductor.complete(node, keep_ids, keep_out,
-                                            None if stops is None else keep_stops)
-        except Exception as e:  # e.g. outputs the node does not declare: fail those items
-            outcome = rt.conductor.fail_items(keep_ids, f"{type(e).__name__}: {e}")
-        rt.report(outcome)
 
     def _take(self, ids: list[int]) -> set[int]:
         with self._lock:

@@ -4,7 +4,9 @@ Every message is two ZeroMQ frames: a fixed binary header (the sender's generati
 when it is a worker, and ``span``: where its arena allocations for this message end), then a
 msgpack map ``{"v": 1, "kind": ..., ...}`` whose tensors are arena references (codec.py). A
 receiver checks every field it reads before acting, so a malformed or foreign message gets an
-error reply and changes nothing.
+error reply and changes nothing; a malformed batch from the parent also gets a ``failed`` for
+every item it names. A second peer that claims the parent's routing id is never heard (ZeroMQ's
+ROUTER keeps the first).
 
 parent -> worker (worker's ROUTER socket)::
 
@@ -28,6 +30,7 @@ worker -> parent (the parent's PULL socket)::
 
 from __future__ import annotations
 
+import reprlib
 import struct
 from typing import Any
 
@@ -37,7 +40,7 @@ TO_WORKER_HEADER = struct.Struct("<IQ")     # generation, span end of the parent
 TO_PARENT_HEADER = struct.Struct("<IIQ")    # rank, generation, span end of the worker's arena
 
 TO_WORKER = ("batch", "release", "stats", "shutdown")
-TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error")
+TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error", "heartbeat")
 
 
 class ProtocolError(ValueError):
@@ -48,11 +51,14 @@ def check_header(msg: Any, kinds: tuple[str, ...]) -> str:
     """The message's kind, after checking it is a map of this protocol version."""
     if not isinstance(msg, dict):
         raise ProtocolError(f"a message must be a msgpack map, not {type(msg).__name__}")
-    if msg.get("v") != VERSION:
-        raise ProtocolError(f"protocol version {msg.get('v')!r} is not {VERSION}")
+    # Exact types: True, 1.0 or an array would compare equal (or ambiguously) to a number or str.
+    version = msg.get("v")
+    if type(version) is not int or version != VERSION:
+        raise ProtocolError(f"protocol version {reprlib.repr(version)} is not {VERSION}")
     kind = msg.get("kind")
-    if kind not in kinds:
-        raise ProtocolError(f"unknown message kind {kind!r}; expected one of {list(kinds)}")
+    if type(kind) is not str or kind not in kinds:
+        raise ProtocolError(f"unknown message kind {reprlib.repr(kind)}; expected one of "
+                            f"{list(kinds)}")
     return kind
 
 

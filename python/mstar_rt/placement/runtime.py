@@ -124,6 +124,9 @@ class PlacedRuntime(Runtime):
     ``ready_timeout_s``: how long a worker may take to build the model. ``restart``:
     ``"manual"`` (:meth:`restart_worker`) or ``"auto"`` (at most ``max_restarts`` times per
     worker). ``progress``: forward worker output, prefixed with its rank, to stderr.
+    ``heartbeat_timeout_s``: a worker whose heartbeats stop this long counts as hung;
+    ``node_timeout_s`` (default None: no limit): so does one whose node runs longer; a hung
+    worker is killed and handled as a death (placement/watchdog.py).
     ``engines`` overrides engines as the Runtime's does; a KVCacheEngine for nodes placed in a
     worker travels as its settings (page size, pages, ...) and is rebuilt there. Other
     arguments are the :class:`~mstar_rt.Runtime`'s.
@@ -136,7 +139,8 @@ class PlacedRuntime(Runtime):
                  model_kwargs: Optional[Mapping[str, Any]] = None, poll_s: float = 0.05,
                  engines: Optional[Mapping[str, Engine]] = None, shm_bytes: int = 64 << 20,
                  ready_timeout_s: float = 120.0, restart: str = "manual", max_restarts: int = 3,
-                 progress: bool = True) -> None:
+                 progress: bool = True, heartbeat_timeout_s: float = 10.0,
+                 node_timeout_s: Optional[float] = None) -> None:
         self._links: dict[int, WorkerLink] = {}
         self._hub: Optional[_Hub] = None
         self._zctx: Optional[zmq.Context] = None
@@ -144,6 +148,10 @@ class PlacedRuntime(Runtime):
         self._runtime_started = False
         self._closed = False
         self.shm_prefix = ""
+        if heartbeat_timeout_s <= 0 or (node_timeout_s is not None and node_timeout_s <= 0):
+            raise ValueError(f"heartbeat_timeout_s ({heartbeat_timeout_s}) and node_timeout_s "
+                             f"({node_timeout_s}) must be > 0 seconds (node_timeout_s may be None)")
+        self.heartbeat_timeout_s, self.node_timeout_s = heartbeat_timeout_s, node_timeout_s
         if restart not in ("manual", "auto"):
             raise ValueError(f"restart={restart!r}; use 'manual' or 'auto'")
         self.restart_policy, self.max_restarts = restart, max_restarts

@@ -18,8 +18,10 @@ import time
 import traceback
 from typing import Any, Optional
 
+import msgpack
 import zmq
 
+from mstar_rt import _core
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder
 from mstar_rt.placement.config import ModelSpec
@@ -99,6 +101,7 @@ class Worker:
         self.host: Any = None
         self.bad_messages = 0
         self.messages = 0
+        self.stopping = threading.Event()
 
     # ---- startup -----------------------------------------------------------------------------
 
@@ -119,6 +122,17 @@ class Worker:
         g = self.host.graph
         self.outbox.send("ready", pid=os.getpid(), nodes=list(g.node_ids), walks=list(g.walk_ids))
         say(f"ready in {time.monotonic() - t0:.1f} s (engines {engines})")
+        threading.Thread(target=self.heartbeat, daemon=True, name="mstar-heartbeat").start()
+
+    def heartbeat(self) -> None:
+        """Tells the parent, every heartbeat_s, that this process answers and what its engines
+        run (placement/watchdog.py); ends with the process."""
+        period = float(self.cfg.get("heartbeat_s", 1.0))
+        while not self.stopping.wait(period):
+            try:
+                self.outbox.send("heartbeat", busy=self.host.conductor.busy())
+            except Exception:  # the socket closed under us at shutdown
+                return
 
     # ---- serving -----------------------------------------------------------------------------
 
@@ -167,12 +181,16 @@ class Worker:
             msg = self.plain.unpack(frames[1])
         else:
             try:
-                msg = self.decoder.unpack(frames[1])
-            finally:  # copied out (or unusable): free the parent's arena up to here
                 try:
-                    self.p2w.free_to(span)
-                except ValueError as e:
-                    raise ProtocolError(str(e)) from None
+                    msg = self.decoder.unpack(frames[1])
+                finally:  # copied out (or unusable): free the parent's arena up to here
+                    try:
+                        self.p2w.free_to(span)
+                    except ValueError as e:
+                        raise ProtocolError(str(e)) from None
+            except (ProtocolError, CodecError) as e:
+                self.fail_named_items(frames[1], e)
+                raise
         kind = check_header(msg, TO_WORKER)
         if kind == "batch":
             self.batch(msg, from_parent)
@@ -190,6 +208,20 @@ class Worker:
             return "shutdown"
         return None
 
+    def fail_named_items(self, payload: bytes, error: Exception) -> None:
+        """The parent's message could not be taken as a whole (its tensors, or its span end, are
+        bad): if it is a batch, its items are failed by id, so they do not wait forever."""
+        try:
+            msg = msgpack.unpackb(payload, raw=False, strict_map_key=False,
+                                  ext_hook=lambda code, data: None)
+        except Exception:  # not even the structure is readable: no item can be named
+            return
+        batch = (isinstance(msg, dict) and type(msg.get("v")) is int and msg["v"] == VERSION
+                 and msg.get("kind") == "batch")
+        ids = _item_ids(msg.get("items")) if batch else []
+        if ids:
+            self.outbox.send("failed", items=ids, message=f"malformed batch: {error}")
+
     @staticmethod
     def only_parent(from_parent: bool, kind: str) -> None:
         # Checked after the message's own fields, so a stranger learns what was malformed.
@@ -199,7 +231,7 @@ class Worker:
     def batch(self, msg: dict, from_parent: bool) -> None:
         host = self.host
         items = field(msg, "items", list)
-        ids = [it[0] for it in items if isinstance(it, list) and it and type(it[0]) is int]
+        ids = _item_ids(items)
         try:
             node = field(msg, "node", int)
             walk = field(msg, "walk", int)
@@ -209,17 +241,17 @@ class Worker:
             if not 0 <= walk < len(host.walk_names):
                 raise ProtocolError(f"walk id {walk} is out of range")
             inputs = set(host.graph.node_inputs[node])
+            stream_input = host.nodes[node].stream_input
             work = []
             for it in items:
+                # ids are 64-bit and iterations 32-bit in the C++ queue and WorkContext
                 if not (isinstance(it, list) and len(it) == 5
-                        and all(type(x) is int and x >= 0 for x in it[:3])
-                        and isinstance(it[3], dict) and set(it[3]) <= inputs
-                        and (it[4] is None
-                             or (isinstance(it[4], (list, tuple)) and len(it[4]) == 4))):
+                        and all(type(x) is int and x >= 0 for x in it[:3]) and it[2] < 2**32
+                        and isinstance(it[3], dict) and set(it[3]) <= inputs):
                     raise ProtocolError("a batch item must be [item, request, iteration, "
                                         "{input: value}, chunk or None] with the node's inputs")
-                chunk = None if it[4] is None else tuple(it[4])
-                work.append((it[0], it[1], it[2], it[3], chunk))
+                chunk = _chunk(it[4], stream_input, host.node_names[node])
+                work.append(_core.WorkItem((it[0], it[1], it[2], it[3], chunk)))
             opens = field(msg, "open", dict)
             for rid, o in opens.items():
                 if type(rid) is not int or not isinstance(o, dict):
@@ -229,9 +261,12 @@ class Worker:
                 order = o.get("order", [2**63 - 1, 0])
                 if not isinstance(inputs_, (dict, type(None))) or not isinstance(state, dict):
                     raise ProtocolError("'open' entries hold inputs (a map or nil) and state")
+                # the ready queue orders by a 64-bit deadline and a 32-bit priority
                 if not (isinstance(order, list) and len(order) == 2
-                        and all(type(v) is int for v in order)):
-                    raise ProtocolError("'open' order must be [deadline_ns, priority]")
+                        and all(type(v) is int for v in order)
+                        and -2**63 <= order[0] < 2**63 and -2**31 <= order[1] < 2**31):
+                    raise ProtocolError("'open' order must be [deadline_ns, priority], a 64-bit "
+                                        "and a 32-bit signed integer")
             self.only_parent(from_parent, "batch")
         except (ProtocolError, CodecError) as e:
             if from_parent and ids:  # tell the parent so those items do not wait forever
@@ -242,13 +277,13 @@ class Worker:
                       tuple(o.get("order", (2**63 - 1, 0))))
         known, unknown = [], []
         for w in work:
-            (known if host.requests.get(w[1]) is not None else unknown).append(w)
+            (known if host.requests.get(w.request) is not None else unknown).append(w)
         if unknown:
-            self.outbox.send("failed", items=[w[0] for w in unknown],
+            self.outbox.send("failed", items=[w.id for w in unknown],
                              message=f"worker rank {self.rank} holds no state for this request "
                                      "(it ended, or the worker restarted)")
         for w in known:
-            host.set_walk(w[1], walk)
+            host.set_walk(w.request, walk)
         if known:
             host.conductor.put(node, walk, known)
 
@@ -270,6 +305,7 @@ class Worker:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def close(self) -> None:
+        self.stopping.set()
         if self.host is not None:
             self.host.close()
         if self.router is not None:
@@ -279,6 +315,30 @@ class Worker:
         for arena in (self.p2w, self.w2p):
             if arena is not None:
                 arena.close()
+
+
+def _item_ids(items: Any) -> list[int]:
+    """The ids a batch's items name (what a parent waits for), however malformed the rest."""
+    if not isinstance(items, list):
+        return []
+    return [it[0] for it in items if isinstance(it, list) and it and type(it[0]) is int]
+
+
+def _chunk(value: Any, stream_input: Optional[str], node: str) -> Optional[tuple]:
+    """A batch item's stream chunk, checked: (begin, new_begin, end, last) for the node's
+    stream, as the Conductor makes them."""
+    if value is None:
+        return None
+    if stream_input is None:
+        raise ProtocolError(f"a batch item for node '{node}' carries a stream chunk, but the "
+                            "node reads no stream; send chunk None")
+    if not (isinstance(value, (list, tuple)) and len(value) == 4
+            and all(type(v) is int for v in value[:3]) and type(value[3]) is bool
+            and 0 <= value[0] <= value[1] <= value[2]):
+        raise ProtocolError(f"the stream chunk of a batch item for node '{node}' must be "
+                            "(begin, new_begin, end, last) with 0 <= begin <= new_begin <= end "
+                            "and last a bool")
+    return tuple(value)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

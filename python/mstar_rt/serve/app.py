@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
-from mstar_rt.serve.bodies import BadBody, Body, GenerateBody, SpeechBody, parse
+from mstar_rt.serve.bodies import (BadBody, Body, ErrorBody, GenerateBody, SpeechBody,
+                                   array_schema, parse, request_body)
 from mstar_rt.serve.bridge import AtCapacity, Bridge, RequestTimeout
 from mstar_rt.serve.deployment import Deployment
 from mstar_rt.serve.metrics import ServerMetrics
@@ -128,7 +129,7 @@ class ServeState:
 def create_app(deployment: Deployment) -> FastAPI:
     """The ASGI app serving ``deployment`` (``app.state.serve`` holds the shared state; call
     ``app.state.serve.close()`` after the server stops)."""
-    from mstar_rt.serve.openpi import add_policy_routes
+    from mstar_rt.serve.openpi import add_policy_routes, check_input
 
     app = FastAPI(title=f"mstar_rt: {deployment.name}", docs_url=None, redoc_url=None)
     state = ServeState(deployment)
@@ -148,7 +149,9 @@ def create_app(deployment: Deployment) -> FastAPI:
         return {"status": "ok", "model": d.name, "admitted": state.bridge.admission.in_flight,
                 "max_concurrent_requests": d.max_concurrent_requests}
 
-    @app.get("/v1/models")
+    keyed = (401,) if d.api_key is not None else ()
+
+    @app.get("/v1/models", responses=_errors(*keyed))
     async def models() -> dict:
         info = {"id": d.name, "object": "model", "created": d.created, "owned_by": "mstar_rt",
                 "capabilities": d.capabilities, "inputs": list(d.inputs)}
@@ -156,12 +159,16 @@ def create_app(deployment: Deployment) -> FastAPI:
             info["voices"] = list(d.speech.voices or ())
         return {"object": "list", "data": [info]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_errors(*keyed))
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(state.metrics.render(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/audio/speech")
+    voices = (d.speech.voices if d.speech is not None else None) or ()
+
+    @app.post("/v1/audio/speech", response_class=Response,
+              openapi_extra=request_body(SpeechBody.schema_for(d.name, voices)),
+              responses={200: _SPEECH_200, **_errors(400, *keyed, 404, 429, 500, 503, 504)})
     async def speech(request: Request) -> Response:
         body = await _json_body(request)
         inputs, fmt = _speech_inputs(d, body)
@@ -170,11 +177,15 @@ def create_app(deployment: Deployment) -> FastAPI:
                                    "audio/wav" if fmt == "wav" else "audio/pcm",
                                    {"X-Sample-Rate": str(d.speech.output_rate)})  # type: ignore
 
-    @app.post("/generate")
+    @app.post("/generate", response_class=Response,
+              openapi_extra=request_body(GenerateBody.schema_for(
+                  _input_schemas(d), [k for k in d.inputs if k not in d.optional_inputs])),
+              responses={200: _GENERATE_200, **_errors(400, *keyed, 429, 500, 503, 504)})
     async def generate(request: Request) -> Response:
         body = _parse(GenerateBody, await _json_body(request), inputs=d.inputs)
         try:
-            inputs = {k: decode_input(v, f"inputs.{k}") for k, v in body.inputs.items()}
+            inputs = {k: check_input(d.policy, k, decode_input(v, f"inputs.{k}"), f"inputs.{k}")
+                      for k, v in body.inputs.items()}
         except ValueError as e:
             raise ApiError(400, str(e), param="inputs") from None
         return await _start_stream(state, request, "/generate", inputs, body.priority,
@@ -384,8 +395,10 @@ async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not JSON, not UTF-8, or an integer past Python's digit limit
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
     return body
@@ -396,6 +409,60 @@ def _parse(cls: type[_B], body: dict, **context: Any) -> _B:
         return parse(cls, body, **context)
     except BadBody as e:
         raise ApiError(400, str(e), param=e.param) from None
+
+
+# ---- the OpenAPI document: what each route answers ---------------------------------------------
+
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_SPEECH_200 = {"description": "the speech as it is spoken: 16-bit mono PCM, or WAV (a streaming "
+                              "header, then the same PCM)",
+               "content": {"audio/pcm": _BINARY, "audio/wav": _BINARY},
+               "headers": {"X-Sample-Rate": {"schema": {"type": "string"}}}}
+_GENERATE_200 = {"description": "one JSON line per output as the model EMITs it, then "
+                                "{done, counts} (or an error line)",
+                 "content": {"application/x-ndjson": {"schema": {"type": "string"}}}}
+_ERRORS = {400: "the request is wrong; the message names the field to fix",
+           401: "the API key is missing or wrong", 404: "no such model (or it does not speak)",
+           429: "the server runs max_concurrent_requests requests; retry after Retry-After",
+           500: "the model failed on this request", 503: "the request was cancelled",
+           504: "the request ran past request_timeout_s"}
+
+
+def _input_schemas(d: Deployment) -> dict[str, dict[str, Any]]:
+    """The JSON schema of each model input's value, as far as the deployment knows it: the
+    speech text and voice; the policy's declared shapes and dtypes (nested lists, or an array
+    as ``{dtype, shape, data}``); ``{}`` (any JSON, arrays included) otherwise."""
+    out: dict[str, dict[str, Any]] = {name: {} for name in d.inputs}
+    if d.speech is not None:
+        out[d.speech.text_input] = {"type": "string"}
+        if d.speech.voice_input is not None:
+            voice = {"enum": list(d.speech.voices)} if d.speech.voices else {"type": "string"}
+            out[d.speech.voice_input] = {"anyOf": [voice, {"type": "null"}]}
+    for name, shape in d.policy.shapes.items():
+        if name in out:
+            out[name] = {"anyOf": [_nested_arrays(shape, d.policy.dtypes.get(name)),
+                                   array_schema()]}
+    return out
+
+
+def _nested_arrays(shape: tuple, dtype: Optional[str]) -> dict[str, Any]:
+    """Nested JSON arrays of ``shape`` (None = any size) holding ``dtype`` values."""
+    kind = np.dtype(dtype).kind if dtype is not None else "f"
+    item: dict[str, Any] = ({"type": "boolean"} if kind == "b" else {"type": "number"}
+                            if kind in "fc" else {"type": "integer"})
+    if kind in "iuf" and dtype is not None:  # a value past the dtype's range is refused
+        info = (np.iinfo if kind in "iu" else np.finfo)(np.dtype(dtype))
+        item.update(minimum=np.asarray(info.min).item(), maximum=np.asarray(info.max).item())
+    for size in reversed(shape):
+        item = {"type": "array", "items": item}
+        if size is not None:
+            item.update(minItems=size, maxItems=size)
+    return item
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each an :class:`ErrorBody`."""
+    return {s: {"model": ErrorBody, "description": _ERRORS[s]} for s in statuses}
 
 
 def _status_word(status: int) -> str:

@@ -1,17 +1,21 @@
 """The HTTP request bodies as pydantic models (as the config is): each field checks itself and
 says what to send instead; :func:`parse` turns the first problem into a :class:`BadBody` naming
-the field, which the app answers with a 400."""
+the field, which the app answers with a 400. The types and bounds also make the bodies' JSON
+schemas, which the app's OpenAPI document publishes (see :func:`request_body`)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, TypeVar
+from typing import Any, Literal, Mapping, Optional, Sequence, TypeVar
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
 from mstar_rt.config.errors import KeyProblem
+from mstar_rt.serve.wire import DTYPES, MAX_DIMS, whole_number
 
 SPEECH_FORMATS = ("pcm", "wav")
+MAX_DEADLINE_S = 365 * 86400.0  # a deadline further away orders nothing: leave it out
+PRIORITIES = (-2**31, 2**31 - 1)  # the Conductor keeps a priority as an int32
 _B = TypeVar("_B", bound="Body")
 
 
@@ -35,6 +39,11 @@ class Body(BaseModel):
             if unknown:
                 raise KeyProblem(str(unknown[0]), f"unknown field {unknown[0]!r}; the fields are "
                                  f"{fields}")
+            # A required field left out gets its own validator's message, as if sent as null.
+            missing = {k: None for k, f in cls.model_fields.items()
+                       if f.is_required() and k not in data}
+            if missing:
+                data = {**data, **missing}
         return data
 
 
@@ -46,12 +55,12 @@ class SpeechBody(Body):
     """OpenAI's ``/v1/audio/speech`` body; ``instructions`` is accepted and ignored."""
 
     model: Optional[str] = None
-    input: str = Field(None, validate_default=True)  # type: ignore[assignment]
+    input: str = Field(min_length=1, json_schema_extra={"pattern": r"\S"})
     voice: Optional[str] = None
-    response_format: str = Field("pcm", validate_default=True)
-    speed: float = 1.0
+    response_format: Optional[Literal["pcm", "wav"]] = "pcm"  # null: pcm
+    speed: float = Field(1.0, ge=1.0, le=1.0)
     instructions: Any = None
-    stream_format: Optional[str] = "audio"
+    stream_format: Optional[Literal["audio"]] = "audio"
 
     @field_validator("model", mode="before")
     @classmethod
@@ -77,8 +86,9 @@ class SpeechBody(Body):
     @field_validator("response_format", mode="before")
     @classmethod
     def _format(cls, v: Any) -> Any:
-        v = v or "pcm"
-        if v not in SPEECH_FORMATS:
+        if v is None:
+            return "pcm"
+        if not isinstance(v, str) or v not in SPEECH_FORMATS:
             raise ValueError(f"response_format {v!r} is not served; use one of "
                              f"{list(SPEECH_FORMATS)}")
         return v
@@ -97,16 +107,28 @@ class SpeechBody(Body):
             raise ValueError("only stream_format 'audio' is served")
         return v
 
+    @staticmethod
+    def schema_for(model: str, voices: Sequence[str]) -> dict[str, Any]:
+        """The body's JSON schema as a deployment serving ``model`` in ``voices`` (empty: any)
+        accepts it."""
+        schema = SpeechBody.model_json_schema()
+        props = schema["properties"]
+        props["model"] = {"anyOf": [{"enum": [model]}, {"type": "null"}], "default": None}
+        if voices:
+            props["voice"] = {"anyOf": [{"enum": list(voices)}, {"type": "null"}],
+                              "default": None}
+        return schema
+
 
 class GenerateBody(Body):
     """``/generate``: the model's inputs (arrays as ``{dtype, shape, data}``), the request's
     priority and deadline, and how output arrays are sent (``base64`` or ``list``). Parse with
     ``inputs=`` the model's input names, for the error message."""
 
-    inputs: dict[str, Any] = Field(None, validate_default=True)  # type: ignore[assignment]
-    deadline_s: Optional[float] = None
-    priority: int = 0
-    arrays: str = "base64"
+    inputs: dict[str, Any]
+    deadline_s: Optional[float] = Field(None, gt=0, le=MAX_DEADLINE_S)
+    priority: int = Field(0, ge=PRIORITIES[0], le=PRIORITIES[1])
+    arrays: Literal["base64", "list"] = "base64"
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -120,15 +142,18 @@ class GenerateBody(Body):
     @field_validator("deadline_s", mode="before")
     @classmethod
     def _deadline(cls, v: Any) -> Any:
-        if v is not None and (not _number(v) or v <= 0):
-            raise ValueError("'deadline_s' must be a positive number of seconds")
+        # Also refuses NaN and infinity, which the JSON parser lets through.
+        if v is not None and (not _number(v) or not 0 < v <= MAX_DEADLINE_S):
+            raise ValueError("'deadline_s' must be a positive number of seconds, at most "
+                             f"{MAX_DEADLINE_S:.0f} (leave it out for no deadline)")
         return v
 
     @field_validator("priority", mode="before")
     @classmethod
     def _priority(cls, v: Any) -> Any:
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ValueError("'priority' must be an integer")
+        v = whole_number(v)
+        if v is None or not PRIORITIES[0] <= v <= PRIORITIES[1]:
+            raise ValueError(f"'priority' must be an integer in {PRIORITIES[0]}..{PRIORITIES[1]}")
         return v
 
     @field_validator("arrays", mode="before")
@@ -137,6 +162,48 @@ class GenerateBody(Body):
         if v not in ("base64", "list"):
             raise ValueError("'arrays' must be 'base64' or 'list'")
         return v
+
+    @staticmethod
+    def schema_for(inputs: Mapping[str, dict[str, Any]], required: Sequence[str]
+                   ) -> dict[str, Any]:
+        """The body's JSON schema for a model taking ``inputs`` (name -> the JSON schema of its
+        value; ``{}`` = any), of which ``required`` have no default."""
+        schema = GenerateBody.model_json_schema()
+        schema["properties"]["inputs"] = {"type": "object", "properties": dict(inputs),
+                                          "required": list(required),
+                                          "additionalProperties": False}
+        return schema
+
+
+def array_schema() -> dict[str, Any]:
+    """The JSON schema of an array input: ``{dtype, shape, data}``, data the base64 of the
+    little-endian C-order bytes (see :func:`mstar_rt.serve.wire.decode_input`)."""
+    return {"type": "object", "required": ["dtype", "shape", "data"],
+            "additionalProperties": False,
+            "properties": {"dtype": {"enum": sorted(DTYPES)},
+                           "shape": {"type": "array", "maxItems": MAX_DIMS,
+                                     "items": {"type": "integer", "minimum": 0}},
+                           "data": {"type": "string", "contentEncoding": "base64"}}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: ``{"error": {message, type, param, code}}`` (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+def request_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAPI ``openapi_extra`` documenting the JSON body of a route that reads it itself (to
+    answer a bad one with a 400 naming the field, not FastAPI's 422)."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
 
 
 def parse(cls: type[_B], body: Mapping[str, Any], **context: Any) -> _B:

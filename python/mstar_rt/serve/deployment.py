@@ -14,11 +14,12 @@ from mstar_rt.serve.config import PolicySpec, ServeConfig, SpeechSpec
 class Deployment:
     """``runtime`` is anything with ``submit(inputs, deadline=, priority=) -> handle``,
     ``close()`` and ``live`` (the in-process :class:`~mstar_rt.Runtime`, or a multi-process
-    one); ``inputs`` are the model's input names."""
+    one); ``inputs`` are the model's input names, ``optional_inputs`` those with a default."""
 
     runtime: Any
     name: str
     inputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
     speech: Optional[SpeechSpec] = None
     policy: PolicySpec = field(default_factory=PolicySpec)
     max_concurrent_requests: int = 64
@@ -50,6 +51,7 @@ class Deployment:
             speech = speech.model_copy(update=dict(model_rate=int(rate), voices=voices))
         return Deployment(runtime=runtime, name=name or type(model).__name__,
                           inputs=tuple(model.inputs), speech=speech,
+                          optional_inputs=tuple(getattr(model, "input_defaults", None) or ()),
                           policy=policy or PolicySpec(), **kw)
 
     @staticmethod

@@ -14,6 +14,7 @@ error frame leaves the connection open for the next observation.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Mapping, Optional
 
@@ -24,7 +25,7 @@ from fastapi.responses import PlainTextResponse
 
 from mstar_rt.serve.bridge import AtCapacity
 from mstar_rt.serve.config import PolicySpec
-from mstar_rt.serve.wire import as_array
+from mstar_rt.serve.wire import MAX_DIMS, as_array
 
 
 class ObservationError(ValueError):
@@ -32,6 +33,10 @@ class ObservationError(ValueError):
 
 
 # ---- msgpack with numpy, as openpi_client.msgpack_numpy encodes it ------------------------------
+
+# What openpi_client refuses to send: objects and raw void records (a void scalar made from an
+# integer would allocate that many bytes).
+_REFUSED_KINDS = "VO"
 
 
 def _pack_default(obj: Any) -> Any:
@@ -49,19 +54,49 @@ def _pack_default(obj: Any) -> Any:
 
 def _unpack_hook(obj: dict) -> Any:
     if b"__ndarray__" in obj:
-        dtype = np.dtype(obj[b"dtype"])
-        if dtype.kind in ("V", "O"):
-            raise ObservationError(f"arrays of dtype {dtype} are not accepted")
-        shape = tuple(obj[b"shape"])
+        dtype = _wire_dtype(obj.get(b"dtype"))
+        shape, data = obj.get(b"shape"), obj.get(b"data")
+        # the number of sizes first: multiplying millions of them would take minutes
+        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ObservationError(f"an array's shape must be a list of at most {MAX_DIMS} "
+                                   f"sizes >= 0, not {_brief(shape)}")
+        if not isinstance(data, bytes):
+            raise ObservationError(f"an array's data must be bytes, not {type(data).__name__}")
+        need = math.prod(shape) * dtype.itemsize  # exact: a shape may claim more than memory
+        if len(data) < need:
+            raise ObservationError(f"an array of shape {tuple(shape)} and dtype {dtype} needs "
+                                   f"{need} bytes, the message has {len(data)}")
         try:
-            return np.ndarray(buffer=obj[b"data"], dtype=dtype, shape=shape)
-        except TypeError:
-            raise ObservationError(f"an array of shape {shape} and dtype {dtype} needs "
-                                   f"{int(np.prod(shape)) * dtype.itemsize} bytes, the message "
-                                   f"has {len(obj[b'data'])}") from None
+            return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
+        except (TypeError, ValueError) as e:  # an empty dtype, a shape past numpy's limits
+            raise ObservationError(f"no array of shape {tuple(shape)} and dtype {dtype} "
+                                   f"({e})") from None
     if b"__npgeneric__" in obj:
-        return np.dtype(obj[b"dtype"]).type(obj[b"data"])
+        dtype, data = _wire_dtype(obj.get(b"dtype")), obj.get(b"data")
+        if dtype.kind in "US" and not isinstance(data, (str, bytes)):
+            raise ObservationError(f"a {dtype} scalar holds a string, not {_brief(data)}")
+        try:
+            return dtype.type(data)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ObservationError(f"a {dtype} scalar cannot hold {_brief(data)} ({e})") from None
     return obj
+
+
+def _wire_dtype(spec: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(spec) if isinstance(spec, (str, bytes)) else None
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.kind in _REFUSED_KINDS:
+        raise ObservationError(f"{_brief(spec)} is not a dtype sent over the wire; send arrays of "
+                               "numbers, booleans or strings (e.g. '<f4', '|u1')")
+    return dtype
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def packb(obj: Any) -> bytes:
@@ -110,26 +145,11 @@ class PolicyAdapter:
                 raise ObservationError(f"the observation has no {key!r} (model input {name!r}); "
                                        f"it has {sorted(map(str, obs))}")
             if key in self.spec.images:
-                value = decode_image(value, key)
+                value = decode_image(value, key, self.spec.shapes.get(name))
             elif isinstance(value, np.ndarray) and not value.flags.writeable:
                 value = value.copy()  # msgpack's buffer is read-only; models may write
-            out[name] = self._check(value, key, name)
+            out[name] = check_input(self.spec, name, value, f"observation {key!r}")
         return out
-
-    def _check(self, value: Any, key: str, name: str) -> Any:
-        shape, dtype = self.spec.shapes.get(name), self.spec.dtypes.get(name)
-        if shape is None and dtype is None:
-            return value
-        try:
-            arr = np.asarray(value) if dtype is None else np.asarray(value, dtype)
-        except (TypeError, ValueError) as e:
-            raise ObservationError(f"observation {key!r}: cannot be read as {dtype or 'an array'}"
-                                   f" ({e})") from None
-        if shape is not None and (arr.ndim != len(shape) or any(
-                want is not None and got != want for got, want in zip(arr.shape, shape))):
-            raise ObservationError(f"observation {key!r} has shape {tuple(arr.shape)}, but the "
-                                   f"policy takes {_shape_text(shape)}")
-        return arr
 
     def reply(self, outputs: Mapping[str, list]) -> dict[str, Any]:
         if self.spec.actions not in outputs:
@@ -140,6 +160,28 @@ class PolicyAdapter:
             if name in outputs:
                 reply[key] = as_array(outputs[name][-1])
         return reply
+
+
+def check_input(spec: PolicySpec, name: str, value: Any, where: str) -> Any:
+    """``value`` of model input ``name`` cast to the dtype and checked against the shape that
+    ``spec`` declares for it (unchanged if it declares neither); an ObservationError naming
+    ``where`` otherwise. The websocket and /generate both check, so a wrong input is the
+    client's error and never reaches (and fails) a batch shared with other requests."""
+    shape, dtype = spec.shapes.get(name), spec.dtypes.get(name)
+    if shape is None and dtype is None:
+        return value
+    try:
+        if dtype is not None and np.dtype(dtype).kind != "c" and np.iscomplexobj(value):
+            raise TypeError("complex values would lose their imaginary part")
+        with np.errstate(over="raise"):  # 1e300 is no float32, as 300 is no uint8
+            arr = np.asarray(value) if dtype is None else np.asarray(value, dtype)
+    except (TypeError, ValueError, ArithmeticError) as e:
+        raise ObservationError(f"{where}: cannot be read as {dtype or 'an array'} ({e})") from None
+    if shape is not None and (arr.ndim != len(shape) or any(
+            want is not None and got != want for got, want in zip(arr.shape, shape))):
+        raise ObservationError(f"{where} has shape {tuple(arr.shape)}, but the policy takes "
+                               f"{_shape_text(shape)}")
+    return arr
 
 
 def _lookup(obs: Mapping, key: str) -> Any:
@@ -161,9 +203,13 @@ def _shape_text(shape: Optional[tuple]) -> Optional[str]:
     return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
-def decode_image(value: Any, key: str) -> Any:
+MAX_IMAGE_PIXELS = 4096 * 4096  # when the policy declares no image size: past 4K UHD
+
+
+def decode_image(value: Any, key: str, shape: Optional[tuple] = None) -> Any:
     """Encoded image bytes (JPEG, PNG; or a 1-D uint8 array of them) -> uint8 RGB [H, W, 3];
-    an image array passes through."""
+    an image array passes through. The header's size is checked before decoding: a small PNG
+    can claim 30000 x 30000 pixels, which would take gigabytes and seconds to decode."""
     if isinstance(value, np.ndarray) and not (value.ndim == 1 and value.dtype == np.uint8):
         return value
     if not isinstance(value, (bytes, bytearray, np.ndarray)):
@@ -171,12 +217,46 @@ def decode_image(value: Any, key: str) -> Any:
                                f"bytes (JPEG/PNG), not {type(value).__name__}")
     import cv2
 
-    buf = np.frombuffer(bytes(value), np.uint8)
-    img = cv2.imdecode(buf, cv2.IMREAD_COLOR) if len(buf) else None
+    data = bytes(value)
+    buf = np.frombuffer(data, np.uint8)
+    size = image_size(data)
+    if size is not None:
+        h, w = size
+        if shape is not None and len(shape) >= 2 and None not in shape[:2]:
+            limit, takes = shape[0] * shape[1], f"{shape[1]} x {shape[0]}"
+        else:
+            limit, takes = MAX_IMAGE_PIXELS, f"{MAX_IMAGE_PIXELS} pixels at most"
+        if h * w > limit:
+            raise ObservationError(f"observation {key!r}: a {w} x {h} image is larger than the "
+                                   f"policy takes ({takes})")
+    img = cv2.imdecode(buf, cv2.IMREAD_COLOR) if size is not None else None
     if img is None:
         raise ObservationError(f"observation {key!r}: {len(buf)} bytes that OpenCV cannot "
                                "decode as an image (send JPEG or PNG bytes, or a uint8 array)")
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+
+
+def image_size(data: bytes) -> Optional[tuple[int, int]]:
+    """(height, width) from the header of PNG or JPEG bytes (a JPEG's segments are skipped up
+    to its frame header); None for anything else."""
+    def u16(at: int) -> int:
+        return int.from_bytes(data[at:at + 2], "big")
+
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
+        return int.from_bytes(data[20:24], "big"), int.from_bytes(data[16:20], "big")
+    if data[:2] != b"\xff\xd8":
+        return None
+    i = 2
+    while i + 9 <= len(data) and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF or marker == 0x01 or 0xD0 <= marker <= 0xD8:  # fill, no length
+            i += 1 if marker == 0xFF else 2
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a frame header
+            h, w = u16(i + 5), u16(i + 7)
+            return (h, w) if h and w else None
+        else:
+            i += 2 + u16(i + 2)
+    return None
 
 
 # ---- the websocket route -----------------------------------------------------------------------
@@ -192,7 +272,7 @@ def add_policy_routes(app: Any, state: Any) -> None:
     bridge, metrics = state.bridge, state.metrics
     endpoint = "policy"
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> PlainTextResponse:
         return PlainTextResponse("OK\n")
 

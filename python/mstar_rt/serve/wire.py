@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import base64
+import math
 import struct
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
 # What RIFF readers take as "until the end of the stream" (ffmpeg and OpenAI write it too).
 STREAMING_SIZE = 0xFFFFFFFF
-_DTYPES = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-           "float16", "float32", "float64"}
+DTYPES = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+          "float16", "float32", "float64"}
+MAX_DIMS = 64  # numpy's limit
 
 
 def as_array(value: Any) -> Any:
@@ -40,26 +42,39 @@ def encode_value(value: Any, arrays: str = "base64") -> dict[str, Any]:
     return {"value": repr(value), "type": type(value).__name__}
 
 
+def whole_number(v: Any) -> Optional[int]:
+    """``v`` as an int if it is a whole number (JSON Schema's integer: ``3`` or ``3.0``)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def decode_input(value: Any, where: str) -> Any:
     """A request input: ``{"dtype", "shape", "data"}`` becomes a numpy array; anything else is
     passed on as JSON gave it."""
     if not (isinstance(value, Mapping) and set(value) == {"dtype", "shape", "data"}):
         return value
     dtype, shape, data = value["dtype"], value["shape"], value["data"]
-    if dtype not in _DTYPES:
-        raise ValueError(f"{where}.dtype: {dtype!r} is not one of {sorted(_DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ValueError(f"{where}.shape: must be a list of non-negative integers, not {shape!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"{where}.dtype: {dtype!r:.40} is not one of {sorted(DTYPES)}")
+    sizes = [whole_number(d) for d in shape] if isinstance(shape, list) else None
+    if sizes is None or len(sizes) > MAX_DIMS or not all(d is not None and d >= 0 for d in sizes):
+        raise ValueError(f"{where}.shape: must be a list of at most {MAX_DIMS} non-negative "
+                         f"integers, not {shape!r:.80}")
+    shape = sizes
     try:
         raw = base64.b64decode(data, validate=True)
     except (ValueError, TypeError):
         raise ValueError(f"{where}.data: not valid base64") from None
     dt = np.dtype(dtype).newbyteorder("<")
-    n = int(np.prod(shape)) if shape else 1
+    n = math.prod(shape)  # exact, and cheap for MAX_DIMS sizes however large
     if len(raw) != n * dt.itemsize:
         raise ValueError(f"{where}: {len(raw)} bytes of data, but shape {shape} of {dtype} "
                          f"needs {n * dt.itemsize}")
-    return np.frombuffer(raw, dt).reshape(shape).astype(dtype)
+    try:
+        return np.frombuffer(raw, dt).reshape(shape).astype(dtype)
+    except (ValueError, OverflowError) as e:  # no data, but sizes past numpy's
+        raise ValueError(f"{where}.shape: {shape} ({e})") from None
 
 
 def pcm16(audio: np.ndarray) -> bytes:

@@ -1,0 +1,120 @@
+// mstar/graph_builder.hpp — the graph compiler: nodes (where they sit in the graph, not what they
+// compute) and walks in, the validated graph IR out.
+//
+//   mstar::GraphBuilder b;
+//   b.input("x");
+//   b.node("enc", {"x"}, {mstar::Edge::to_node("dec", "h")});
+//   b.node("dec", {"h"}, {mstar::Edge::emit("y")}, "gpu", 8);
+//   b.walk("main", mstar::Section::seq({"enc", "dec"}));
+//   mstar::GraphSpec ir = b.compile();  // or GraphError naming what to fix
+//
+// It is the only compiler: mstar::Model (nodes with C++ functions) and the Python DSL
+// (mstar_rt.compile_model, through the bound mstar_rt._core.GraphBuilder) both lower into it, so
+// a malformed graph gets the same GraphError, word for word, in either language. The messages
+// use the Python DSL's words (GraphNode, GraphEdge(EMIT, ...), check_stop) where the two APIs
+// name a thing differently.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mstar/chunk_policy.hpp"
+#include "mstar/graph.hpp"
+
+namespace mstar {
+
+/// A model's graph or walks are malformed; the message names the node, walk or edge to fix.
+class GraphError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// Destination of outputs that stream to the caller.
+inline const std::string kEmit = "EMIT";
+
+/// One output of a node: a value `name` for node `to` (or kEmit), kept across walks if
+/// `persist`, or streamed item by item to `to` in chunks of `policy` if `streaming`. A value
+/// edge with an empty `to` is a plain output: any later node of the walk may read it by name.
+struct Edge {
+  std::string to;
+  std::string name;
+  bool persist = false;
+  bool streaming = false;
+  ChunkPolicy policy = ChunkPolicy::fixed(1);
+
+  static Edge output(std::string name) { return {"", std::move(name)}; }
+  static Edge to_node(std::string to, std::string name) { return {std::move(to), std::move(name)}; }
+  static Edge persisted(std::string to, std::string name) {
+    return {std::move(to), std::move(name), true};
+  }
+  static Edge emit(std::string name) { return {kEmit, std::move(name)}; }
+  static Edge stream(std::string to, std::string name, ChunkPolicy policy) {
+    return {std::move(to), std::move(name), false, true, policy};
+  }
+};
+
+/// A section of a walk: a node, or Sequential / Parallel / Loop / DynamicLoop over sections.
+/// A node name converts implicitly, so `Section::seq({"a", "b"})` reads like the Python DSL.
+struct Section {
+  SectionKind kind = SectionKind::node;
+  std::string node;
+  std::vector<Section> children;
+  /// Signed so that a bad count from another language (Loop(..., -1)) is reported as written,
+  /// not wrapped into a huge one.
+  std::int64_t max_iters = 1;
+  bool dynamic = false;
+  std::string loop_name;                ///< DynamicLoop: the name NodeCall::stop() uses
+  std::vector<std::string> outputs;     ///< loop: visible after it with their last value
+  std::vector<std::string> accumulated; ///< loop: visible after it as every iteration's value
+
+  Section(const char* node_name) : node(node_name) {}        // NOLINT: implicit on purpose
+  Section(std::string node_name) : node(std::move(node_name)) {}  // NOLINT
+  static Section seq(std::vector<Section> parts);
+  static Section par(std::vector<Section> branches);
+  static Section loop(Section body, std::int64_t max_iters, std::vector<std::string> outputs = {},
+                      std::vector<std::string> accumulated = {});
+  static Section dynamic_loop(std::string name, Section body, std::int64_t max_iters,
+                              std::vector<std::string> outputs = {},
+                              std::vector<std::string> accumulated = {});
+
+ private:
+  Section() = default;
+};
+
+class GraphBuilder {
+ public:
+  /// Declares a request input: a name every walk may read.
+  GraphBuilder& input(std::string name);
+  /// Declares a node with everything the graph needs to know of it: what it reads, where its
+  /// outputs go, which engine runs it, how many executions one batch may hold, and whether it
+  /// wants a call when its stream ends with no chunk marked last (NodeSpec::on_stream_end).
+  GraphBuilder& node(std::string name, std::vector<std::string> inputs, std::vector<Edge> outputs,
+                     std::string engine = "default", std::uint32_t max_batch = 1,
+                     bool on_stream_end = false);
+  GraphBuilder& walk(std::string name, Section root);
+
+  /// Validates the nodes and walks and compiles them into the IR: node ids follow the order the
+  /// nodes were declared in, walk ids the order of the walks, name ids the order names are first
+  /// met (inputs, then each node's inputs and outputs). Throws GraphError naming the problem.
+  [[nodiscard]] GraphSpec compile() const;
+
+  /// What node() records.
+  struct Node {
+    std::string name;
+    std::vector<std::string> inputs;
+    std::vector<Edge> outputs;
+    std::string engine;
+    std::uint32_t max_batch;
+    bool on_stream_end;
+  };
+
+ private:
+  std::vector<std::string> inputs_;
+  std::vector<Node> nodes_;
+  std::vector<std::pair<std::string, Section>> walks_;
+};
+
+}  // namespace mstar

@@ -1,0 +1,95 @@
+"""The parent's sending half of its link to one worker process.
+
+The DEALER socket and the outgoing shared-memory arena of the worker's current generation, under
+one send lock. Batches are packed into the arena and sent by the engine thread that holds the
+lock; small messages (release, stats, shutdown) queue in ``pending`` and go out with whichever
+thread holds the lock next, so the hub's receiver thread never waits for the worker."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from mstar_rt.placement.arena import ArenaFull, ShmArena
+from mstar_rt.placement.codec import CodecError, Encoder
+from mstar_rt.placement.protocol import TO_WORKER_HEADER, VERSION
+
+
+class SendChannel:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.lock = threading.Lock()  # the socket, the arena and the encoder
+        self.gen = -1
+        self.dealer: Optional[zmq.Socket] = None
+        self.arena: Optional[ShmArena] = None
+        self.encoder: Optional[Encoder] = None
+        self.pending: collections.deque = collections.deque()
+
+    def attach(self, gen: int, dealer: zmq.Socket, arena: ShmArena) -> None:
+        with self.lock:
+            self.gen, self.dealer, self.arena, self.encoder = gen, dealer, arena, Encoder(arena)
+
+    def detach(self, gen: Optional[int] = None) -> bool:
+        """Closes the socket and unmaps and unlinks the arena, if they are still generation
+        ``gen``'s (when given: a restart may have replaced them); False if they were not."""
+        with self.lock:
+            if gen is not None and gen != self.gen:
+                return False
+            if self.dealer is not None:
+                self.dealer.close(0)
+            if self.arena is not None:
+                self.arena.unlink()
+                self.arena.close()
+            self.dealer, self.arena, self.encoder = None, None, None
+            return True
+
+    def is_open(self, gen: int) -> bool:
+        """Whether generation ``gen`` can be sent to (hold ``lock``)."""
+        return self.gen == gen and self.dealer is not None
+
+    def send_locked(self, gen: int, msg: dict, alive: Callable[[], bool]) -> Optional[str]:
+        """Packs and sends (hold ``lock``); an error text instead of raising. While the worker
+        lags or is not connected yet, waits as long as ``alive()`` says its generation lives."""
+        arena, dealer, encoder = self.arena, self.dealer, self.encoder
+        assert arena is not None and dealer is not None and encoder is not None
+        mark = arena.mark()
+        try:
+            payload = encoder.pack(msg)
+        except (CodecError, ArenaFull) as e:
+            arena.rollback(mark)
+            return f"cannot send its inputs to worker process rank {self.rank}: {e}"
+        frames = [TO_WORKER_HEADER.pack(gen, arena.publish()), payload]
+        while True:
+            try:
+                dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+                return None
+            except zmq.Again:
+                if not alive():
+                    return None  # its death reports the items
+                time.sleep(0.0005)
+
+    def post(self, gen: int, msg: dict) -> None:
+        """Queues a small message (no tensors) and sends it if the lock is free; never waits."""
+        self.pending.append((gen, {"v": VERSION, **msg}))
+        self.flush()
+
+    def flush(self) -> None:
+        # Whoever holds the lock drains; a poster that misses it is drained by the holder, which
+        # checks again after letting go.
+        while self.pending and self.lock.acquire(blocking=False):
+            try:
+                while self.pending:
+                    gen, msg = self.pending.popleft()
+                    if self.is_open(gen):
+                        try:
+                            self.dealer.send_multipart(
+                                [TO_WORKER_HEADER.pack(gen, self.arena.mark()),
+                                 Encoder(None).pack(msg)], flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass  # the worker is gone or hopelessly behind; its death cleans up
+            finally:
+                self.lock.release()

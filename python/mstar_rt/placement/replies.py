@@ -1,0 +1,68 @@
+"""What the parent does with a worker's results and with its death: complete or fail the items
+and requests in its Conductor."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from mstar_rt.placement.protocol import ProtocolError, field, int_list
+
+if TYPE_CHECKING:
+    from mstar_rt.placement.runtime import PlacedRuntime
+
+
+def complete_from_reply(rt: "PlacedRuntime", msg: dict,
+                        take: Callable[[list[int]], set[int]]) -> None:
+    """Completes, in the parent's Conductor, the items of a worker's ``done`` reply that
+    ``take`` still finds in flight (each is reported once); the worker's copy of the request
+    state comes first, since the next walk may read it. ProtocolError for a malformed reply."""
+    node = field(msg, "node", int)
+    ids = int_list(msg, "items")
+    outputs = field(msg, "outputs", list)
+    stops = field(msg, "stops", list, optional=True)
+    states = field(msg, "states", dict)
+    if len(outputs) != len(ids) or (stops is not None and len(stops) != len(ids)):
+        raise ProtocolError("'done' needs one output map (and stop list) per item")
+    if not 0 <= node < len(rt.node_names):
+        raise ProtocolError(f"node id {node} is out of range")
+    taken = take(ids)
+    if not taken:
+        return
+    for rid, state in states.items():  # before complete(): next_walk may read it
+        handle = rt.requests.get(rid)
+        if handle is not None and isinstance(state, dict):
+            handle.context.state.update(state)
+    keep_ids, keep_out, keep_stops = [], [], []
+    for i, item in enumerate(ids):
+        if item not in taken:
+            continue
+        try:
+            stop_ids = [] if stops is None else [rt.loop_id(s) for s in stops[i]]
+        except Exception as e:
+            rt.report(rt.conductor.fail_items([item], str(e)))
+            continue
+        keep_ids.append(item)
+        keep_out.append(outputs[i])
+        keep_stops.append(stop_ids)
+    if not keep_ids:
+        return
+    try:
+        outcome = rt.conductor.complete(node, keep_ids, keep_out,
+                                        None if stops is None else keep_stops)
+    except Exception as e:  # e.g. outputs the node does not declare: fail those items
+        outcome = rt.conductor.fail_items(keep_ids, f"{type(e).__name__}: {e}")
+    rt.report(outcome)
+
+
+def fail_for_death(rt: "PlacedRuntime", who: str, fix: str, inflight: dict, known: dict) -> None:
+    """A worker died (``who``: "worker process rank R (pid P) <how>"): fails the items it was
+    running (the Conductor names their node) and then the other requests it held state for
+    (naming that node), each once."""
+    failed = set()
+    for item, (rid, _node) in inflight.items():
+        failed.add(rid)
+        rt.report(rt.conductor.fail_items([item], f"{who} while running it; {fix}"))
+    for rid, node in known.items():
+        if rid not in failed:
+            rt.report(rt.conductor.fail(
+                rid, f"{who}; it held this request's state of node '{node}'; {fix}"))
