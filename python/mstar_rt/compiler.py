@@ -70,8 +70,8 @@ def _section(s: SectionLike, walk: str) -> _core.Section:
         return _core.Section.par([_section(b, walk) for b in s.branches])
     if isinstance(s, Loop):
         # The builder holds loop counts as C++ integers; a count that is not one cannot reach it.
+        label = f"DynamicLoop '{s.name}'" if isinstance(s, DynamicLoop) else "Loop"
         if not isinstance(s.max_iters, int):
-            label = f"DynamicLoop '{s.name}'" if isinstance(s, DynamicLoop) else "Loop"
             raise GraphError(f"{label} in walk '{walk}' has max_iters={s.max_iters!r}; it must be "
                              "an integer")
         body = _section(s.section, walk)

@@ -159,6 +159,9 @@ class WalkCompiler {
     for (const auto& n : members)
       for (const Edge& e : graph.at(n)->outputs) {
         if (!e.streaming) continue;
+        if (e.to == n)  // its chunks would wait for items it makes only after running on them
+          throw GraphError("node '" + n + "' streams '" + e.name + "' to itself in walk '" +
+                           walk + "'; stream to another node");
         if (!members_.count(e.to))
           throw GraphError("streaming edge '" + e.name + "' from '" + n + "' goes to '" + e.to +
                            "', which walk '" + walk + "' does not run; add '" + e.to + "' to the walk");
@@ -382,12 +385,20 @@ class WalkCompiler {
 GraphSpec GraphBuilder::compile() const {
   NodeMap graph;
   for (const Node& n : nodes_) {
+    if (n.name.empty() || n.name == kEmit)
+      throw GraphError("a node needs a name other than '' and '" + kEmit + "'");
+    for (std::size_t i = 0; i < n.inputs.size(); ++i)
+      if (std::find(n.inputs.begin(), n.inputs.begin() + static_cast<std::ptrdiff_t>(i),
+                    n.inputs[i]) != n.inputs.begin() + static_cast<std::ptrdiff_t>(i))
+        throw GraphError("node '" + n.name + "' reads '" + n.inputs[i] +
+                         "' twice; list each input once");
     if (!graph.emplace(n.name, &n).second)
       throw GraphError("two nodes are named '" + n.name + "'; node names must be unique");
     if (n.max_batch < 1)
       throw GraphError("node '" + n.name + "' has max_batch 0; it must be >= 1");
   }
   if (walks_.empty()) throw GraphError("the model has no walks; add at least one");
+  if (nodes_.empty()) throw GraphError("the model has no nodes; add at least one GraphNode");
   std::set<std::string> persisted;
   for (const Node& n : nodes_)
     for (const Edge& e : n.outputs) {

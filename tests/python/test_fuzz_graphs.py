@@ -455,9 +455,6 @@ def _one_node(walk: Any, max_batch: int = 1) -> WalkModel:
                      {"a": Fn(lambda d: {"y": 1}, max_batch=max_batch)})
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the C++ GraphBuilder accepts a node named '' or "
-                   "'EMIT' and a node that lists an input twice, which GraphNode refuses; "
-                   "graph_builder.cpp should refuse them with GraphNode's messages")
 def test_the_builder_refuses_the_nodes_graph_node_refuses():
     for name, inputs in [("", ["x"]), (EMIT, ["x"]), ("a", ["x", "x"])]:
         with pytest.raises(GraphError) as from_dsl:
@@ -468,16 +465,12 @@ def test_the_builder_refuses_the_nodes_graph_node_refuses():
         assert str(from_builder.value) == str(from_dsl.value)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a node that streams to itself compiles, and a "
-                   "request of its walk then waits forever for the node's own stream")
 def test_a_node_streaming_to_itself_is_refused():
     node = GraphNode("d", ["x", "y"], [StreamingGraphEdge("d", "y", mstar_rt.Fixed(1)), "h"])
     with pytest.raises(GraphError, match="'d'"):
         compile_model(WalkModel([node], {"w": "d"}, {"d": Fn(lambda d: {"h": 1})}))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a model without nodes compiles; the Runtime then "
-                   "fails with the Conductor's 'graph IR: no engines'")
 def test_a_model_without_nodes_is_refused_by_the_compiler():
     with pytest.raises(GraphError, match="no nodes"):
         compile_model(WalkModel([], {"w": Sequential()}, {}))
