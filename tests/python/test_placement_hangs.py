@@ -72,3 +72,11 @@ def test_a_slow_node_within_its_limits_is_left_alone():
 def test_timeouts_are_checked():
     with pytest.raises(ValueError, match="heartbeat_timeout_s"):
         PlacedRuntime("hang_models:hang_model", GROUPS, progress=False, heartbeat_timeout_s=0)
+
+
+def test_worker_stats_right_after_start_is_answered():
+    # A stats request posted while the parent's socket still connects used to be dropped.
+    for _ in range(3):
+        with PlacedRuntime("hang_models:hang_model", GROUPS, progress=False) as rt:
+            stats = rt.worker_stats(1, timeout=10.0)
+            assert stats["rank"] == 1 and stats["live_requests"] == 0

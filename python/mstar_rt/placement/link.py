@@ -392,11 +392,17 @@ class WorkerLink:
         waiter: list = [threading.Event(), None]
         self._waiters[token] = waiter
         try:
-            self._channel.post(gen, {"kind": "stats", "token": token})
-            if not waiter[0].wait(timeout):
-                raise TimeoutError(f"worker process rank {self.rank} did not answer a stats "
-                                   f"request within {timeout} s")
-            return waiter[1]
+            # Posted again until answered: a post is dropped while the socket still connects
+            # (right after start), and answering twice is harmless.
+            deadline = time.monotonic() + timeout
+            while True:
+                self._channel.post(gen, {"kind": "stats", "token": token})
+                left = deadline - time.monotonic()
+                if waiter[0].wait(max(0.0, min(0.2, left))):
+                    return waiter[1]
+                if left <= 0.2:
+                    raise TimeoutError(f"worker process rank {self.rank} did not answer a stats "
+                                       f"request within {timeout} s")
         finally:
             self._waiters.pop(token, None)
 
