@@ -55,27 +55,43 @@ class PyConductor {
     --stored_;
   }
 
-  /// Outcome(emits [(request, name, value)], walks_done [request], failed [(request, message)])
+  /// Outcome(emits [(request, name, value)], walks_done [request], failed [(request, message)],
+  /// expired [(request, node, refused, seconds late)])
   py::tuple outcome(const Outcome& o) {
     if (o.emits.empty() && o.walks_done.empty() && o.failed.empty()) {
       for (Handle h : o.released) drop(h);
       return empty_outcome_;  // most completions change nothing the caller acts on
     }
-    py::list emits, done, failed;
+    py::list emits, done, failed, expired;
     for (const Emit& e : o.emits) emits.append(py::make_tuple(e.request, names_[e.name], value(e.handle)));
     for (RequestId r : o.walks_done) done.append(r);
     for (const auto& [r, msg] : o.failed) failed.append(py::make_tuple(r, msg));
+    for (const Expired& x : o.expired)
+      expired.append(py::make_tuple(x.request, c_->graph().nodes[x.node].name, x.refused,
+                                    static_cast<double>(x.late_ns) * 1e-9));
     for (Handle h : o.released) drop(h);  // after the emits took their values
-    return py::reinterpret_borrow<py::tuple>(new_outcome(emits, done, failed));
+    return py::reinterpret_borrow<py::tuple>(new_outcome(emits, done, failed, expired));
   }
 
-  py::tuple submit(WalkId walk, const py::dict& inputs, std::int64_t deadline_ns, std::int32_t priority) {
+  /// Fails the fail_late requests whose queued work is past its deadline; their outcome.
+  py::tuple expire() {
+    Outcome out;
+    c_->expire(&out);
+    return outcome(out);
+  }
+
+  /// `reporter(outcome)` gets what the workers' own expire calls find (next_batch and run_batch
+  /// clear late work before taking a batch); None turns that off.
+  void set_reporter(py::object reporter) { reporter_ = std::move(reporter); }
+
+  py::tuple submit(WalkId walk, const py::dict& inputs, std::int64_t deadline_ns,
+                   std::int32_t priority, bool fail_late) {
     std::vector<NamedHandle> in;
     for (auto [k, v] : inputs) in.push_back({k.cast<NameId>(), put(v)});
     Outcome out;
     RequestId id;
     try {
-      id = c_->submit(walk, in, {deadline_ns, priority}, &out);
+      id = c_->submit(walk, in, {deadline_ns, priority, fail_late}, &out);
     } catch (...) {
       for (const NamedHandle& nh : in) drop(nh.handle);
       throw;
@@ -287,7 +303,19 @@ class PyConductor {
       py::gil_scoped_release nogil;
       ready = c_->wait_ready(engine, to_timeout(timeout_s));
     }
-    if (ready) c_->next_batch(engine, max_batch, std::chrono::nanoseconds(0), batch);
+    if (!ready) return;
+    if (!reporter_.is_none()) {  // never take work that would start past a kept deadline
+      Outcome late;
+      c_->expire(&late);
+      if (!late.failed.empty() || !late.released.empty()) {
+        try {
+          reporter_(outcome(late));
+        } catch (py::error_already_set& e) {  // the reporter must not take the worker down
+          e.discard_as_unraisable("mstar_rt Conductor reporter");
+        }
+      }
+    }
+    c_->next_batch(engine, max_batch, std::chrono::nanoseconds(0), batch);
   }
 
   /// Under bind_nodes' finish_walks: finishes the requests of out->walks_done (into `out`) and
@@ -376,8 +404,9 @@ class PyConductor {
   py::str context_attr_ = py::str("context");  // made once: attr("...") would build it per item
   py::dict loop_ids_;
   bool finish_walks_ = false;
-  py::tuple empty_outcome_ =
-      py::reinterpret_borrow<py::tuple>(new_outcome(py::tuple(), py::tuple(), py::tuple()));
+  py::tuple empty_outcome_ = py::reinterpret_borrow<py::tuple>(
+      new_outcome(py::tuple(), py::tuple(), py::tuple(), py::tuple()));
+  py::object reporter_ = py::none();
   std::vector<py::str> names_;
   std::vector<std::vector<py::str>> outputs_;
   std::vector<py::object> store_;  // touched only with the GIL held
@@ -392,10 +421,14 @@ void bind_conductor(py::module_& m) {
 Runs requests through a compiled walk graph (see mstar_rt.compile_model) and holds the values
 its handles stand for. Engine workers pull batches with next_batch() (GIL released while
 waiting) and report complete(); each call that changes state returns its outcome
-(emits [(request, name, value)], walks_done [request], failed [(request, message)]).)doc")
+(emits [(request, name, value)], walks_done [request], failed [(request, message)], expired
+[(request, node, refused, seconds late)]).)doc")
       .def(py::init<GraphSpec>(), py::arg("graph"))
       .def("submit", &PyConductor::submit, py::arg("walk"), py::arg("inputs"),
-           py::arg("deadline_ns") = INT64_MAX, py::arg("priority") = 0)
+           py::arg("deadline_ns") = INT64_MAX, py::arg("priority") = 0,
+           py::arg("fail_late") = false)
+      .def("expire", &PyConductor::expire)
+      .def("set_reporter", &PyConductor::set_reporter, py::arg("reporter"))
       .def("start_walk", &PyConductor::start_walk)
       .def("finish", &PyConductor::finish)
       .def("cancel", &PyConductor::cancel)

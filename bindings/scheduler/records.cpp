@@ -21,10 +21,11 @@ PyStructSequence_Field outcome_fields[] = {
     {"emits", "[(request, name, value)] streamed to callers, in order"},
     {"walks_done", "[request] whose walk ended: ask the model for the next walk"},
     {"failed", "[(request, message)] that ended with an error"},
+    {"expired", "[(request, node, refused, late_s)]: those of failed that their deadline ended"},
     {nullptr, nullptr}};
 PyStructSequence_Desc outcome_desc = {
     "mstar_rt._core.Outcome", "What a Conductor call changed that the caller acts on.",
-    outcome_fields, 3};
+    outcome_fields, 4};
 
 PyTypeObject* work_item_type = nullptr;
 PyTypeObject* outcome_type = nullptr;
@@ -48,9 +49,9 @@ py::object new_work_item(std::uint64_t id, std::uint64_t request, std::uint32_t 
 }
 
 py::object new_outcome(const py::object& emits, const py::object& walks_done,
-                       const py::object& failed) {
-  return make(outcome_type,
-              {emits.inc_ref().ptr(), walks_done.inc_ref().ptr(), failed.inc_ref().ptr()});
+                       const py::object& failed, const py::object& expired) {
+  return make(outcome_type, {emits.inc_ref().ptr(), walks_done.inc_ref().ptr(),
+                             failed.inc_ref().ptr(), expired.inc_ref().ptr()});
 }
 
 void bind_records(py::module_& m) {

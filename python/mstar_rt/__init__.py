@@ -24,7 +24,14 @@ from mstar_rt.graph import (
     StreamingGraphEdge,
 )
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamChunk, WorkContext
-from mstar_rt.runtime import RequestCancelled, RequestFailed, RequestHandle, Runtime, compile_model
+from mstar_rt.runtime import (
+    DeadlineExceeded,
+    RequestCancelled,
+    RequestFailed,
+    RequestHandle,
+    Runtime,
+    compile_model,
+)
 from mstar_rt.streaming import (
     Fixed,
     LeftContext,
@@ -40,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ActionChunkBuffer",
     "ControlLoop",
+    "DeadlineExceeded",
     "LatencyTracker",
     "SimulatedClock",
     "TickInfo",

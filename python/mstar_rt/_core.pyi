@@ -30,6 +30,9 @@ class Outcome(tuple[Any, ...]):
     @property
     def failed(self) -> list[tuple[int, str]]:
         """[(request, message)] that ended with an error"""
+    @property
+    def expired(self) -> list[tuple[int, str, bool, float]]:
+        """[(request, node, refused, late_s)]: those of failed that their deadline ended"""
 
 @final
 class WorkItem(tuple[Any, ...]):
@@ -282,7 +285,8 @@ class Conductor:
     """Runs requests through a compiled walk graph (see mstar_rt.compile_model) and holds the values
     its handles stand for. Engine workers pull batches with next_batch() (GIL released while
     waiting) and report complete(); each call that changes state returns its outcome
-    (emits [(request, name, value)], walks_done [request], failed [(request, message)])."""
+    (emits [(request, name, value)], walks_done [request], failed [(request, message)], expired
+    [(request, node, refused, seconds late)])."""
 
     def __init__(self, graph: GraphSpec) -> None: ...
     def submit(
@@ -291,7 +295,10 @@ class Conductor:
         inputs: dict[int, Any],
         deadline_ns: int = 9223372036854775807,
         priority: int = 0,
+        fail_late: bool = False,
     ) -> tuple[int, _Outcome]: ...
+    def expire(self) -> _Outcome: ...
+    def set_reporter(self, reporter: Any) -> None: ...
     def start_walk(self, request: int, walk: int, /) -> _Outcome: ...
     def finish(self, request: int, /) -> tuple[bool, _Outcome]: ...
     def cancel(self, request: int, /) -> tuple[bool, _Outcome]: ...

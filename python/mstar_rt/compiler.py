@@ -4,16 +4,24 @@ The compiler is C++ (``mstar::GraphBuilder``, bound as ``_core.GraphBuilder``): 
 about a graph's structure and its message, and C++ models (``mstar::Model``) use the same one, so
 a malformed graph fails with the same :class:`GraphError` in either language. What is left here is
 turning Python objects into builder calls, and refusing the objects that cannot be turned into
-one (something that is not a node or a section, a loop count that is not an integer).
+one (something that is not a node or a section, a loop count that is not an integer or does not
+fit the builder's 64 bits, a max_batch outside its 32, a walk nested deeper than
+:data:`~mstar_rt.graph.MAX_SECTION_DEPTH` or containing itself) with a :class:`GraphError` that
+names the walk or node, where the bound builder would raise a TypeError that names neither.
+Walks are lowered with an explicit stack, not recursion, so no walk raises RecursionError.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from mstar_rt import _core
 from mstar_rt.graph import (
+    MAX_SECTION_DEPTH,
+    MAX_WALK_SECTIONS,
+    ChunkPolicy,
     DynamicLoop,
     GraphEdge,
     GraphError,
@@ -53,34 +61,122 @@ class CompiledGraph:
                    node_inputs=[tuple(spec.node_inputs(i)) for i in range(len(nodes))])
 
 
-def _edge(out: Output) -> _core.Edge:
+# What the builder's integer parameters hold (C++ std::int64_t max_iters, std::uint32_t max_batch).
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+_UINT32_MAX = 2**32 - 1
+
+
+def _edge(out: Output, node: str) -> _core.Edge:
     if isinstance(out, StreamingGraphEdge):
+        if not isinstance(out.chunk_policy, ChunkPolicy):
+            raise GraphError(f"streaming edge '{out.name}' from '{node}' has chunk_policy "
+                             f"{out.chunk_policy!r}; use Fixed, SlidingWindow, LeftContext or Ramp")
         return _core.Edge.stream(out.to, out.name, out.chunk_policy)
     if isinstance(out, GraphEdge):
         return _core.Edge(out.to, out.name, out.persist)
     return _core.Edge.output(out)
 
 
-def _section(s: SectionLike, walk: str) -> _core.Section:
-    if isinstance(s, str):
-        return _core.Section(s)
-    if isinstance(s, Sequential):
-        return _core.Section.seq([_section(p, walk) for p in s.parts])
-    if isinstance(s, Parallel):
-        return _core.Section.par([_section(b, walk) for b in s.branches])
-    if isinstance(s, Loop):
-        # The builder holds loop counts as C++ integers; a count that is not one cannot reach it.
-        label = f"DynamicLoop '{s.name}'" if isinstance(s, DynamicLoop) else "Loop"
-        if not isinstance(s.max_iters, int):
-            raise GraphError(f"{label} in walk '{walk}' has max_iters={s.max_iters!r}; it must be "
-                             "an integer")
-        body = _section(s.section, walk)
-        if isinstance(s, DynamicLoop):
-            return _core.Section.dynamic_loop(s.name, body, s.max_iters, list(s.outputs),
-                                              list(s.accumulated_outputs))
-        return _core.Section.loop(body, s.max_iters, list(s.outputs), list(s.accumulated_outputs))
-    raise GraphError(f"{s!r} is not a section; use a node name, Sequential, Parallel, Loop or "
-                     "DynamicLoop")
+def _loop_count(s: Loop, label: str, walk: str) -> int:
+    """``s.max_iters`` as an int the builder takes. An integer (any object with ``__index__``,
+    but not a bool) within 64 bits goes as it is: the builder refuses one below 1 or above
+    4294967295 itself, in its own words and in its order of checks; one beyond 64 bits cannot
+    reach it, so it is refused here."""
+    n = s.max_iters
+    try:
+        count = None if isinstance(n, bool) else operator.index(n)
+    except TypeError:
+        count = None
+    if count is None:
+        raise GraphError(f"{label} in walk '{walk}' has max_iters={n!r}; it must be an integer")
+    if not _INT64_MIN <= count <= _INT64_MAX:
+        raise GraphError(f"{label} in walk '{walk}' has max_iters={count}; it must be an integer "
+                         f"from 1 to {_UINT32_MAX}")
+    return count
+
+
+def _section(root: Any, walk: str) -> _core.Section:
+    """Lowers one walk's section tree, depth first with an explicit stack: a section is built
+    once its children are. A section object met again (used in two places) is built once, but
+    counts once per place toward :data:`MAX_WALK_SECTIONS`, as the builder copies it to each."""
+    if isinstance(root, str):
+        return _core.Section(root)
+    built: dict[int, tuple[_core.Section, int, int]] = {}  # id -> (section, places, depth)
+    path: set[int] = set()  # the sections between the root and the one being visited
+    todo: list[tuple[Any, Any]] = [(root, None)]  # (section, None): visit; (section, how): build
+    while todo:
+        s, how = todo.pop()
+        if how is not None:  # every child is built: build s
+            path.discard(id(s))
+            kind, children, count = how
+            lowered = [(_core.Section(c), 1, 0) if isinstance(c, str) else built[id(c)]
+                       for c in children]
+            places = 1 + sum(c[1] for c in lowered)
+            depth = 1 + max((c[2] for c in lowered), default=0)
+            if places > MAX_WALK_SECTIONS:
+                raise GraphError(f"walk '{walk}' has more than {MAX_WALK_SECTIONS} sections and "
+                                 "node names, counting a section once per place it appears; a "
+                                 "section object used in several places runs in each: build the "
+                                 "walk so that it runs each node once")
+            if depth > MAX_SECTION_DEPTH:
+                raise _too_deep(walk)
+            parts = [c[0] for c in lowered]
+            if kind is Sequential:
+                made = _core.Section.seq(parts)
+            elif kind is Parallel:
+                made = _core.Section.par(parts)
+            elif kind is DynamicLoop:
+                made = _core.Section.dynamic_loop(s.name, parts[0], count, list(s.outputs),
+                                                  list(s.accumulated_outputs))
+            else:
+                made = _core.Section.loop(parts[0], count, list(s.outputs),
+                                          list(s.accumulated_outputs))
+            built[id(s)] = (made, places, depth)
+            continue
+        if isinstance(s, str) or id(s) in built:
+            continue
+        if isinstance(s, Sequential):
+            kind, children = Sequential, tuple(s.parts)
+        elif isinstance(s, Parallel):
+            kind, children = Parallel, tuple(s.branches)
+        elif isinstance(s, Loop):
+            kind, children = DynamicLoop if isinstance(s, DynamicLoop) else Loop, (s.section,)
+        else:
+            raise GraphError(f"{s!r} is not a section; use a node name, Sequential, Parallel, "
+                             "Loop or DynamicLoop")
+        if id(s) in path:
+            raise GraphError(f"walk '{walk}' has a {type(s).__name__} inside itself; a section "
+                             "cannot contain itself")
+        if len(path) >= MAX_SECTION_DEPTH:
+            raise _too_deep(walk)
+        count = 0
+        if kind is Loop or kind is DynamicLoop:
+            # The builder holds loop counts as C++ integers; what is not one cannot reach it.
+            label = f"DynamicLoop '{s.name}'" if kind is DynamicLoop else "Loop"
+            count = _loop_count(s, label, walk)
+        path.add(id(s))
+        todo.append((s, (kind, children, count)))
+        todo.extend((c, None) for c in reversed(children))
+    return built[id(root)][0]
+
+
+def _too_deep(walk: str) -> GraphError:
+    return GraphError(f"walk '{walk}' nests sections more than {MAX_SECTION_DEPTH} deep, the most "
+                      "allowed; flatten it: Sequential('a', 'b', 'c') runs what "
+                      "Sequential(Sequential('a', 'b'), 'c') does")
+
+
+def _max_batch(node: str, value: Any) -> int:
+    """``value`` as the builder's max_batch (C++ std::uint32_t). 0 goes as it is: the builder
+    refuses it in its own words."""
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):
+        count = -1
+    if not 0 <= count <= _UINT32_MAX:
+        raise GraphError(f"node '{node}' has max_batch {value!r}; it must be an integer from 1 "
+                         f"to {_UINT32_MAX}")
+    return count
 
 
 def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
@@ -96,9 +192,9 @@ def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
     for n in nodes:
         if not isinstance(n, GraphNode):
             raise GraphError(f"{n!r} is not a GraphNode")
-        builder.node(n.name, list(n.inputs), [_edge(o) for o in n.outputs],
-                     engine_of.get(n.name, "default"), int(max_batch_of.get(n.name, 1)),
-                     n.name in stream_end_nodes)
+        builder.node(n.name, list(n.inputs), [_edge(o, n.name) for o in n.outputs],
+                     engine_of.get(n.name, "default"),
+                     _max_batch(n.name, max_batch_of.get(n.name, 1)), n.name in stream_end_nodes)
     for name, root in walks.items():
         builder.walk(name, _section(root, name))
     return CompiledGraph.of(builder.compile())

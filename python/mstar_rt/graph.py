@@ -7,12 +7,16 @@ reads has a value, and its outputs give names new values. :class:`GraphEdge` mar
 output goes (another node, or :data:`EMIT` to stream it to the caller) and whether it persists
 into the next walk; :class:`StreamingGraphEdge` turns an output into a stream that its consumer
 reads in windows cut by a chunk policy.
+
+A walk nests sections at most :data:`MAX_SECTION_DEPTH` deep (real models stay far below it);
+the compiler refuses a deeper one, or a section that contains itself, with a :class:`GraphError`
+naming the walk. Sections print and compare without recursion, so even such a walk can be shown.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence, Union
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Sequence, Union
 
 # GraphError (a ValueError) is the graph compiler's (C++, mstar::GraphError): it raises it for a
 # malformed graph or walk, and the DSL here for a malformed node.
@@ -20,6 +24,15 @@ from mstar_rt._core import ChunkPolicy, GraphError
 
 EMIT = "EMIT"
 """Edge destination that streams an output to the caller (the request handle's iterator)."""
+
+MAX_SECTION_DEPTH = 256
+"""How deep a walk may nest sections (``Sequential(Sequential("a"))`` is 2 deep). Real models
+nest fewer than 20; the compiler refuses a deeper walk with a :class:`GraphError`."""
+
+MAX_WALK_SECTIONS = 1_000_000
+"""How many sections and node names one walk may hold, counting a section object once per place
+it appears: it bounds the work of compiling a walk whose sections share objects
+(``s = Sequential(s, s)`` over and over doubles the walk each time)."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +87,103 @@ class GraphNode:
 
 
 class Section:
-    """Base of the section tree. Nodes appear in sections by name."""
+    """Base of the section tree. Nodes appear in sections by name.
+
+    Sections print and compare (``repr``, ``==``) as dataclasses do, but without recursion, so
+    that a walk nested deeper than Python's recursion limit can still be shown and compared."""
+
+    def __repr__(self) -> str:
+        if not is_dataclass(self):  # a Section with no fields of its own
+            return object.__repr__(self)
+        return _section_repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        if not is_dataclass(self):  # a Section with no fields of its own is equal only to itself
+            return self is other
+        return _sections_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclasses below were
 
 
-@dataclass
+def _expands(x: Any, method: str) -> bool:
+    """Whether ``x`` is a section whose ``repr`` / ``==`` is the one above, over its fields."""
+    return isinstance(x, Section) and is_dataclass(x) and \
+        getattr(type(x), method) is getattr(Section, method)
+
+
+def _section_repr(root: Section) -> str:
+    """``repr`` of a section tree, as the dataclass ``repr`` writes it (``...`` for a section
+    inside itself), with an explicit stack instead of recursion."""
+    out: list[str] = []
+    inside: set[int] = set()  # the sections and lists being written (a cycle prints "...")
+    todo: list[tuple[int, Any]] = [(1, root)]  # (0, text) | (1, value to write) | (2, id done)
+    while todo:
+        what, x = todo.pop()
+        if what == 0:
+            out.append(x)
+        elif what == 2:
+            inside.discard(x)
+        elif _expands(x, "__repr__"):
+            if id(x) in inside:
+                out.append("...")
+                continue
+            inside.add(id(x))
+            todo.append((2, id(x)))
+            todo.append((0, ")"))
+            shown = [(f.name, getattr(x, f.name)) for f in fields(x)  # type: ignore[arg-type]
+                     if f.repr]
+            for i in range(len(shown) - 1, -1, -1):
+                todo.append((1, shown[i][1]))
+                todo.append((0, (", " if i else "") + shown[i][0] + "="))
+            todo.append((0, type(x).__qualname__ + "("))
+        elif type(x) in (list, tuple) and any(isinstance(y, (Section, list, tuple)) for y in x):
+            if id(x) in inside:
+                out.append("[...]")
+                continue
+            inside.add(id(x))
+            todo.append((2, id(x)))
+            todo.append((0, ("]" if type(x) is list else ",)" if len(x) == 1 else ")")))
+            for i in range(len(x) - 1, -1, -1):
+                todo.append((1, x[i]))
+                if i:
+                    todo.append((0, ", "))
+            todo.append((0, "[" if type(x) is list else "("))
+        else:
+            out.append(repr(x))
+    return "".join(out)
+
+
+def _sections_equal(a: Section, b: Section) -> bool:
+    """``a == b`` as the dataclass ``==`` decides it (same class, equal fields), with an explicit
+    stack instead of recursion; a pair met again inside itself counts as equal."""
+    todo: list[tuple[Any, Any]] = [(a, b)]
+    met: set[tuple[int, int]] = set()
+    while todo:
+        x, y = todo.pop()
+        if x is y:
+            continue
+        if _expands(x, "__eq__") and y.__class__ is x.__class__:
+            fx = tuple(getattr(x, f.name) for f in fields(x) if f.compare)
+            fy = tuple(getattr(y, f.name) for f in fields(y) if f.compare)
+        elif type(x) in (list, tuple) and type(y) is type(x) and \
+                any(isinstance(v, (Section, list, tuple)) for v in (*x, *y)):
+            if len(x) != len(y):
+                return False
+            fx, fy = x, y
+        else:
+            if not x == y:
+                return False
+            continue
+        if (id(x), id(y)) in met:
+            continue
+        met.add((id(x), id(y)))
+        todo.extend(zip(fx, fy))
+    return True
+
+
+@dataclass(repr=False, eq=False)
 class Sequential(Section):
     """Runs its parts one after another; later parts see what earlier ones produced."""
 
@@ -87,7 +193,7 @@ class Sequential(Section):
         self.parts = list(parts)
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Parallel(Section):
     """Runs its branches at the same time (fan-out), all seeing the same inputs; done when all are."""
 
@@ -97,7 +203,7 @@ class Parallel(Section):
         self.branches = list(branches)
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class Loop(Section):
     """Runs ``section`` ``max_iters`` times. Names it reads from outside are re-read every
     iteration; a name it both reads and produces carries over to the next iteration. Afterwards
@@ -110,7 +216,7 @@ class Loop(Section):
     accumulated_outputs: Sequence[str] = field(default_factory=tuple)
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class DynamicLoop(Loop):
     """A :class:`Loop` that a node can stop for one request (``check_stop`` returns ``name``);
     the stop takes effect at the next iteration boundary."""

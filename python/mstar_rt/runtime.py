@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import operator
 import queue
 import struct
 import traceback
 import threading
 import time
+import weakref
 from typing import Any, Iterator, Mapping, Optional
 
 from mstar_rt import _core
@@ -29,6 +31,40 @@ class RequestCancelled(RuntimeError):
     """The request was cancelled before it finished."""
 
 
+class DeadlineExceeded(RequestFailed):
+    """A request submitted with ``fail_late`` did not make its deadline: its next work would have
+    started late (``node`` is where it had got to), or, with ``refused``, submit saw that the work
+    queued ahead of it could not be done in time. ``late_s``: how far past the deadline (refused:
+    the expected start's distance past it)."""
+
+    def __init__(self, message: str, node: str, refused: bool, late_s: float) -> None:
+        super().__init__(message)
+        self.node, self.refused, self.late_s = node, refused, late_s
+
+
+def _deadline_ns(deadline: float) -> int:
+    """``deadline`` seconds from now on the Conductor's clock (int64 nanoseconds): one past the
+    clock's end (or inf) is no deadline, one before its start is its start."""
+    if deadline != deadline:
+        raise ValueError("submit: deadline=nan; give seconds from now, or None for no deadline")
+    now = time.monotonic_ns()
+    if deadline >= (NO_DEADLINE - now) / 1e9:
+        return NO_DEADLINE
+    if deadline <= -now / 1e9:
+        return 0
+    return now + int(deadline * 1e9)
+
+
+def _max_batch(sub: NodeSubmodule) -> Any:
+    """A submodule's max_batch, below 1 taken for 1; what is no integer goes as it is, for
+    compile_graph to refuse naming the node."""
+    value = getattr(sub, "max_batch", 1)
+    try:
+        return max(1, int(value))
+    except (TypeError, ValueError, OverflowError):
+        return value
+
+
 def compile_model(model: Model) -> CompiledGraph:
     """Validates the model's graph and walks (GraphError on problems) and builds the IR."""
     for n in model.nodes:
@@ -39,8 +75,7 @@ def compile_model(model: Model) -> CompiledGraph:
         raise ValueError(f"model {type(model).__name__} has no submodule for nodes {missing}; "
                          "map every node name to a NodeSubmodule in `submodules`")
     return compile_graph(model.nodes, model.walks, model.inputs, model.engines,
-                         {n: max(1, int(getattr(s, "max_batch", 1)))
-                          for n, s in model.submodules.items()},
+                         {n: _max_batch(s) for n, s in model.submodules.items()},
                          frozenset(n for n, s in model.submodules.items()
                                    if hears_stream_end(s)))
 
@@ -147,11 +182,12 @@ class Runtime:
     model's ``engine_specs``; an engine named by neither is a :class:`StatelessEngine`);
     ``submit(inputs)`` returns a :class:`RequestHandle`; ``close()`` stops and joins every
     thread. Use it as a context manager. ``spin_us``: how long an idle worker polls for work
-    (without the GIL) before it sleeps.
+    (without the GIL) before it sleeps. ``fail_late``: the default of :meth:`submit`'s option.
     """
 
     def __init__(self, model: Model, poll_s: float = 0.05,
-                 engines: Optional[Mapping[str, Engine]] = None, spin_us: float = 100.0) -> None:
+                 engines: Optional[Mapping[str, Engine]] = None, spin_us: float = 100.0,
+                 fail_late: bool = False) -> None:
         self.model = model
         self.graph = compile_model(model)
         g = self.graph
@@ -160,6 +196,11 @@ class Runtime:
         # An idle worker spins this long before sleeping: work that arrives meanwhile costs no
         # wake-up (tens of µs on a VM); 0 saves the CPU time instead.
         self.conductor.set_spin(max(0.0, spin_us) * 1e-6)
+        self.fail_late = fail_late
+        # Workers clear late work before each batch and hand what they fail to report(); a weak
+        # reference, because the Conductor is owned by this Runtime.
+        report = weakref.WeakMethod(self.report)
+        self.conductor.set_reporter(lambda outcome: (r := report()) is not None and r(outcome))
         self.poll_s = poll_s
         self.nodes = NodeTable(model, g)
         self.requests = RequestRegistry()
@@ -207,9 +248,16 @@ class Runtime:
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
-               priority: int = 0) -> RequestHandle:
+               priority: int = 0, fail_late: Optional[bool] = None) -> RequestHandle:
         """Starts a request. ``deadline`` is seconds from now (earlier deadlines run first);
-        ``priority`` breaks ties (higher first); then the earlier request goes first."""
+        ``priority`` breaks ties (higher first); then the earlier request goes first.
+
+        ``fail_late`` (default: the Runtime's) keeps the deadline instead of only ordering by
+        it: work that would start after it is not run, and the request fails with
+        :class:`DeadlineExceeded` naming the node it had reached; and a request that the work
+        already queued ahead of it cannot let start in time is refused here, by raising
+        :class:`DeadlineExceeded` with ``refused`` set. A node already running is not
+        interrupted."""
         if self._closed:
             raise RuntimeError("submit: the runtime is closed")
         inputs = {**self._input_defaults, **inputs} if self._input_defaults else dict(inputs)
@@ -220,7 +268,11 @@ class Runtime:
                              f"{sorted(missing)} are missing; the model takes {list(self.model.inputs)}")
         if self._validates:
             self.model.validate_inputs(inputs)
-        deadline_ns = NO_DEADLINE if deadline is None else time.monotonic_ns() + int(deadline * 1e9)
+        deadline_ns = NO_DEADLINE if deadline is None else _deadline_ns(deadline)
+        if isinstance(priority, bool) or not hasattr(type(priority), "__index__") or \
+                not -2**31 <= operator.index(priority) < 2**31:
+            raise ValueError(f"submit: priority={priority!r}; it must be an integer from "
+                             f"{-2**31} to {2**31 - 1}")
         ctx = RequestContext(id=0, inputs=inputs, deadline_ns=deadline_ns, priority=priority)
         walk = self.model.initial_walk(ctx)
         if walk not in self.graph.walk_ids:
@@ -229,13 +281,17 @@ class Runtime:
         name_ids = self._loop_ids
         values = {name_ids[k]: v for k, v in inputs.items()}
         with self.requests.lock:  # known before a worker can report on the request
-            rid, outcome = self.conductor.submit(self.graph.walk_ids[walk], values, deadline_ns,
-                                                 priority)
+            rid, outcome = self.conductor.submit(
+                self.graph.walk_ids[walk], values, deadline_ns, priority,
+                self.fail_late if fail_late is None else fail_late)
             ctx.id = rid
             handle = RequestHandle(self, ctx)
             self.requests.add(rid, handle)
-        if outcome[0] or outcome[1] or outcome[2]:  # usually empty: the work is queued
+        if outcome.emits or outcome.walks_done or outcome.failed:  # usually empty: work queued
             self.report(outcome)
+            for r, node, refused, late_s in outcome.expired:
+                if r == rid and refused:
+                    raise handle._error  # type: ignore[misc]
         return handle
 
     def cancel(self, handle: RequestHandle) -> bool:
@@ -282,7 +338,7 @@ class Runtime:
 
     def report(self, outcome: tuple) -> None:
         """Acts on a Conductor outcome. Never raises: one request's trouble stays its own."""
-        emits, walks_done, failed = outcome
+        emits, walks_done, failed, expired = outcome
         if emits:
             with self.requests.lock:
                 get = self.requests.by_id.get
@@ -290,8 +346,11 @@ class Runtime:
                     handle = get(rid)
                     if handle is not None:
                         handle._emit(name, value)
+        late = {e[0]: e for e in expired}
         for rid, message in failed:
-            self._end(rid, RequestFailed(message))
+            x = late.get(rid)
+            self._end(rid, RequestFailed(message) if x is None
+                      else DeadlineExceeded(message, x[1], x[2], x[3]))
         for rid in walks_done:
             if self._has_next_walk:
                 self._next_walk(rid)

@@ -18,6 +18,7 @@ struct Request::State {
   RequestId id = 0;
   OutputCallback on_output;
   std::string walk;  // the walk running now (the C++ Runtime writes it under its own lock)
+  bool fail_late = false;  // RequestOptions::fail_late
   // Set by the server before the handle is returned; each holds only a weak reference to it.
   std::function<bool(RequestId)> cancel;
   std::function<std::vector<NodeRun>(RequestId)> live_timeline;

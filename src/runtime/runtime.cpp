@@ -138,9 +138,11 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
   std::unordered_map<RequestId, std::shared_ptr<Request::State>> requests;
 
   std::atomic<bool> closed{false};
+  // Live fail_late requests: while there are none, workers skip Conductor::expire (and its lock).
+  std::atomic<std::size_t> fail_late_live{0};
   std::vector<std::thread> workers;
-  std::atomic<std::uint64_t> submitted{0}, finished{0}, failed{0}, cancelled{0}, node_runs{0},
-      batches{0};
+  std::atomic<std::uint64_t> submitted{0}, finished{0}, failed{0}, cancelled{0}, expired{0},
+      node_runs{0}, batches{0};
 
   Handle put_locked(Tensor t) {
     const Handle h = next_handle++;
@@ -162,6 +164,7 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
     if (it == requests.end()) return;
     std::shared_ptr<Request::State> s = it->second;
     requests.erase(it);
+    if (s->fail_late) fail_late_live.fetch_sub(1);
     auto timeline = timeline_of(r);
     conductor.forget(r);
     (status == RequestStatus::finished ? finished
@@ -179,6 +182,7 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
       s->push({ir.nodes[e.node].name, ir.names[e.name], v->second});
       if (s->on_output) after->deliver.push_back(s);
     }
+    expired.fetch_add(o.expired.size());
     for (const auto& [r, message] : o.failed) end_locked(r, RequestStatus::failed, message);
     for (Handle h : o.released) store.erase(h);
     after->walks_done.insert(after->walks_done.end(), o.walks_done.begin(), o.walks_done.end());
@@ -241,10 +245,25 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
     std::vector<NodeCall> views;
     std::vector<NodeCall*> ptrs;
     while (!closed.load(std::memory_order_acquire)) {
-      conductor.next_batch(engine, SIZE_MAX, options.poll, &batch);
+      if (!conductor.wait_ready(engine, options.poll)) continue;
+      expire();  // never take work that would start past a fail_late request's deadline
+      conductor.next_batch(engine, SIZE_MAX, std::chrono::nanoseconds(0), &batch);
       if (batch.empty()) continue;
       run_batch(batch, &calls, &views, &ptrs);
     }
+  }
+
+  void expire() {
+    if (fail_late_live.load(std::memory_order_relaxed) == 0) return;
+    After after;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      Outcome o;
+      conductor.expire(&o);
+      if (o.failed.empty()) return;
+      absorb_locked(o, &after);
+    }
+    settle(std::move(after));
   }
 
   void run_batch(const std::vector<const WorkItem*>& batch, std::vector<NodeCall::Data>* calls,
@@ -448,6 +467,7 @@ Request Runtime::submit(const std::map<std::string, Tensor>& inputs, RequestOpti
                          std::chrono::steady_clock::now().time_since_epoch() + options.deadline)
                          .count();
   so.priority = options.priority;
+  so.fail_late = options.fail_late;
   auto state = std::make_shared<Request::State>();
   std::weak_ptr<Impl> weak = impl_;
   state->cancel = [weak](RequestId r) {
@@ -461,6 +481,7 @@ Request Runtime::submit(const std::map<std::string, Tensor>& inputs, RequestOpti
     return rt ? rt->timeline_of(r) : std::vector<NodeRun>{};
   };
   state->on_output = std::move(options.on_output);
+  state->fail_late = options.fail_late;
   state->walk = m.ir.walks[m.initial_walk].name;
   Impl::After after;
   {
@@ -470,6 +491,7 @@ Request Runtime::submit(const std::map<std::string, Tensor>& inputs, RequestOpti
     Outcome o;
     state->id = m.conductor.submit(m.initial_walk, handles, so, &o);
     m.requests[state->id] = state;
+    if (state->fail_late) m.fail_late_live.fetch_add(1);
     m.submitted.fetch_add(1);
     m.absorb_locked(o, &after);
   }
@@ -508,6 +530,7 @@ RuntimeStats Runtime::stats() const {
   s.submitted = m.submitted.load();
   s.finished = m.finished.load();
   s.failed = m.failed.load();
+  s.expired = m.expired.load();
   s.cancelled = m.cancelled.load();
   s.node_runs = m.node_runs.load();
   s.batches = m.batches.load();

@@ -16,6 +16,9 @@ using detail::now_ns;
 
 Conductor::Impl::Impl(GraphSpec graph) : g(std::move(graph)), engines(g.engines.size()) {
   validate_and_index();
+  item_ns.assign(g.nodes.size(), 0);
+  engine_done_ns.assign(g.engines.size(), 0);
+  engine_busy_ns.assign(g.engines.size(), 0);
 }
 
 Conductor::Impl::~Impl() {
@@ -54,7 +57,10 @@ RequestId Conductor::submit(WalkId walk, const std::vector<NamedHandle>& inputs,
   const RequestId id = r->id;
   Request& ref = *r;
   m.requests.emplace(id, std::move(r));
+  if (options.fail_late) ++m.late_watch;
   m.begin_walk(ref, walk, out);
+  if (options.fail_late && ref.state == Request::State::running) m.admit(ref, out);
+  m.expire_late(out);
   m.reap(id);
   return id;
 }
@@ -66,6 +72,7 @@ bool Conductor::start_walk(RequestId id, WalkId walk, Outcome* out) {
   if (r->state != Request::State::between_walks)
     throw std::logic_error("start_walk: request " + std::to_string(id) + " is still in a walk");
   impl_->begin_walk(*r, walk, out);
+  impl_->expire_late(out);
   impl_->reap(id);
   return true;
 }
@@ -113,16 +120,20 @@ void Conductor::next_batch(EngineId engine, std::size_t max_batch, std::chrono::
   const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
                                                   m.g.nodes[q.ready.front().node].max_batch);
   const std::int64_t t = now_ns();
+  const std::int64_t last = m.engine_done_ns[engine];
+  const std::int64_t gap = q.ready.front().value->queued_ns < last ? t - last : 0;
   q.ready.take_batch(limit, [&](ReadyQueue<Item*>::Entry& e) {
     Item* item = e.value;
     --item->req->queued;
     ++item->req->inflight;
     ++m.inflight;
     item->started_ns = t;
+    item->gap_ns = gap;
     batch.push_back(item);
   });
   for (const WorkItem* w : batch)
     static_cast<Item*>(const_cast<WorkItem*>(w))->batch_size = static_cast<std::uint32_t>(batch.size());
+  m.engine_busy_ns[engine] = t + m.item_ns[batch.front()->node] * static_cast<std::int64_t>(batch.size());
 }
 
 bool Conductor::wait_ready(EngineId engine, std::chrono::nanoseconds timeout) {
@@ -159,6 +170,12 @@ void Conductor::complete(const std::vector<Completion>& done, Outcome* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const std::int64_t t = now_ns();
   for (const Completion& c : done) impl_->complete_one(c, t, out);
+  impl_->expire_late(out);
+}
+
+void Conductor::expire(Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->expire_late(out);
 }
 
 void Conductor::fail_items(const std::vector<std::uint64_t>& ids, const std::string& message,

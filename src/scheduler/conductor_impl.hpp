@@ -61,6 +61,13 @@ struct Conductor::Impl {
   bool stopping = false;
   std::chrono::nanoseconds spin = std::chrono::microseconds(100);  // wait_ready's spin
   std::size_t inflight = 0;
+  // Deadlines (deadlines.cpp): live fail_late requests, recent per-item time by node, and a
+  // scratch list reused by expire_late.
+  std::size_t late_watch = 0;
+  std::vector<std::int64_t> item_ns;
+  std::vector<std::int64_t> engine_done_ns;  // by engine: when its last item completed
+  std::vector<std::int64_t> engine_busy_ns;  // by engine: when its batch in flight should end
+  std::vector<std::pair<RequestId, NodeId>> late;
 
   explicit Impl(GraphSpec graph);
   ~Impl();
@@ -125,6 +132,15 @@ struct Conductor::Impl {
   void fail_request(Request& r, const std::string& message, Outcome* out);
   Request* find(RequestId id);
   void complete_one(const Completion& c, std::int64_t t, Outcome* out);
+
+  // ---- deadlines (deadlines.cpp) -------------------------------------------------------------------
+
+  void note_batch_time(NodeId node, std::int64_t per_item_ns);
+  /// Fails the fail_late requests with queued work past its deadline.
+  void expire_late(Outcome* out);
+  /// For a fail_late request just submitted: false (and the request failed) when its queued
+  /// work cannot be expected to start before its deadline.
+  bool admit(Request& r, Outcome* out);
   void apply_outputs(Request& r, const Item& item, const Completion& c, Outcome* out);
 
 };

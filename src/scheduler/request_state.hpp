@@ -48,6 +48,9 @@ struct Item : WorkItem {
   Activation* act = nullptr;  // the node activation (nullptr for stream chunks)
   int stream = -1;            // chunk of this stream
   std::int64_t queued_ns = 0, started_ns = 0;
+  // The engine's time between its previous batch and this one while this work waited: the
+  // worker's own overhead, part of what each batch costs (deadlines.cpp).
+  std::int64_t gap_ns = 0;
   std::uint32_t batch_size = 0;
 };
 

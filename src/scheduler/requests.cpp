@@ -36,6 +36,7 @@ void Conductor::Impl::walk_done(Request& r, Outcome* out) {
 /// Frees everything the request holds; it disappears once its in-flight items are back.
 void Conductor::Impl::end_request(Request& r, Outcome* out) {
   r.state = Request::State::over;
+  if (r.options.fail_late) --late_watch;
   if (r.queued != 0) {  // cancellation is rare: a scan of the ready queues is fine
     for (auto& q : engines) {
       q.ready.remove_if([&](const ReadyQueue<Item*>::Entry& e) {
@@ -120,6 +121,9 @@ void Conductor::Impl::complete_one(const Completion& c, std::int64_t t, Outcome*
   --r.inflight;
   --inflight;
   const NodeSpec& n = g.nodes[item->node];
+  note_batch_time(item->node, (t - item->started_ns + item->gap_ns) /
+                                 std::max<std::uint32_t>(item->batch_size, 1));
+  engine_done_ns[n.engine] = t;
   for (Handle h : c.outputs)
     if (h == kReservedHandle) throw std::invalid_argument("complete: handle ~0 is reserved");
   for (Handle h : c.outputs) retain(h);  // balanced below: unreferenced outputs are released

@@ -38,6 +38,7 @@ using mstar::ChunkPolicy;
 using mstar::Completion;
 using mstar::Conductor;
 using mstar::EngineId;
+using mstar::Expired;
 using mstar::GraphSpec;
 using mstar::Handle;
 using mstar::NamedHandle;
@@ -205,6 +206,7 @@ struct App {
   std::unordered_map<RequestId, std::vector<long>> inputs_of;
   std::vector<Emitted> emits;
   std::map<RequestId, std::string> failed;
+  std::map<RequestId, Expired> expired;  // of `failed`: by their deadline
   std::set<RequestId> finished, cancelled, terminal;
   std::vector<WorkItem> seen;  // copies of every item run (record)
   std::map<RequestId, std::vector<std::pair<WalkId, std::map<NameId, long>>>> walk_ends;
@@ -267,6 +269,7 @@ struct App {
         failed[r] = msg;
         terminal.insert(r);
       }
+      for (const Expired& x : o.expired) expired[x.request] = x;
       for (Handle h : o.released) {
         store.erase(h);
         ++released[h];

@@ -6,8 +6,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "alloc_counter.hpp"
 #include "mstar/chunk_feeder.hpp"
@@ -276,6 +279,56 @@ TEST(RuntimeApi, CancelStopsALongRequestAndFreesEverything) {
   EXPECT_EQ(s.live_handles, 0u);
   EXPECT_EQ(s.stored_tensors, 0u);
   EXPECT_THROW(rt.submit({{"i", Tensor::scalar<std::int32_t>(0)}}), std::logic_error);
+}
+
+// slow (20 ms) then fast, one execution per batch: a queue long enough to make deadlines matter.
+Model slow_then_fast(std::atomic<int>* slow_runs) {
+  Model m;
+  m.input("x", TensorSpec::of(DType::float32, {}));
+  m.node("slow", {"x"}, {Edge::to_node("fast", "x")}, [slow_runs](NodeCall& c) {
+    ++*slow_runs;
+    std::this_thread::sleep_for(20ms);
+    c.output("x", c.input("x"));
+  });
+  m.node("fast", {"x"}, {Edge::emit("y")}, [](NodeCall& c) { c.output("y", c.input("x")); });
+  m.walk("main", Section::seq({"slow", "fast"}));
+  return m;
+}
+
+TEST(RuntimeApi, AKeptDeadlineFailsLateWorkAndRefusesWhatCannotStartInTime) {
+  std::atomic<int> slow_runs{0};
+  Runtime rt(slow_then_fast(&slow_runs));
+  auto x = [] { return std::map<std::string, Tensor>{{"x", Tensor::scalar<float>(1)}}; };
+  rt.submit(x()).wait();  // the runtime learns that "slow" takes ~20 ms
+  // Queued behind a 20 ms execution, a request due in 5 ms fails instead of running late.
+  Request busy = rt.submit(x());
+  mstar::RequestOptions kept;
+  kept.deadline = 5ms;
+  kept.fail_late = true;
+  while (slow_runs.load() < 2) std::this_thread::yield();  // busy's "slow" is running
+  Request late = rt.submit(x(), kept);
+  EXPECT_EQ(late.wait(), RequestStatus::failed);
+  EXPECT_NE(late.error().find("deadline"), std::string::npos) << late.error();
+  EXPECT_NE(late.error().find("'slow'"), std::string::npos) << late.error();
+  // Ten requests due in 100 ms (~200 ms of work) are queued: one kept request due just after
+  // them is refused at submit; without fail_late it would only have run late.
+  std::vector<Request> queued;
+  mstar::RequestOptions ordered;
+  ordered.deadline = 100ms;
+  for (int k = 0; k < 10; ++k) queued.push_back(rt.submit(x(), ordered));
+  kept.deadline = 101ms;
+  Request refused = rt.submit(x(), kept);
+  EXPECT_EQ(refused.status(), RequestStatus::failed);  // at once, before anything ran
+  EXPECT_NE(refused.error().find("deadline cannot be met"), std::string::npos) << refused.error();
+  EXPECT_EQ(busy.wait(), RequestStatus::finished);
+  for (Request& q : queued) EXPECT_EQ(q.wait(), RequestStatus::finished);
+  rt.close();
+  const auto s = rt.stats();
+  EXPECT_EQ(s.expired, 2u);
+  EXPECT_EQ(s.failed, 2u);
+  EXPECT_EQ(s.live_requests, 0u);
+  EXPECT_EQ(s.live_handles, 0u);
+  EXPECT_EQ(s.stored_tensors, 0u);
 }
 
 TEST(RuntimeApi, ARequestOutlivesItsRuntime) {

@@ -10,6 +10,7 @@ serves a request to the end. Every suite prints how many cases it tried."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import time
@@ -22,6 +23,8 @@ from hypothesis import strategies as st
 import mstar_rt
 from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphError, GraphNode, Loop, Parallel,
                       Runtime, Sequential, StreamingGraphEdge, _core, compile_model)
+from mstar_rt.compiler import compile_graph
+from mstar_rt.graph import MAX_SECTION_DEPTH, MAX_WALK_SECTIONS
 
 from walk_models import Fn, WalkModel, close_within
 
@@ -448,7 +451,7 @@ def test_chunk_policies_with_any_parameters_are_made_or_refused_with_a_message()
     assert len(tried) >= 180
 
 
-# ---- what the fuzzing found that is not fixed yet (the fixes belong in the graph compiler) ------
+# ---- what the fuzzing found, fixed in the graph compiler --------------------------------------
 
 def _one_node(walk: Any, max_batch: int = 1) -> WalkModel:
     return WalkModel([GraphNode("a", ["x"], ["y"])], {"w": walk},
@@ -476,24 +479,310 @@ def test_a_model_without_nodes_is_refused_by_the_compiler():
         compile_model(WalkModel([], {"w": Sequential()}, {}))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: compiler.py lowers sections recursively, so a walk "
-                   "nested ~500 sections deep raises RecursionError, not a GraphError")
 def test_a_deeply_nested_walk_compiles_or_is_refused_with_a_graph_error():
     walk: Any = "a"
     for _ in range(600):
         walk = Sequential(walk)
-    assert outcome(lambda: compile_model(_one_node(walk)))[0] in ("ok", "GraphError")
+    kind, message = outcome(lambda: compile_model(_one_node(walk)))
+    assert kind == "GraphError", message
+    assert "walk 'w'" in message and f"more than {MAX_SECTION_DEPTH} deep" in message
+    # and the walk prints and compares, deep as it is
+    assert repr(walk).startswith("Sequential(parts=[Sequential(parts=[") and walk == copy(walk)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a loop count beyond 64 bits reaches pybind11, whose "
-                   "TypeError ('incompatible function arguments') names no loop or walk")
-def test_a_loop_count_beyond_64_bits_is_a_graph_error():
-    with pytest.raises(GraphError, match="max_iters"):
-        compile_model(_one_node(Loop("a", 2**63)))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_loop_count_beyond_64_bits_is_a_graph_error(dynamic):
+    loop = DynamicLoop("a", 2**63, "gen") if dynamic else Loop("a", 2**63)
+    with pytest.raises(GraphError, match="max_iters") as error:
+        compile_model(_one_node(loop))
+    assert str(error.value) == (("DynamicLoop 'gen'" if dynamic else "Loop") +
+                                " in walk 'w' has max_iters=9223372036854775808; it must be an "
+                                "integer from 1 to 4294967295")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a max_batch beyond 32 bits reaches pybind11, whose "
-                   "TypeError ('incompatible function arguments') names no node")
 def test_a_max_batch_beyond_32_bits_is_a_graph_error():
-    with pytest.raises(GraphError, match="max_batch"):
+    with pytest.raises(GraphError, match="max_batch") as error:
         compile_model(_one_node("a", max_batch=2**32))
+    assert str(error.value) == "node 'a' has max_batch 4294967296; it must be an integer from 1 " \
+                               "to 4294967295"
+
+
+# ---- nesting, cycles and shared sections: lowered without recursion -----------------------------
+
+def copy(s: Any) -> Any:
+    """A new section tree equal to ``s`` (no object shared), built without recursion."""
+    chain = []
+    while not isinstance(s, str):
+        chain.append(s)
+        if isinstance(s, Loop):
+            s = s.section
+        else:
+            assert len(s.parts if isinstance(s, Sequential) else s.branches) == 1
+            s = (s.parts if isinstance(s, Sequential) else s.branches)[0]
+    for outer in reversed(chain):
+        if isinstance(outer, DynamicLoop):
+            s = DynamicLoop(s, outer.max_iters, outer.name)
+        elif isinstance(outer, Loop):
+            s = Loop(s, outer.max_iters)
+        else:
+            s = type(outer)(s)
+    return s
+
+
+# kind -> (the DSL section around s, the builder's section around c); level i names DynamicLoop i
+NESTS = {
+    "seq": (lambda s, i: Sequential(s), lambda c, i: S.seq([c])),
+    "par": (lambda s, i: Parallel(s), lambda c, i: S.par([c])),
+    "loop": (lambda s, i: Loop(s, 1), lambda c, i: S.loop(c, 1)),
+    "dyn": (lambda s, i: DynamicLoop(s, 1, f"g{i}"), lambda c, i: S.dynamic_loop(f"g{i}", c, 1)),
+}
+
+
+def test_walks_nested_to_any_depth_compile_up_to_the_limit_and_are_refused_beyond_it():
+    tried, refused = [], 0
+    depths = st.one_of(st.integers(1, 30),
+                       st.integers(MAX_SECTION_DEPTH - 2, MAX_SECTION_DEPTH + 2),
+                       st.sampled_from([MAX_SECTION_DEPTH, 2 * MAX_SECTION_DEPTH, 1000, 20_000]))
+
+    @settings(max_examples=40, **SETTINGS)
+    @given(kinds=st.lists(st.sampled_from(sorted(NESTS)), min_size=1, max_size=6), depth=depths)
+    def one(kinds, depth):
+        nonlocal refused
+        tried.append(depth)
+        walk: Any = "a"
+        for i in range(depth):
+            walk = NESTS[kinds[i % len(kinds)]][0](walk, i)
+        kind, result = outcome(lambda: compile_model(_one_node(walk)))
+        # printing and comparing such a walk works at any depth
+        assert repr(walk).startswith(type(walk).__qualname__ + "(")
+        assert walk == copy(walk) and walk != Sequential(walk) and not walk != copy(walk)
+        if depth > MAX_SECTION_DEPTH:
+            refused += 1
+            assert kind == "GraphError" and result == (
+                f"walk 'w' nests sections more than {MAX_SECTION_DEPTH} deep, the most allowed; "
+                "flatten it: Sequential('a', 'b', 'c') runs what Sequential(Sequential('a', 'b'), "
+                "'c') does"), result
+            return
+        assert kind == "ok", result
+        cpp: Any = "a"
+        for i in range(depth):
+            cpp = NESTS[kinds[i % len(kinds)]][1](cpp, i)
+        built = _core.GraphBuilder().input("x").node("a", ["x"], [E.output("y")]).walk("w", cpp)
+        assert ir(result.spec) == ir(built.compile())
+        if depth in (1, MAX_SECTION_DEPTH):  # a walk at the limit serves, too
+            serve(_one_node(walk), {"x": 1}, depth)
+
+    one()
+    print(f"\nnested walks: {len(tried)} cases, {refused} refused, deepest {max(tried)}")
+    assert len(tried) >= 35 and refused >= 5 and MAX_SECTION_DEPTH in tried
+
+
+def _cycles() -> dict[str, Any]:
+    """Walks whose sections contain themselves, each way a section can hold another."""
+    seq = Sequential("a")
+    seq.parts.append(seq)
+    par = Parallel("a")
+    par.branches.append(Sequential(par))
+    loop = Loop("a", 2)
+    loop.section = Sequential("a", loop)
+    dyn = DynamicLoop("a", 2, "gen")
+    dyn.section = dyn
+    outer = Sequential("a")
+    inner = Loop(Parallel(outer), 3)
+    outer.parts.append(Sequential(inner))
+    return {"Sequential": seq, "Parallel": par, "Loop": loop, "DynamicLoop": dyn,
+            "Sequential, deep": Sequential(outer)}
+
+
+@pytest.mark.parametrize("name", list(_cycles()))
+def test_a_section_inside_itself_is_refused_with_a_graph_error_and_still_prints(name):
+    walk = _cycles()[name]
+    with pytest.raises(GraphError, match=r"walk 'w' has a \w+ inside itself; a section cannot "
+                                         "contain itself"):
+        compile_model(_one_node(walk))
+    assert "..." in repr(walk)
+    assert walk == walk and walk == _cycles()[name] and walk != Sequential("a")
+
+
+def test_a_section_shared_by_many_places_is_refused_before_it_takes_long():
+    shared: Any = "a"
+    for _ in range(64):  # 2**64 places from 64 objects
+        shared = Sequential(shared, shared)
+    kind, message = outcome(lambda: compile_model(_one_node(shared)))
+    assert kind == "GraphError" and message.startswith(
+        f"walk 'w' has more than {MAX_WALK_SECTIONS} sections and node names"), message
+    assert "runs in each" in message
+    # shared by two places, it is the builder's rule that refuses it, in the builder's words
+    twice = Sequential("a")
+    dsl = outcome(lambda: compile_model(_one_node(Parallel(twice, twice))))
+    cpp = outcome(lambda: _core.GraphBuilder().input("x").node("a", ["x"], [E.output("y")])
+                  .walk("w", S.par([S.seq(["a"]), S.seq(["a"])])).compile())
+    assert dsl == cpp and dsl[0] == "GraphError" and "appears twice" in dsl[1]
+
+
+def dataclass_repr(x: Any) -> str:
+    """What the dataclass ``repr`` of a section tree is, recursively (for small trees)."""
+    if isinstance(x, mstar_rt.graph.Section):
+        return type(x).__qualname__ + "(" + ", ".join(
+            f"{f.name}={dataclass_repr(getattr(x, f.name))}" for f in dataclasses.fields(x)
+            if f.repr) + ")"
+    if type(x) in (list, tuple):
+        inner = ", ".join(map(dataclass_repr, x))
+        return f"[{inner}]" if type(x) is list else f"({inner}{',' if len(x) == 1 else ''})"
+    return repr(x)
+
+
+def test_sections_print_and_compare_as_their_dataclasses_did():
+    assert repr(Loop("a", 2)) == \
+        "Loop(section='a', max_iters=2, outputs=(), accumulated_outputs=())"
+    assert repr(Sequential("a", DynamicLoop(Parallel("b", "c"), 3, "gen", ["y"]))) == (
+        "Sequential(parts=['a', DynamicLoop(section=Parallel(branches=['b', 'c']), max_iters=3, "
+        "outputs=('y',), accumulated_outputs=(), name='gen')])")
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(Sequential("a"))
+    tried = []
+    trees = sections(st.sampled_from(["a", "b"])).map(dsl_section)
+
+    @settings(max_examples=150, **SETTINGS)
+    @given(a=trees, b=trees)
+    def one(a, b):
+        tried.append(a)
+        assert repr(a) == dataclass_repr(a) and repr(b) == dataclass_repr(b)
+        assert (a == b) == (dataclass_repr(a) == dataclass_repr(b))
+        assert (a != b) == (dataclass_repr(a) != dataclass_repr(b))
+
+    one()
+    print(f"\nsection repr and ==: {len(tried)} cases")
+    assert len(tried) >= 100
+
+
+# ---- integers out of the builder's range: a GraphError naming the loop or the node -------------
+
+UINT32_MAX, INT64 = 2**32 - 1, (-2**63, 2**63 - 1)
+EDGE_INTS = [0, 1, -1, UINT32_MAX, UINT32_MAX + 1, 2**31, 2**31 - 1, -2**31 - 1, *INT64,
+             INT64[0] - 1, INT64[1] + 1, 2**64 - 1, 2**64, -2**64, 10**30, -10**30]
+ANY_INT = st.one_of(st.integers(-3, 3), st.sampled_from(EDGE_INTS), st.integers(-2**70, 2**70),
+                    st.integers())
+
+
+def test_any_integer_loop_count_compiles_or_is_a_graph_error_naming_the_loop_and_walk():
+    tried = []
+
+    @settings(max_examples=200, **SETTINGS)
+    @given(n=ANY_INT, dynamic=st.booleans())
+    def one(n, dynamic):
+        tried.append(n)
+        loop = DynamicLoop("a", n, "gen") if dynamic else Loop("a", n)
+        dsl = outcome(lambda: compile_model(_one_node(Sequential(loop))))
+        if 1 <= n <= UINT32_MAX:
+            assert dsl[0] == "ok", dsl
+            return
+        label = "DynamicLoop 'gen'" if dynamic else "Loop"
+        assert dsl[0] == "GraphError" and dsl[1].startswith(
+            f"{label} in walk 'w' has max_iters={n}; it must be "), dsl
+        assert any(bound in dsl[1] for bound in (">= 1", "at most 4294967295",
+                                                 "from 1 to 4294967295")), dsl
+        if INT64[0] <= n <= INT64[1]:  # the builder takes it, and refuses it in the same words
+            cpp = S.dynamic_loop("gen", "a", n) if dynamic else S.loop("a", n)
+            assert outcome(lambda: _core.GraphBuilder().input("x")
+                           .node("a", ["x"], [E.output("y")]).walk("w", S.seq([cpp]))
+                           .compile()) == dsl
+
+    one()
+    print(f"\nloop counts: {len(tried)} cases")
+    assert len(tried) >= 180
+
+
+def test_a_loop_count_that_is_not_an_integer_is_a_graph_error_and_any_integer_type_is_one():
+    numpy = pytest.importorskip("numpy")
+    for n in [True, False, 2.0, 2.5, "2", None, [2], float("inf"), numpy.float32(2)]:
+        with pytest.raises(GraphError, match=re.escape(f"Loop in walk 'w' has max_iters={n!r}; it "
+                                                       "must be an integer")):
+            compile_model(_one_node(Loop("a", n)))
+    for n in [numpy.int64(3), numpy.uint8(3), numpy.int32(3)]:
+        compile_model(_one_node(Loop("a", n)))
+    with pytest.raises(GraphError, match="max_iters=18446744073709551615; it must be an integer "
+                                         "from 1 to 4294967295"):
+        compile_model(_one_node(Loop("a", numpy.uint64(2**64 - 1))))
+
+
+def test_any_integer_max_batch_compiles_or_is_a_graph_error_naming_the_node():
+    tried = []
+    graph = ([GraphNode("a", ["x"], ["y"])], {"w": "a"}, ["x"], {})
+
+    @settings(max_examples=200, **SETTINGS)
+    @given(n=ANY_INT)
+    def one(n):
+        tried.append(n)
+        # a model's submodule: compile_model takes a max_batch below 1 for 1
+        dsl = outcome(lambda: compile_model(_one_node("a", max_batch=n)))
+        if n <= UINT32_MAX:
+            assert dsl[0] == "ok" and dsl[1].nodes[0][2] == max(1, n), dsl
+        else:
+            assert dsl == ("GraphError", f"node 'a' has max_batch {n}; it must be an integer "
+                                         "from 1 to 4294967295")
+        # the graph compiler itself: 0 is the builder's to refuse, in its words
+        direct = outcome(lambda: compile_graph(*graph, {"a": n}))
+        if 1 <= n <= UINT32_MAX:
+            assert direct[0] == "ok" and direct[1].nodes[0][2] == n
+        elif n == 0:
+            assert direct == outcome(lambda: _core.GraphBuilder().input("x").node(
+                "a", ["x"], [E.output("y")], "default", 0).walk("w", "a").compile())
+            assert direct == ("GraphError", "node 'a' has max_batch 0; it must be >= 1")
+        else:
+            assert direct == ("GraphError", f"node 'a' has max_batch {n}; it must be an integer "
+                                            "from 1 to 4294967295")
+
+    one()
+    print(f"\nmax_batch: {len(tried)} cases")
+    assert len(tried) >= 180
+    for junk in [None, "two", float("inf"), float("nan"), [1]]:
+        with pytest.raises(GraphError, match=re.escape(f"node 'a' has max_batch {junk!r}; it "
+                                                       "must be an integer from 1 to 4294967295")):
+            compile_graph(*graph, {"a": junk})
+
+
+def test_a_streaming_edge_without_a_chunk_policy_is_a_graph_error_naming_the_edge():
+    for junk in [None, 4, "Fixed(4)", mstar_rt.Fixed]:
+        node = GraphNode("a", ["x"], ["y", StreamingGraphEdge("b", "y", junk)])
+        with pytest.raises(GraphError, match=re.escape(
+                f"streaming edge 'y' from 'a' has chunk_policy {junk!r}; use Fixed, "
+                "SlidingWindow, LeftContext or Ramp")):
+            compile_model(WalkModel([node, GraphNode("b", ["y"], ["z"])],
+                                    {"w": Parallel(Loop("a", 2), "b")},
+                                    {"a": Fn(lambda d: {"y": 1}), "b": Fn(lambda d: {"z": 1})}))
+
+
+# ---- integers that used to reach pybind11 outside the graph compiler -------------------------
+
+def test_a_priority_beyond_32_bits_is_refused_naming_the_priority():
+    rt = Runtime(_one_node("a"))
+    try:
+        for priority in [2**31, -2**31 - 1, 2**64]:
+            with pytest.raises(ValueError, match="priority"):
+                rt.submit({"x": 1}, priority=priority)
+        assert rt.submit({"x": 1}, priority=2**31 - 1).result(CASE_SECONDS) == {}
+    finally:
+        close_within(rt)
+
+
+def test_a_deadline_of_any_float_is_served_or_refused_naming_the_deadline():
+    rt = Runtime(_one_node("a"))
+    try:
+        for deadline in [1e10, 1e300, -1e12, float("inf"), float("-inf"), float("nan")]:
+            try:
+                rt.submit({"x": 1}, deadline=deadline).result(CASE_SECONDS)
+            except ValueError as e:
+                assert "deadline" in str(e)
+    finally:
+        close_within(rt)
+
+
+@pytest.mark.parametrize("make", [lambda: mstar_rt.Fixed(-1), lambda: mstar_rt.Fixed(2**64),
+                                  lambda: mstar_rt.SlidingWindow(2**64, 1),
+                                  lambda: mstar_rt.LeftContext(-1, 1),
+                                  lambda: mstar_rt.Ramp([-1], 1), lambda: mstar_rt.Ramp([1], 2**64),
+                                  lambda: mstar_rt.Ramp([1], 1, -1)])
+def test_a_chunk_policy_size_out_of_range_is_a_value_error_naming_it(make):
+    with pytest.raises(ValueError, match=r"^(Fixed|SlidingWindow|LeftContext|Ramp)\("):
+        make()

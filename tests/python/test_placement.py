@@ -21,7 +21,7 @@ import torch
 import zmq
 
 import mstar_rt
-from mstar_rt import RequestCancelled, RequestFailed, Runtime
+from mstar_rt import DeadlineExceeded, RequestCancelled, RequestFailed, Runtime
 from mstar_rt.engines import KVCacheEngine, SamplingParams, StatelessEngine
 from mstar_rt.placement import (CodecError, ModelSpec, NodeGroup, PlacedRuntime,
                                 WorkerStartError, read_config)
@@ -222,6 +222,48 @@ def test_arena_wraps_around_and_reports_a_stuck_receiver(arena):
         arena.free_to(arena.published_head + 64)
 
 
+def test_arena_counters_are_never_seen_half_written(arena):
+    """Issue 16: another process allocates, publishes and frees as fast as it can while this one
+    reads the head and the tail, as the two sides do. Each counter only grows and the head is
+    never behind the tail, in every read: struct.pack_into zeroed the word before writing it, so
+    a reader now and then saw a head (or tail) of 0 -- a message's span end then looked beyond
+    the published head, and the message was refused."""
+    import mstar_rt.placement.arena as arena_module
+
+    script = textwrap.dedent(f"""
+        import importlib.util, time
+        spec = importlib.util.spec_from_file_location("arena", {arena_module.__file__!r})
+        arena_module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(arena_module)
+        arena = arena_module.ShmArena.attach({arena.name!r})
+        print("go", flush=True)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            for _ in range(500):
+                arena.alloc(arena.capacity // 3 + 8, timeout_s=1.0)
+                arena.free_to(arena.publish())
+        arena.close()
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "go\n"
+        reads = backwards = 0
+        last_tail = last_head = 0
+        while writer.poll() is None:
+            for _ in range(1000):
+                tail = arena.tail  # first: a head read later is never behind it
+                head = arena.published_head
+                reads += 1
+                if tail < last_tail or head < last_head or head < tail:
+                    backwards += 1
+                last_tail, last_head = tail, head
+    finally:
+        writer.kill()
+        writer.wait()
+    assert last_head > 0 and reads > 1000
+    assert backwards == 0, f"{backwards} of {reads} reads saw a counter go back"
+
+
 def test_leftovers_of_dead_parents_are_swept_and_live_ones_kept(tmp_path):
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer runs
@@ -324,6 +366,21 @@ def test_a_worker_serves_its_queue_by_deadline_like_the_conductor(placed_walk):
     # batches of 4 after the blocker: FIFO would put the urgent one in the last batch
     assert encoded(urgent) < min(encoded(h) for h in lazy[3:])
     assert encoded(lazy[2]) < encoded(lazy[3])
+
+
+def test_a_kept_deadline_fails_a_placed_request_between_nodes(placed_walk):
+    """In placement the parent checks a kept deadline when a node's result comes back: work
+    already shipped to a worker runs, the next node does not."""
+    inp = pipeline_inputs(1)[0]
+    blocker = placed_walk.submit({**inp, "delay": 0.3})
+    assert wait_until(lambda: placed_walk.workers[1]["inflight_items"] == 1, timeout=T)
+    kept = placed_walk.submit({**inp, "delay": 0.0}, deadline=0.05, fail_late=True)
+    with pytest.raises(DeadlineExceeded) as e:
+        kept.result(T)
+    assert e.value.node == "backbone" and not e.value.refused
+    assert [r["node"] for r in kept.stats()] == ["encoder"]
+    blocker.result(T)
+    assert wait_until(lambda: placed_walk.live["requests"] == 0, timeout=T)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

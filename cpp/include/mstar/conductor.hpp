@@ -35,6 +35,11 @@ struct SubmitOptions {
   std::int64_t deadline_ns = INT64_MAX;
   /// Higher goes first among equal deadlines; then the request submitted first.
   std::int32_t priority = 0;
+  /// Keep the deadline instead of only ordering by it: work of this request that would start
+  /// after `deadline_ns` fails the request (Outcome::expired names the node it had reached), and
+  /// submit refuses the request at once when its first nodes are not expected to be done by the
+  /// deadline, given the work queued ahead of them (estimated from the batch times seen so far).
+  bool fail_late = false;
 };
 
 /// One execution of one node for one request, as handed to an engine worker.
@@ -74,11 +79,20 @@ struct Emit {
   Handle handle = 0;
 };
 
+/// A request failed by its deadline (SubmitOptions::fail_late).
+struct Expired {
+  RequestId request = 0;
+  NodeId node = 0;         ///< the node whose work would have started late (or was refused)
+  bool refused = false;    ///< refused at submit: the queue ahead could not be served in time
+  std::int64_t late_ns = 0;  ///< how far past the deadline (refused: expected start - deadline)
+};
+
 /// Everything a call changed that the caller has to act on.
 struct Outcome {
   std::vector<Emit> emits;                ///< in completion order
   std::vector<RequestId> walks_done;      ///< ask the model for the next walk (or finish)
   std::vector<std::pair<RequestId, std::string>> failed;  ///< ended with this error
+  std::vector<Expired> expired;           ///< those of `failed` that their deadline ended
   std::vector<Handle> released;           ///< free these from the tensor store, after the emits
 };
 
@@ -114,6 +128,10 @@ class Conductor {
   bool cancel(RequestId request, Outcome* out);
   /// Ends a request with an error (e.g. the model's state machine raised).
   void fail(RequestId request, const std::string& message, Outcome* out);
+  /// Fails the fail_late requests whose queued work is past its deadline. Submit, start_walk
+  /// and complete do this themselves; an engine worker calls it before next_batch so that it
+  /// never takes such work. Cheap (no clock read) while no fail_late request is live.
+  void expire(Outcome* out);
 
   /// Waits up to `timeout` for work on `engine`; returns up to `max_batch` items of one node and
   /// walk, the most urgent first. Empty on timeout or after shutdown().

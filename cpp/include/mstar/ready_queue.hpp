@@ -53,6 +53,8 @@ class ReadyQueue {
   [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
   [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
   [[nodiscard]] const Entry& front() const { return entries_.front(); }
+  /// The i-th most urgent entry.
+  [[nodiscard]] const Entry& operator[](std::size_t i) const { return entries_[i]; }
 
   /// Moves up to `limit` entries of the front entry's node and walk, most urgent first, out of
   /// the queue: `take(entry)` gets each. The rest keep their order. Compacts in place.

@@ -68,6 +68,10 @@ struct RequestOptions {
   /// Relative deadline; earlier deadlines run first. Zero or negative: none.
   std::chrono::nanoseconds deadline{0};
   std::int32_t priority = 0;  ///< higher first among equal deadlines
+  /// Keep the deadline rather than only order by it: the request fails ("deadline exceeded:
+  /// node '<node>' ...") instead of starting work after it, and submit() fails it at once
+  /// ("deadline cannot be met: ...") when the work queued ahead is expected to take too long.
+  bool fail_late = false;
   /// If set, outputs go here (on the worker thread that made them, one at a time per request,
   /// in order) instead of to next(). It must not block for long: it holds up that engine.
   OutputCallback on_output;
@@ -110,6 +114,7 @@ struct RuntimeStats {
   std::size_t live_requests = 0, live_handles = 0, queued_items = 0, inflight_items = 0;
   std::size_t stored_tensors = 0;  ///< tensors in the store (inputs and node outputs)
   std::uint64_t submitted = 0, finished = 0, failed = 0, cancelled = 0;
+  std::uint64_t expired = 0;  ///< of `failed`: ended by their deadline (RequestOptions::fail_late)
   std::uint64_t node_runs = 0, batches = 0;
 };
 

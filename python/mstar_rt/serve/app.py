@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
+from mstar_rt.runtime import DeadlineExceeded
 from mstar_rt.serve.bodies import (BadBody, Body, ErrorBody, GenerateBody, SpeechBody,
                                    array_schema, parse, request_body)
 from mstar_rt.serve.bridge import AtCapacity, Bridge, RequestTimeout
@@ -121,6 +122,7 @@ class ServeState:
 
         cancelled = (RequestCancelled, _ClientGone, anyio.get_cancelled_exc_class())
         status = ("ok" if error is None else "timeout" if isinstance(error, RequestTimeout)
+                  else "deadline" if isinstance(error, DeadlineExceeded)
                   else "cancelled" if isinstance(error, cancelled) else "failed")
         self.metrics.requests.inc(endpoint, status)
         return status
@@ -191,7 +193,8 @@ def create_app(deployment: Deployment) -> FastAPI:
         return await _start_stream(state, request, "/generate", inputs, body.priority,
                                    body.deadline_s,
                                    lambda first, rest, t0: _ndjson(first, rest, body.arrays),
-                                   "application/x-ndjson", {}, errors_inline=True)
+                                   "application/x-ndjson", {}, errors_inline=True,
+                                   fail_late=body.fail_late)
 
     add_policy_routes(app, state)
     return app
@@ -277,7 +280,8 @@ async def _ndjson(first: Optional[tuple], rest: AsyncIterator, arrays: str
 
 async def _start_stream(state: ServeState, request: Request, endpoint: str, inputs: dict,
                         priority: int, deadline: Optional[float], render: Any, media_type: str,
-                        headers: dict, errors_inline: bool = False) -> Response:
+                        headers: dict, errors_inline: bool = False,
+                        fail_late: bool = False) -> Response:
     """Admits and submits the request, waits for its first output (so a request that fails
     before producing anything gets a plain HTTP error), then streams the rest."""
     started = time.monotonic()
@@ -289,9 +293,12 @@ async def _start_stream(state: ServeState, request: Request, endpoint: str, inpu
     outputs = None
     try:
         try:
-            handle = await bridge.submit(inputs, deadline, priority)
+            handle = await bridge.submit(inputs, deadline, priority, fail_late)
         except (ValueError, TypeError) as e:
             raise ApiError(400, f"{type(e).__name__}: {e}") from None
+        except DeadlineExceeded as e:  # refused at submit: the queue ahead is too long
+            state.metrics.requests.inc(endpoint, "deadline")
+            raise _error_of(e) from None
         outputs = bridge.outputs(handle, started)
         try:
             first: Optional[tuple] = await _first(outputs, request)
@@ -378,6 +385,9 @@ async def _first(outputs: AsyncIterator, request: Request) -> tuple:
 def _error_of(e: BaseException) -> ApiError:
     from mstar_rt.runtime import RequestCancelled, RequestFailed
 
+    if isinstance(e, DeadlineExceeded):  # 503: come back later; 504: it ran out of time
+        return ApiError(503 if e.refused else 504, str(e), "server_error",
+                        code="deadline_refused" if e.refused else "deadline_exceeded")
     if isinstance(e, RequestTimeout):
         return ApiError(504, str(e), "timeout_error", code="request_timeout")
     if isinstance(e, RequestCancelled):

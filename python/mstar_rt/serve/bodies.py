@@ -128,6 +128,9 @@ class GenerateBody(Body):
     inputs: dict[str, Any]
     deadline_s: Optional[float] = Field(None, gt=0, le=MAX_DEADLINE_S)
     priority: int = Field(0, ge=PRIORITIES[0], le=PRIORITIES[1])
+    #: Keep ``deadline_s``: work that would start after it fails the request (504), and a
+    #: request that cannot start in time is refused at once (503).
+    fail_late: bool = False
     arrays: Literal["base64", "list"] = "base64"
 
     @field_validator("inputs", mode="before")

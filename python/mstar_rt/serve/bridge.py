@@ -67,10 +67,14 @@ class Bridge:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def submit(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
-                     priority: int = 0) -> Any:
-        """Submits on a worker thread; bad inputs raise the runtime's ValueError / TypeError."""
+                     priority: int = 0, fail_late: bool = False) -> Any:
+        """Submits on a worker thread; bad inputs raise the runtime's ValueError / TypeError, a
+        kept deadline that cannot be met its DeadlineExceeded."""
+        if not fail_late:  # any runtime with submit(inputs, deadline=, priority=) serves
+            return await self.call(lambda: self.runtime.submit(inputs, deadline=deadline,
+                                                               priority=priority))
         return await self.call(lambda: self.runtime.submit(inputs, deadline=deadline,
-                                                           priority=priority))
+                                                           priority=priority, fail_late=True))
 
     async def outputs(self, handle: Any, started: Optional[float] = None
                       ) -> AsyncIterator[tuple[str, Any]]:

@@ -79,7 +79,7 @@ class ServerMetrics:
         r = self.registry
         self.requests = LabelledCounter(r, "mstar_requests_total", "Requests by endpoint and "
                                         "outcome (ok, bad_request, unauthorized, rejected, "
-                                        "failed, cancelled, timeout).", ("endpoint", "status"))
+                                        "deadline, failed, cancelled, timeout).", ("endpoint", "status"))
         self.latency = LabelledHistogram(r, "mstar_request_duration_seconds", "Wall time from "
                                          "request to its last output.", ("endpoint",))
         self.first_output = LabelledHistogram(r, "mstar_time_to_first_output_seconds", "Wall "
