@@ -35,6 +35,8 @@ echo "== pip: serving dependencies (HTTP, websockets, ZeroMQ) and the clients th
 "${PIP[@]}" fastapi uvicorn websockets msgpack pyzmq pyyaml httpx openai dm-tree pillow prometheus-client soxr
 # openpi-client pins numpy<2 but works with numpy 2: installed without its dependencies.
 "${PIP[@]}" --no-deps "openpi-client==0.1.2"
+# The V-JEPA 2-AC reference predictor (upstream's ac_predictor.py); its timm/torchvision are not needed.
+"${PIP[@]}" --no-deps "cc-vjepa2==0.0.3"
 echo "== pip: building mstar_rt"
 # No build isolation: the build tools above are reused, so rebuilds are incremental and offline.
 "${PIP[@]}" --no-build-isolation .

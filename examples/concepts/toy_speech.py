@@ -53,18 +53,25 @@ class Codec(m.NodeSubmodule):
 
 class ToySpeech(m.Model):
     inputs = ("text",)
-    nodes = [
-        GraphNode("encode", ["text"], [GraphEdge("lm", "token", persist=True),
-                                       GraphEdge("lm", "length", persist=True)]),
-        GraphNode("lm", ["token", "length"],
-                  [GraphEdge(EMIT, "token"), StreamingGraphEdge("codec", "token", m.SlidingWindow(4, 2))]),
-        GraphNode("codec", ["token"], [GraphEdge(EMIT, "audio")]),
-    ]
     walks = {
         "prefill": "encode",
         "decode": Parallel(DynamicLoop("lm", max_iters=64, name="speak"), "codec"),
     }
-    submodules = {"encode": Encode(), "lm": LanguageModel(), "codec": Codec()}
+
+    def __init__(self) -> None:
+        # Each node once: what it reads and writes, what runs it, on which engine (each engine
+        # is a worker; "lm" and "codec" run concurrently while a request streams).
+        self.nodes = [
+            GraphNode("encode", ["text"], [GraphEdge("lm", "token", persist=True),
+                                           GraphEdge("lm", "length", persist=True)],
+                      submodule=Encode()),
+            GraphNode("lm", ["token", "length"],
+                      [GraphEdge(EMIT, "token"),
+                       StreamingGraphEdge("codec", "token", m.SlidingWindow(4, 2))],
+                      submodule=LanguageModel(), engine="lm"),
+            GraphNode("codec", ["token"], [GraphEdge(EMIT, "audio")],
+                      submodule=Codec(), engine="codec"),
+        ]
 
     def next_walk(self, request, finished_walk, persisted):
         return "decode" if finished_walk == "prefill" else None

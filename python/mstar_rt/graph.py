@@ -16,7 +16,7 @@ naming the walk. Sections print and compare without recursion, so even such a wa
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 # GraphError (a ValueError) is the graph compiler's (C++, mstar::GraphError): it raises it for a
 # malformed graph or walk, and the DSL here for a malformed node.
@@ -59,17 +59,30 @@ Output = Union[str, GraphEdge, StreamingGraphEdge]
 
 @dataclass(frozen=True)
 class GraphNode:
-    """One component's forward pass: reads ``inputs`` by name, writes ``outputs``."""
+    """One component's forward pass: reads ``inputs`` by name, writes ``outputs``.
+
+    A node is declared once, here: ``submodule`` runs it (a :class:`~mstar_rt.NodeSubmodule`),
+    ``engine`` names the worker it runs on (default ``"default"``; nodes on one engine share its
+    worker and state, e.g. prefill and decode on one KV cache) and ``max_batch`` caps its batches
+    (default: the submodule's ``max_batch``, else 1). Older models give the first two as
+    ``Model.submodules`` / ``Model.engines`` maps instead; both are read
+    (:func:`mstar_rt.model.node_submodules`)."""
 
     name: str
     inputs: Sequence[str] = ()
     outputs: Sequence[Output] = ()
+    submodule: Any = field(default=None, kw_only=True, compare=False)
+    engine: Optional[str] = field(default=None, kw_only=True)
+    max_batch: Optional[int] = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
         if not self.name or self.name == EMIT:
             raise GraphError(f"a node needs a name other than '' and {EMIT!r}")
+        if self.engine is not None and (not isinstance(self.engine, str) or not self.engine):
+            raise GraphError(f"node '{self.name}' has engine {self.engine!r}; name an engine "
+                             "with a non-empty string")
         seen: set[str] = set()
         for x in self.inputs:
             if x in seen:

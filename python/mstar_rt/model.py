@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from mstar_rt import _core
-from mstar_rt.graph import GraphNode, SectionLike
+from mstar_rt.graph import GraphError, GraphNode, SectionLike
 
 
 #: A request's deadline when it has none (steady-clock nanoseconds, as the Conductor keeps them).
@@ -88,6 +88,50 @@ class NodeSubmodule(abc.ABC):
         """Called once when a request ends (finished, failed or cancelled)."""
 
 
+def _given(model: "Model", name: str) -> Mapping[str, Any]:
+    """The ``submodules`` / ``engines`` map a model sets the older way: on the instance (kept by
+    the property's setter) or as a class attribute of a subclass (which hides the property)."""
+    own = model.__dict__.get(f"_{name}_given")
+    if own is not None:
+        return own
+    for cls in type(model).__mro__:
+        value = cls.__dict__.get(name)
+        if isinstance(value, property):
+            break
+        if value is not None:
+            return value
+    return {}
+
+
+def node_submodules(model: "Model") -> dict[str, NodeSubmodule]:
+    """Node name -> the submodule that runs it, as declared on the node
+    (``GraphNode(submodule=...)``) or in ``model.submodules``. GraphError if a node has both and
+    they differ."""
+    out = dict(_given(model, "submodules"))
+    for n in model.nodes:
+        sub = getattr(n, "submodule", None)
+        if sub is None:
+            continue
+        if out.get(n.name, sub) is not sub:
+            raise GraphError(f"node '{n.name}' has a submodule in its GraphNode and another in "
+                             f"{type(model).__name__}.submodules; declare it once")
+        out[n.name] = sub
+    return out
+
+
+def node_engines(model: "Model") -> dict[str, str]:
+    """Node name -> engine name (``"default"`` unless the node or ``model.engines`` names one);
+    names in ``model.engines`` that are not nodes stay, for the compiler to refuse."""
+    out = dict(_given(model, "engines"))
+    for n in model.nodes:
+        engine = getattr(n, "engine", None)
+        if engine is not None and out.get(n.name, engine) != engine:
+            raise GraphError(f"node '{n.name}' runs on engine '{engine}' by its GraphNode but on "
+                             f"'{out[n.name]}' by {type(model).__name__}.engines; declare it once")
+        out[n.name] = engine or out.get(n.name, "default")
+    return out
+
+
 def hears_stream_end(sub: NodeSubmodule) -> bool:
     """Whether ``sub`` overrides :meth:`NodeSubmodule.end_stream` (in its class or on the
     instance): only then does the runtime tell it that its stream ended."""
@@ -98,18 +142,35 @@ def hears_stream_end(sub: NodeSubmodule) -> bool:
 class Model:
     """A model is (G, W) plus a state machine over walks.
 
-    Subclasses set :attr:`nodes`, :attr:`walks`, :attr:`inputs` and :attr:`submodules`, may map
-    nodes to engines, and may override :meth:`initial_walk` and :meth:`next_walk`.
+    Subclasses set :attr:`nodes` (each declared once: ``GraphNode(name, inputs, outputs,
+    submodule=..., engine=..., max_batch=...)``), :attr:`walks` and :attr:`inputs`, give
+    stateful engines in :attr:`engine_specs` (made per model instance, in ``__init__``), and may
+    override :meth:`initial_walk` and :meth:`next_walk`.
     """
 
     nodes: Sequence[GraphNode] = ()
     walks: Mapping[str, SectionLike] = {}
     #: Names a request brings; they stay visible in every walk of the request.
     inputs: Sequence[str] = ()
-    #: node name -> submodule that runs it.
-    submodules: Mapping[str, NodeSubmodule] = {}
-    #: node name -> engine name (default "default"); each engine gets its own worker.
-    engines: Mapping[str, str] = {}
+    @property
+    def submodules(self) -> Mapping[str, NodeSubmodule]:
+        """Node name -> the submodule that runs it, for every node. Setting it (the older form,
+        for nodes whose GraphNode carries none) is still accepted."""
+        return node_submodules(self)
+
+    @submodules.setter
+    def submodules(self, value: Mapping[str, NodeSubmodule]) -> None:
+        self.__dict__["_submodules_given"] = dict(value)
+
+    @property
+    def engines(self) -> Mapping[str, str]:
+        """Node name -> engine name (default "default"; each engine gets its own worker).
+        Setting it (the older form, for nodes whose GraphNode names none) is still accepted."""
+        return node_engines(self)
+
+    @engines.setter
+    def engines(self, value: Mapping[str, str]) -> None:
+        self.__dict__["_engines_given"] = dict(value)
     #: engine name -> Engine object (e.g. a KVCacheEngine); unnamed engines are stateless.
     engine_specs: Mapping[str, Any] = {}
     #: Values for declared inputs a request may leave out.

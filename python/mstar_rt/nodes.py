@@ -14,7 +14,7 @@ from mstar_rt.compiler import CompiledGraph
 from mstar_rt.graph import StreamingGraphEdge
 from mstar_rt._core import WorkItem
 from mstar_rt.model import (Model, NodeSubmodule, RequestContext, StreamChunk, WorkContext,
-                            hears_stream_end)
+                            hears_stream_end, node_engines, node_submodules)
 
 
 def overrides(obj: object, name: str, base: type) -> bool:
@@ -56,10 +56,11 @@ class NodeTable:
                 if isinstance(out, StreamingGraphEdge):
                     stream_input[out.to] = out.name
         self.entries: list[NodeEntry] = []
+        subs, engines = node_submodules(model), node_engines(model)
         for name in graph.node_ids:
-            sub = model.submodules[name]
+            sub = subs[name]
             self.entries.append(NodeEntry(
-                name=name, submodule=sub, engine=model.engines.get(name, "default"),
+                name=name, submodule=sub, engine=engines[name],
                 max_batch=graph.nodes[graph.node_ids[name]][2],
                 stream_input=stream_input.get(name),
                 prepares=overrides(sub, "prepare_inputs", NodeSubmodule),

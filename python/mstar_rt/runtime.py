@@ -16,7 +16,8 @@ from mstar_rt import _core
 from mstar_rt.compiler import CompiledGraph, compile_graph
 from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.graph import GraphError, GraphNode
-from mstar_rt.model import NO_DEADLINE, Model, NodeSubmodule, RequestContext, hears_stream_end
+from mstar_rt.model import (NO_DEADLINE, Model, NodeSubmodule, RequestContext, hears_stream_end,
+                            node_engines, node_submodules)
 from mstar_rt.nodes import BatchRunner, NodeTable, overrides
 from mstar_rt.registry import RequestRegistry
 
@@ -70,14 +71,15 @@ def compile_model(model: Model) -> CompiledGraph:
     for n in model.nodes:
         if not isinstance(n, GraphNode):
             raise GraphError(f"{n!r} in {type(model).__name__}.nodes is not a GraphNode")
-    missing = [n.name for n in model.nodes if n.name not in model.submodules]
+    subs = node_submodules(model)
+    missing = [n.name for n in model.nodes if n.name not in subs]
     if missing:
         raise ValueError(f"model {type(model).__name__} has no submodule for nodes {missing}; "
-                         "map every node name to a NodeSubmodule in `submodules`")
-    return compile_graph(model.nodes, model.walks, model.inputs, model.engines,
-                         {n: _max_batch(s) for n, s in model.submodules.items()},
-                         frozenset(n for n, s in model.submodules.items()
-                                   if hears_stream_end(s)))
+                         "give each GraphNode its submodule (GraphNode(..., submodule=...))")
+    batch = {n: _max_batch(s) for n, s in subs.items()}
+    batch.update({n.name: n.max_batch for n in model.nodes if n.max_batch is not None})
+    return compile_graph(model.nodes, model.walks, model.inputs, node_engines(model), batch,
+                         frozenset(n for n, s in subs.items() if hears_stream_end(s)))
 
 
 class RequestHandle:

@@ -69,14 +69,14 @@ class ReplyModel(Model):
         if getattr(responder, "is_lm", False):
             self._lm_walks(recognize, responder, tts)
             return
-        self.nodes = [GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text")]),
-                      GraphNode("respond", ["text"], [GraphEdge(EMIT, "reply")]),
-                      GraphNode("tts", ["reply"], [GraphEdge(EMIT, "audio_out")])]
+        self.nodes = [
+            GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text")], submodule=recognize),
+            GraphNode("respond", ["text"], [GraphEdge(EMIT, "reply")],
+                      submodule=_Call(responder, "text", "reply")),
+            GraphNode("tts", ["reply"], [GraphEdge(EMIT, "audio_out")],
+                      submodule=SpeakNode(tts, loop="speak", text="reply"), engine="tts")]
         self.walks = {"reply": Sequential("asr", "respond",
                                           DynamicLoop("tts", max_sentences, "speak"))}
-        self.submodules = {"asr": recognize, "respond": _Call(responder, "text", "reply"),
-                           "tts": SpeakNode(tts, loop="speak", text="reply")}
-        self.engines = {"tts": "tts"}
 
     def _lm_walks(self, asr: NodeSubmodule, lm: Any, tts: TTS) -> None:
         from mstar_rt.audio.lm_responder import ChatPrompt, SentenceSplitter
@@ -85,21 +85,21 @@ class ReplyModel(Model):
 
         node = lm.lm_node()
         self.nodes = [
-            GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text"), "text"]),
-            GraphNode("chat", ["text"], ["prompt", "params"]),
+            GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text"), "text"], submodule=asr),
+            GraphNode("chat", ["text"], ["prompt", "params"], submodule=ChatPrompt(lm)),
             GraphNode("prefill", ["prompt", "params"],
-                      [GraphEdge("decode", "token", persist=True)]),
+                      [GraphEdge("decode", "token", persist=True)], submodule=node, engine="lm"),
             GraphNode("decode", ["token"], [GraphEdge(EMIT, "token"), "token",
-                                            StreamingGraphEdge("split", "token", Fixed(1))]),
-            GraphNode("split", ["token"], [GraphEdge(EMIT, "reply")]),
-            GraphNode("tts", [], [GraphEdge(EMIT, "audio_out")]),
+                                            StreamingGraphEdge("split", "token", Fixed(1))],
+                      submodule=node, engine="lm"),
+            GraphNode("split", ["token"], [GraphEdge(EMIT, "reply")],
+                      submodule=SentenceSplitter(lm)),
+            GraphNode("tts", [], [GraphEdge(EMIT, "audio_out")],
+                      submodule=SpeakNode(tts, text=None), engine="tts"),
         ]
         self.walks = {"reply": Sequential("asr", "chat", "prefill"),
                       "speak": Parallel(DynamicLoop("decode", lm.max_seq_len, LOOP), "split",
                                         DynamicLoop("tts", 2**31 - 1, "speak"))}
-        self.submodules = {"asr": asr, "chat": ChatPrompt(lm), "prefill": node, "decode": node,
-                           "split": SentenceSplitter(lm), "tts": SpeakNode(tts, text=None)}
-        self.engines = {"prefill": "lm", "decode": "lm", "tts": "tts"}
         self.engine_specs = {"lm": lm.engine()}
 
     def next_walk(self, request: Any, finished_walk: str, persisted: Any) -> Optional[str]:
@@ -146,11 +146,11 @@ class ListenModel(Model):
     def __init__(self, reader: _MicReader, vad_node: Any) -> None:
         from mstar_rt.streaming import Fixed
 
-        self.nodes = [GraphNode("mic", [], [StreamingGraphEdge("vad", "mic", Fixed(1))]),
-                      GraphNode("vad", ["mic"], [GraphEdge(EMIT, "events"), "vad"])]
+        self.nodes = [GraphNode("mic", [], [StreamingGraphEdge("vad", "mic", Fixed(1))],
+                                submodule=reader, engine="mic"),
+                      GraphNode("vad", ["mic"], [GraphEdge(EMIT, "events"), "vad"],
+                                submodule=vad_node, engine="vad")]
         self.walks = {"listen": Parallel(DynamicLoop("mic", 2**31 - 1, "listen"), "vad")}
-        self.submodules = {"mic": reader, "vad": vad_node}
-        self.engines = {"mic": "mic", "vad": "vad"}
 
 
 # ---- records -------------------------------------------------------------------------------

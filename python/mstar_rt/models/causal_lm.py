@@ -203,13 +203,12 @@ class CausalLM(Model):
         self.nodes = [
             GraphNode("prefill", ["prompt", "params"],
                       (token_out if prefill_samples else [])
-                      + [GraphEdge("decode", "token", persist=True)]),
-            GraphNode("decode", ["token"], token_out + ["token"]),
+                      + [GraphEdge("decode", "token", persist=True)],
+                      submodule=self.lm, engine="lm"),
+            GraphNode("decode", ["token"], token_out + ["token"], submodule=self.lm, engine="lm"),
         ]
         self.walks = {"prefill": "prefill",
                       "decode": DynamicLoop("decode", max_seq_len, LOOP)}
-        self.submodules = {"prefill": self.lm, "decode": self.lm}
-        self.engines = {"prefill": "lm", "decode": "lm"}
         self.engine_specs = {"lm": engine or KVCacheEngine(max_batch=max_batch)}
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:

@@ -90,14 +90,23 @@ def plan_context(predictor: ACPredictor, frames: Any, states: Any, past_actions:
         raise ValueError(f"'goal_state' must be [{c.state_dim}]; got {list(goal.shape)}")
     if not bool(torch.isfinite(goal).all()):
         raise ValueError("'goal_state' holds NaN or infinite values; give finite numbers")
-    history = None
-    if r.context > 1 and not check_only:
-        f = c.block_tokens
-        n = (r.context - 1) * f
-        history = ContextKV(block_causal_mask(n, f, predictor.device))
-        x = predictor.embed(r.frames[:-1], r.states[:-1], past)
-        predictor(x, torch.arange(n, device=predictor.device), history)
+    history = None if check_only else history_kv(predictor, r.frames, r.states, past)
     return PlanContext(history, r.frames[-1], r.states[-1], goal)
+
+
+@torch.inference_mode()
+def history_kv(predictor: Any, frames: torch.Tensor, states: torch.Tensor,
+               past: torch.Tensor) -> Optional[ContextKV]:
+    """The K/V of the blocks before the last observed frame (None with one frame): what every
+    candidate of a plan shares."""
+    if frames.shape[0] < 2:
+        return None
+    f = predictor.config.block_tokens
+    n = (frames.shape[0] - 1) * f
+    history = ContextKV(block_causal_mask(n, f, predictor.device))
+    x = predictor.embed(frames[:-1], states[:-1], past)
+    predictor(x, torch.arange(n, device=predictor.device), history)
+    return history
 
 
 @torch.inference_mode()
@@ -120,7 +129,7 @@ def rollout_batch(predictor: ACPredictor, context: PlanContext,
         kv.begin(f)
         out = predictor(x, positions, kv)
         kv.commit()
-        z, s = predictor.predict(out, s)
+        z, s = predictor.predict(out, s, actions[:, t])
     return s, z
 
 

@@ -205,15 +205,15 @@ class OrpheusTTS(Model):
             [GraphEdge(EMIT, "logits")] if emit_logits else [])
         self.nodes = [
             GraphNode("prefill", ["text", "prompt", "voice", "params"],
-                      [GraphEdge("decode", "token", persist=True)]),
+                      [GraphEdge("decode", "token", persist=True)], submodule=self.lm, engine="lm"),
             GraphNode("decode", ["token"],
-                      emits + ["token", StreamingGraphEdge("snac_decoder", "token", self.policy)]),
-            GraphNode("snac_decoder", ["token"], [GraphEdge(EMIT, "audio")]),
+                      emits + ["token", StreamingGraphEdge("snac_decoder", "token", self.policy)],
+                      submodule=self.lm, engine="lm"),
+            GraphNode("snac_decoder", ["token"], [GraphEdge(EMIT, "audio")],
+                      submodule=self.codec, engine="codec"),
         ]
         self.walks = {"prefill": "prefill",
                       "speak": Parallel(DynamicLoop("decode", max_seq_len, LOOP), "snac_decoder")}
-        self.submodules = {"prefill": self.lm, "decode": self.lm, "snac_decoder": self.codec}
-        self.engines = {"prefill": "lm", "decode": "lm", "snac_decoder": "codec"}
         self.engine_specs = {"lm": engine or KVCacheEngine(max_batch=max_batch)}
 
     # ---- prompts -------------------------------------------------------------------------------

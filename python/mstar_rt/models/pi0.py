@@ -282,18 +282,17 @@ class Pi0Policy(Model):
         self.rtc = rtc
         c = module.config
         self.nodes = [
-            GraphNode("vision", ["images"], ["image_tokens"]),
+            GraphNode("vision", ["images"], ["image_tokens"], submodule=VisionNode(module),
+                      engine="vision"),
             GraphNode("prefix", ["image_tokens", "images", "prompt", "state", "noise", "seed",
                                  "delay", "prev_actions"],
-                      [GraphEdge("denoise", "x", persist=True)]),
-            GraphNode("denoise", ["x"], ["x", GraphEdge(EMIT, "actions")]),
+                      [GraphEdge("denoise", "x", persist=True)],
+                      submodule=PrefixNode(module, rtc, max_batch), engine="vla"),
+            GraphNode("denoise", ["x"], ["x", GraphEdge(EMIT, "actions")],
+                      submodule=DenoiseNode(module, rtc, guidance_beta, max_batch), engine="vla"),
         ]
         self.walks = {"prefix": Sequential("vision", "prefix"),
                       "action_gen": Loop("denoise", c.num_steps, outputs=["x"])}
-        self.submodules = {"vision": VisionNode(module),
-                           "prefix": PrefixNode(module, rtc, max_batch),
-                           "denoise": DenoiseNode(module, rtc, guidance_beta, max_batch)}
-        self.engines = {"vision": "vision", "prefix": "vla", "denoise": "vla"}
         page = 16
         pages = max_batch * -(-c.max_prefix // page)
         self.engine_specs = {"vla": engine or KVCacheEngine(page_size=page, num_pages=pages,

@@ -17,12 +17,18 @@ E]`` for one), ``states [C, S]``, ``actions [C - 1 + horizon, A]`` (the C - 1 ac
 between the observed frames, then the planned ones) and ``horizon`` (defaults to what the
 actions allow). :func:`rollout_recompute` is the upstream planning loop, which recomputes the
 whole growing context at every step; it is the reference and the benchmark's baseline.
+
+The predictor is either this repository's miniature (:class:`ACPredictor`, a learned state
+head) or the real V-JEPA 2-AC predictor (:class:`~mstar_rt.models.vjepa2_predictor.
+VJEPA2ACPredictor`, upstream's pose update); both offer ``embed``, ``forward(x, positions,
+attn)``, ``predict(block_out, state, action)`` and ``kv_layout``. ``vjepa2_world_model`` puts
+the V-JEPA 2 encoder in front of this walk.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 
@@ -33,6 +39,12 @@ from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode
 from mstar_rt.model import Model, WorkContext
 from mstar_rt.models.world_model_layers import (ACPredictor, DenseAttention, WorldModelConfig,
                                                 block_causal_mask, load_world_model)
+
+if TYPE_CHECKING:
+    from mstar_rt.models.vjepa2_predictor import VJEPA2ACPredictor
+
+#: What the walk serves: the miniature or the V-JEPA 2-AC predictor.
+Predictor = Union[ACPredictor, "VJEPA2ACPredictor"]
 
 LOOP = "horizon"
 
@@ -107,7 +119,7 @@ class PredictorNode(KVNodeSubmodule):
     """One rollout step per request: iteration 0 the observed frames (C blocks), later
     iterations the one predicted block, all as one ragged batch over the paged cache."""
 
-    def __init__(self, predictor: ACPredictor, max_horizon: int, max_batch: int = 64) -> None:
+    def __init__(self, predictor: Predictor, max_horizon: int, max_batch: int = 64) -> None:
         self.predictor = predictor
         self.max_horizon = max_horizon
         self.max_batch = max_batch
@@ -140,7 +152,8 @@ class PredictorNode(KVNodeSubmodule):
         f = p.config.block_tokens
         ends = torch.cumsum(torch.tensor([w.num_tokens for w in works]), 0).tolist()
         last = torch.stack([out[e - f:e] for e in ends])              # each work's newest block
-        frames, states = p.predict(last, torch.stack([w.payload[1][-1] for w in works]))
+        frames, states = p.predict(last, torch.stack([w.payload[1][-1] for w in works]),
+                                   torch.stack([w.payload[2][-1] for w in works]))
         return [{"frames": frames[i:i + 1], "states": states[i:i + 1], "frame": frames[i],
                  "state": states[i]} for i in range(len(works))]
 
@@ -149,7 +162,7 @@ class PredictorNode(KVNodeSubmodule):
 
 
 class WorldModel(Model):
-    """The ``rollout`` walk over an :class:`ACPredictor` (see the module docstring).
+    """The ``rollout`` walk over a predictor (see the module docstring).
 
     ``max_horizon`` bounds a request's horizon (the DynamicLoop's ``max_iters``). The default
     engine has pages of one frame block and room for four rollouts of ``max_horizon`` frames at
@@ -159,7 +172,7 @@ class WorldModel(Model):
     inputs = ("frames", "states", "actions", "horizon")
     input_defaults = {"horizon": None}
 
-    def __init__(self, predictor: ACPredictor, max_horizon: int = 32,
+    def __init__(self, predictor: Predictor, max_horizon: int = 32,
                  engine: Optional[KVCacheEngine] = None, max_batch: int = 64) -> None:
         self.predictor = predictor.eval()
         self.max_horizon = max_horizon
@@ -187,7 +200,7 @@ class WorldModel(Model):
 
 
 @torch.inference_mode()
-def rollout_recompute(predictor: ACPredictor, frames: torch.Tensor, states: torch.Tensor,
+def rollout_recompute(predictor: Predictor, frames: torch.Tensor, states: torch.Tensor,
                       actions: torch.Tensor, horizon: Optional[int] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The upstream planning loop: at every step, run the predictor over the whole context so
@@ -204,7 +217,7 @@ def rollout_recompute(predictor: ACPredictor, frames: torch.Tensor, states: torc
         x = predictor.embed(zs, ss, r.actions[:t])
         mask = block_causal_mask(t * f, f, predictor.device)
         out = predictor(x, torch.arange(t * f, device=predictor.device), DenseAttention(mask))
-        z, s = predictor.predict(out[-f:], ss[-1])
+        z, s = predictor.predict(out[-f:], ss[-1], r.actions[t - 1])
         zs, ss = torch.cat([zs, z[None]]), torch.cat([ss, s[None]])
         out_states.append(s)
         out_frames.append(z)

@@ -184,9 +184,12 @@ class ACPredictor(nn.Module):
             x = block(x, cos, sin, attn)
         return self.predictor_norm(x)
 
-    def predict(self, block_out: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict(self, block_out: torch.Tensor, state: torch.Tensor,
+                action: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The outputs of one block ``[..., 2 + N, hidden]`` and that frame's state ``[..., S]``
-        -> (next frame features ``[..., N, E]``, next state ``[..., S]``)."""
+        -> (next frame features ``[..., N, E]``, next state ``[..., S]``). The state head reads
+        the action from the block, so ``action`` (the rollout's common interface, which the
+        V-JEPA 2-AC predictor's pose update needs) is unused."""
         frame = self.predictor_proj(block_out[..., 2:, :])
         if self.config.normalize_reps:
             frame = F.layer_norm(frame, (frame.shape[-1],))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
 from mstar_rt.config import ModelSpec, NodeGroup, check_groups, read_placement
-from mstar_rt.model import Model
+from mstar_rt.model import Model, node_engines
 
 __all__ = ["ModelSpec", "NodeGroup", "Plan", "RankPlan", "make_plan", "read_config"]
 
@@ -74,18 +74,19 @@ def make_plan(model: Model, groups: Sequence[NodeGroup]) -> Plan:
                 plan.nodes.extend(g.nodes)
                 plan.request_inputs |= g.request_inputs
     # An engine object with state (a KV cache) lives in exactly one process.
+    engine_of = node_engines(model)
     engine_ranks: dict[str, set[int]] = {}
     for n in names:
-        engine_ranks.setdefault(model.engines.get(n, "default"), set()).add(node_rank[n])
+        engine_ranks.setdefault(engine_of[n], set()).add(node_rank[n])
     for engine, ranks in engine_ranks.items():
         if engine in model.engine_specs and len(ranks) > 1:
-            members = [n for n in names if model.engines.get(n, "default") == engine]
+            members = [n for n in names if engine_of[n] == engine]
             raise ValueError(f"nodes {members} share engine '{engine}' (its state, e.g. a KV "
                              f"cache, lives in one process) but are placed on ranks "
                              f"{sorted(ranks)}; put them in one node group")
     parent_engines = {}
     for n in names:
-        engine, rank = model.engines.get(n, "default"), node_rank[n]
+        engine, rank = engine_of[n], node_rank[n]
         remote = rank in workers
         split = rank != 0 and (remote or engine not in model.engine_specs)
         parent_engines[n] = f"{engine}@rank{rank}" if split else engine

@@ -6,10 +6,12 @@ request state such as KV pages lives there; the parent's Conductor only routes w
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from mstar_rt.engines.base import Engine
-from mstar_rt.model import Model, NodeSubmodule, RequestContext, hears_stream_end
+from mstar_rt.model import (Model, NodeSubmodule, RequestContext, hears_stream_end,
+                            node_submodules)
 
 if TYPE_CHECKING:
     from mstar_rt.placement.link import WorkerLink
@@ -41,13 +43,14 @@ class PlacedModel(Model):
     def __init__(self, model: Model, node_rank: Mapping[str, int], workers: set[int],
                  parent_engines: Mapping[str, str]) -> None:
         self.inner = model
-        self.nodes = model.nodes
+        # The nodes without the submodules they may carry: those below (stand-ins) run them here.
+        self.nodes = [dataclasses.replace(n, submodule=None, engine=None) for n in model.nodes]
         self.walks = model.walks
         self.inputs = model.inputs
         self.input_defaults = model.input_defaults
         self.submodules = {
             n: (_stand_in(n, node_rank[n], s) if node_rank.get(n, 0) in workers else s)
-            for n, s in model.submodules.items()}
+            for n, s in node_submodules(model).items()}
         self.engines = dict(parent_engines)
         used = set(parent_engines.values())
         self.engine_specs = {e: spec for e, spec in model.engine_specs.items() if e in used}

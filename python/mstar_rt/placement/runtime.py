@@ -26,7 +26,7 @@ from mstar_rt.placement.config import ModelSpec, NodeGroup, make_plan, read_conf
 from mstar_rt.placement.link import WorkerLink
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
 from mstar_rt.placement.protocol import TO_PARENT_HEADER
-from mstar_rt.model import RequestContext
+from mstar_rt.model import RequestContext, node_engines
 from mstar_rt.runtime import Runtime
 
 _LIVE: "weakref.WeakSet[PlacedRuntime]" = weakref.WeakSet()
@@ -91,8 +91,8 @@ def split_engines(model: Any, plan: Any, engines: Mapping[str, Engine]
     """``engines`` overrides (Runtime(engines=...)) for the parent, and for each worker rank the
     settings of the KVCacheEngines it should build instead of the model's (an engine object
     cannot cross processes; its settings can)."""
-    rank_of = {model.engines.get(n, "default"): r for n, r in plan.node_rank.items()
-               if r in plan.workers}
+    engine_of = node_engines(model)
+    rank_of = {engine_of[n]: r for n, r in plan.node_rank.items() if r in plan.workers}
     local: dict[str, Engine] = {}
     remote: dict[int, dict[str, dict]] = {}
     for name, engine in engines.items():

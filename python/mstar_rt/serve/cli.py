@@ -48,8 +48,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         server_spec = config.server
         step(f"building model {config.model.factory or config.model.checkpoint}")
         model = build_model(config)
+        from mstar_rt.model import node_engines
         step("starting the runtime (engines: "
-             f"{', '.join(sorted(set(model.engines.values()) or {'default'}))})")
+             f"{', '.join(sorted(set(node_engines(model).values()) or {'default'}))})")
         runtime = build_runtime(config, model)
         step(f"binding {server_spec.host}:{server_spec.port}")
         from mstar_rt.serve.app import create_app

@@ -1,0 +1,266 @@
+"""Upstream's V-JEPA 2-AC planner (``notebooks/utils/mpc_utils.cem``) served as a ``plan`` walk.
+
+    [encoder ->] context -> Loop(iterations){ sample -> evaluate -> update } -> act
+
+Upstream's cross-entropy method over end-effector actions: a Gaussian over the translation
+(3) and gripper (1) of each of ``horizon`` actions (rotation stays 0), starting at mean 0, std
+``maxnorm`` (translation) and 1 (gripper); samples are clipped to ``[-maxnorm, maxnorm]`` and
+``[-max_gripper, max_gripper]``; each sample is rolled out through the predictor (poses by
+upstream's pose update) and scored by the energy -- the mean absolute difference between the
+final predicted frame's features and the goal frame's (both layer-normed); the ``top_k``
+lowest refit mean and (unbiased) std, blended with the old ones by the momenta. ``act`` EMITs
+the final mean as the ``plan [H, 7]`` with gripper values below ``gripper_round`` in magnitude
+set to 0, its first step as ``action [7]``, and the plan's ``energy``; each iteration EMITs its
+``best_energy``.
+
+The candidates roll out in lockstep over dense K/V buffers, sharing the history before the last
+observed frame (``cem.rollout_batch``). Samples come from a generator seeded by the request's
+``seed`` and the iteration, so a plan is reproducible (upstream draws from the global RNG).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
+from mstar_rt.model import Model, NodeSubmodule, WorkContext
+from mstar_rt.models.cem import PlanContext, history_kv, rollout_batch, sample_generator
+from mstar_rt.models.vjepa2_encoder import VJEPA2FrameEncoder, check_images
+from mstar_rt.models.vjepa2_predictor import VJEPA2ACPredictor
+from mstar_rt.models.vjepa2_world_model import EncoderNode, check_encoder_fits
+from mstar_rt.models.world_model import check_rollout_inputs
+
+TRANSLATION, GRIPPER = slice(0, 3), slice(6, 7)
+
+
+@dataclass(frozen=True)
+class VJEPA2CEMConfig:
+    """Upstream's planning arguments (``WorldModel.mpc_args`` of its example: rollout 2, 400
+    samples, top 10, 10 CEM steps, momenta 0.15, maxnorm 0.05)."""
+
+    samples: int = 400
+    top_k: int = 10
+    iterations: int = 10
+    horizon: int = 2
+    momentum_mean: float = 0.15
+    momentum_std: float = 0.15
+    momentum_mean_gripper: float = 0.15
+    momentum_std_gripper: float = 0.15
+    maxnorm: float = 0.05
+    max_gripper: float = 0.75
+    gripper_round: float = 0.25
+    #: Candidates rolled out at once (ours, not upstream's): bounds the dense K/V buffers, e.g.
+    #: 100 x 2 frames x 24.2 MiB (bfloat16, full-size predictor) = 4.7 GiB.
+    max_rollouts: int = 100
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.top_k <= self.samples:
+            raise ValueError(f"top_k must lie in [2, samples={self.samples}] (the std of the "
+                             f"elites needs two); got {self.top_k}")
+        if min(self.iterations, self.horizon, self.max_rollouts) < 1:
+            raise ValueError("iterations, horizon and max_rollouts must be >= 1")
+
+
+def frame_energy(final_frames: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+    """Upstream's objective: per candidate, the mean absolute difference of its final predicted
+    frame ``[S, N, E]`` from the goal frame ``[N, E]`` over all tokens and features: ``[S]``."""
+    return (final_frames - goal).abs().flatten(1).mean(-1)
+
+
+def full_actions(moves: torch.Tensor) -> torch.Tensor:
+    """``[..., 4]`` (translation, gripper) -> ``[..., 7]`` actions with zero rotation."""
+    zeros = moves.new_zeros(*moves.shape[:-1], 3)
+    return torch.cat([moves[..., :3], zeros, moves[..., 3:]], -1)
+
+
+@torch.inference_mode()
+def vjepa2_plan_context(predictor: VJEPA2ACPredictor, frames: Any, states: Any,
+                        past_actions: Any, goal: Any, horizon: int,
+                        check_only: bool = False) -> PlanContext:
+    """Checks a request's inputs (``frames [C, N, E]``, ``states [C, 7]``, ``past_actions
+    [C - 1, 7]``, ``goal [N, E]``) and, unless ``check_only``, runs its history once."""
+    c = predictor.config
+    for name, value in (("frames", frames), ("states", states), ("goal", goal)):
+        if value is None:
+            raise ValueError(f"planner input '{name}' is missing")
+    ctx = 1 if torch.as_tensor(frames).dim() == 2 else int(torch.as_tensor(frames).shape[0])
+    dev, dt = predictor.device, predictor.dtype
+    past = torch.zeros(0, c.action_dim) if past_actions is None else past_actions
+    past = torch.as_tensor(past).to(device=dev, dtype=dt)
+    if past.dim() != 2 or tuple(past.shape) != (ctx - 1, c.action_dim):
+        raise ValueError(f"'past_actions' must be [{ctx - 1}, {c.action_dim}] (the actions taken "
+                         f"between the {ctx} observed frames); got {list(past.shape)}")
+    filler = torch.zeros(horizon, c.action_dim, dtype=dt, device=dev)
+    r = check_rollout_inputs(c, {"frames": frames, "states": states, "horizon": horizon,
+                                 "actions": torch.cat([past, filler])}, None, dev, dt)
+    goal_t = torch.as_tensor(goal).to(device=dev, dtype=dt)
+    if tuple(goal_t.shape) != (c.num_patches, c.embed_dim):
+        raise ValueError(f"'goal' must be the goal frame's features [{c.num_patches}, "
+                         f"{c.embed_dim}]; got {list(goal_t.shape)}")
+    for name, t in (("past_actions", past), ("goal", goal_t)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"'{name}' holds NaN or infinite values; give finite numbers")
+    history = None if check_only else history_kv(predictor, r.frames, r.states,
+                                                 r.actions[:r.context - 1])
+    return PlanContext(history, r.frames[-1], r.states[-1], goal_t)
+
+
+def evaluate(predictor: VJEPA2ACPredictor, context: PlanContext, actions: torch.Tensor,
+             max_rollouts: Optional[int] = None) -> torch.Tensor:
+    """Energies ``[S]`` of the candidate action sequences ``[S, H, 7]``, rolled out
+    ``max_rollouts`` at a time (all at once by default)."""
+    step = max_rollouts or actions.shape[0]
+    return torch.cat([frame_energy(rollout_batch(predictor, context, actions[i:i + step])[1],
+                                   context.goal)
+                      for i in range(0, actions.shape[0], step)])
+
+
+class _Node(NodeSubmodule):
+    max_batch = 16
+
+    def __init__(self, planner: "VJEPA2Planner") -> None:
+        self.planner = planner
+
+
+class ContextNode(_Node):
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        pl, outs = self.planner, []
+        c, p = pl.config, pl.predictor
+        for b in batch:
+            ctx = vjepa2_plan_context(p, b["frames"], b["states"], b["past_actions"], b["goal"],
+                                      c.horizon)
+            mean = torch.zeros(c.horizon, 4, device=p.device, dtype=p.dtype)
+            std = torch.ones_like(mean)
+            std[:, :3] = c.maxnorm
+            outs.append({"context": ctx, "mean": mean, "std": std})
+        return outs
+
+
+class SampleNode(_Node):
+    def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> Any:
+        return inputs, ctx.iteration
+
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        c, outs = self.planner.config, []
+        for inputs, iteration in batch:
+            mean, std = inputs["mean"], inputs["std"]
+            g = sample_generator(inputs["seed"], iteration, mean.device)
+            noise = torch.randn((c.samples, *mean.shape), generator=g, device=mean.device,
+                                dtype=mean.dtype)
+            moves = noise * std + mean
+            moves[..., :3] = moves[..., :3].clamp(-c.maxnorm, c.maxnorm)
+            moves[..., 3:] = moves[..., 3:].clamp(-c.max_gripper, c.max_gripper)
+            outs.append({"candidates": full_actions(moves)})
+        return outs
+
+
+class EvaluateNode(_Node):
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        p, n = self.planner.predictor, self.planner.config.max_rollouts
+        return [{"energies": evaluate(p, b["context"], b["candidates"], n)} for b in batch]
+
+
+class UpdateNode(_Node):
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        c, outs = self.planner.config, []
+        for b in batch:
+            best = b["energies"].topk(c.top_k, largest=False)
+            elites = b["candidates"][best.indices]
+            sel_mean, sel_std = elites.mean(0), elites.std(0)  # unbiased, as upstream
+            mean, std = b["mean"], b["std"]
+            new_mean = torch.cat([
+                sel_mean[..., TRANSLATION] * (1 - c.momentum_mean) + mean[..., :3] * c.momentum_mean,
+                sel_mean[..., GRIPPER] * (1 - c.momentum_mean_gripper)
+                + mean[..., 3:] * c.momentum_mean_gripper], -1)
+            new_std = torch.cat([
+                sel_std[..., TRANSLATION] * (1 - c.momentum_std) + std[..., :3] * c.momentum_std,
+                sel_std[..., GRIPPER] * (1 - c.momentum_std_gripper)
+                + std[..., 3:] * c.momentum_std_gripper], -1)
+            outs.append({"mean": new_mean, "std": new_std,
+                         "best_energy": float(best.values[0])})
+        return outs
+
+
+class ActNode(_Node):
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        pl, outs = self.planner, []
+        for b in batch:
+            moves = b["mean"].clone()
+            grip = moves[..., 3:]
+            grip[grip.abs() < pl.config.gripper_round] = 0
+            plan = full_actions(moves)
+            energy = evaluate(pl.predictor, b["context"], plan[None])
+            outs.append({"action": plan[0], "plan": plan, "energy": float(energy[0])})
+        return outs
+
+
+class VJEPA2Planner(Model):
+    """The ``plan`` walk (see the module docstring). Inputs: ``frames [C, N, E]`` and ``goal
+    [N, E]`` (layer-normed encoder features) -- or, with ``encoder``, camera ``images`` and
+    ``goal_image`` (see ``vjepa2_encoder.check_images``) --, ``states [C, 7]``, ``past_actions
+    [C - 1, 7]`` (optional with one frame) and ``seed``."""
+
+    input_defaults = {"past_actions": None, "seed": 0}
+
+    def __init__(self, predictor: VJEPA2ACPredictor, config: Optional[VJEPA2CEMConfig] = None,
+                 encoder: Optional[VJEPA2FrameEncoder] = None) -> None:
+        self.predictor = predictor.eval()
+        self.encoder = encoder
+        self.config = c = config or VJEPA2CEMConfig()
+        if predictor.config.action_dim != 7:
+            raise ValueError("the planner samples 7-d end-effector actions (xyz, rotation, "
+                             f"gripper); this predictor takes {predictor.config.action_dim}")
+        self.nodes = [
+            GraphNode("cem_context", ["frames", "states", "past_actions", "goal"],
+                      ["context", "mean", "std"]),
+            GraphNode("cem_sample", ["mean", "std", "seed"], ["candidates"]),
+            GraphNode("cem_evaluate", ["context", "candidates"], ["energies"]),
+            GraphNode("cem_update", ["candidates", "energies", "mean", "std"],
+                      ["mean", "std", GraphEdge(EMIT, "best_energy")]),
+            GraphNode("cem_act", ["context", "mean"],
+                      [GraphEdge(EMIT, "action"), GraphEdge(EMIT, "plan"),
+                       GraphEdge(EMIT, "energy")]),
+        ]
+        steps: list[Any] = [
+            "cem_context",
+            Loop(Sequential("cem_sample", "cem_evaluate", "cem_update"), c.iterations,
+                 outputs=["mean", "std"]),
+            "cem_act"]
+        submodules: dict[str, NodeSubmodule] = {
+            "cem_context": ContextNode(self), "cem_sample": SampleNode(self),
+            "cem_evaluate": EvaluateNode(self), "cem_update": UpdateNode(self),
+            "cem_act": ActNode(self)}
+        engines = {n: "planner" for n in submodules}
+        self.inputs = ("frames", "states", "past_actions", "goal", "seed")
+        if encoder is not None:
+            check_encoder_fits(encoder, predictor.config)
+            self.inputs = ("images", "goal_image", "states", "past_actions", "seed")
+            self.nodes.insert(0, GraphNode("encoder", ["images", "goal_image"],
+                                           ["frames", "goal"]))
+            steps.insert(0, "encoder")
+            submodules["encoder"] = EncoderNode(
+                encoder, {"images": "frames", "goal_image": "goal"}, predictor.device,
+                predictor.dtype)
+            engines["encoder"] = "encoder"
+        self.submodules, self.engines = submodules, engines
+        self.walks = {"plan": Sequential(*steps)}
+
+    def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
+        seed = inputs.get("seed")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"'seed' must be an integer >= 0; got {seed!r}")
+        c = self.predictor.config
+        frames, goal = inputs.get("frames"), inputs.get("goal")
+        if self.encoder is not None:
+            crop = self.encoder.config.crop_size
+            images = check_images(inputs.get("images"), crop)
+            goal_image = check_images(inputs.get("goal_image"), crop, "goal_image")
+            if goal_image.shape[0] != 1:
+                raise ValueError(f"'goal_image' must be one image; got {goal_image.shape[0]}")
+            frames = torch.zeros(()).expand(images.shape[0], c.num_patches, c.embed_dim)
+            goal = torch.zeros(()).expand(c.num_patches, c.embed_dim)
+        vjepa2_plan_context(self.predictor, frames, inputs["states"], inputs.get("past_actions"),
+                            goal, self.config.horizon, check_only=True)
