@@ -11,6 +11,10 @@ three 224 px camera images (14x14 SigLIP patches each), a 20-token prompt and a 
 Latency = submit to chunk (ours) or the whole call (recompute), medians over the repetitions,
 cells alternating. Every pair of runs on the same inputs is compared (max_abs_diff_actions).
 ``prefix_reuse_speedup`` = recompute latency / ours.
+
+Then (not with --tiny) the real pi0 architecture side by side with LeRobot's own
+``predict_action_chunk`` on one checkpoint (benchmarks/vla_lerobot.py): ratios
+``lerobot_over_ours_latency_1robot`` and ``lerobot_over_ours_throughput_8robots``.
 """
 
 from __future__ import annotations
@@ -165,6 +169,16 @@ def main() -> int:
     ratios = {"prefix_reuse_speedup": round(base / ours, 2)}
     result = {"name": "vla", "quick": bool(args.quick), "machine": machine(),
               "config": config.to_dict(), "figures": figures, "ratios": ratios}
+    if not args.tiny:  # the real pi0 architecture against LeRobot itself (vla_lerobot.py)
+        from vla_lerobot import plot as plot_lerobot
+        from vla_lerobot import report as report_lerobot
+        from vla_lerobot import run as run_lerobot
+
+        side = run_lerobot(args.quick)
+        report_lerobot(side)
+        result["lerobot"] = side
+        ratios.update(side["ratios"])
+        plot_lerobot(args.out.with_name("vla_lerobot.png"), side)
 
     print(f"\nmodel: {params_m:.1f} M params (expert {expert_m:.1f} M), prefix {prefix_tokens} "
           f"tokens, chunk {config.action_horizon} x {config.action_dim}, {config.num_steps} flow "

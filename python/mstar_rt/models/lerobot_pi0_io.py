@@ -1,0 +1,274 @@
+"""LeRobot's pre- and post-processing of a pi0 / pi0.5 policy, read from the policy directory
+(``policy_preprocessor.json``, ``policy_postprocessor.json`` and their normalizer state files).
+
+* Images: float ``[3, H, W]`` in [0, 1] as LeRobot feeds them (uint8 and ``[H, W, 3]`` are
+  accepted and converted: ``/ 255``); resized with padding to the square resolution as openpi
+  does (bilinear, no antialias, aspect ratio kept, zero bars centred, the odd row or column at
+  the bottom / right), then scaled to [-1, 1].
+* State and actions: normalised with the dataset statistics (MEAN_STD ``(x - mean) / (std +
+  eps)``, MIN_MAX, QUANTILES ``2 (x - q01) / (q99 - q01) - 1``, QUANTILE10 or IDENTITY); the
+  chunk is un-normalised the inverse way (MEAN_STD ``y std + mean``).
+* Prompt: pi0 appends a newline to the task; pi0.5 writes the normalised state into it,
+  discretised into 256 bins: ``"Task: {task}, State: {bins};\\nAction: "``. Tokens: ``<bos>``
+  + pieces, truncated and right-padded to the tokenizer step's ``max_length``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mstar_rt.models.lerobot_pi0_config import PiConfig
+
+PathLike = Union[str, os.PathLike]
+#: Processor steps whose effect is reproduced here (or that do nothing at inference).
+KNOWN_STEPS = {"rename_observations_processor", "to_batch_processor", "device_processor",
+               "pi0_new_line_processor", "tokenizer_processor", "normalizer_processor",
+               "pi05_prepare_state_tokenizer_processor_step", "relative_actions_processor",
+               "unnormalizer_processor", "absolute_actions_processor"}
+
+
+# ---- images ------------------------------------------------------------------------------------
+
+def unit_image(image: Any, where: str = "image") -> torch.Tensor:
+    """An image as float32 ``[3, H, W]`` in [0, 1]: float ``[3, H, W]`` / ``[H, W, 3]`` is taken
+    as it is, uint8 is divided by 255."""
+    x = torch.as_tensor(np.asarray(image) if not isinstance(image, torch.Tensor) else image)
+    if x.dim() != 3 or 3 not in (x.shape[0], x.shape[-1]) or min(x.shape) < 1:
+        raise ValueError(f"{where} must be [3, H, W] or [H, W, 3]; got {list(x.shape)}")
+    if x.shape[0] != 3:
+        x = x.permute(2, 0, 1)
+    if x.dtype == torch.uint8:
+        return x.float() / 255
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{where} must be uint8 or float in [0, 1]; got {x.dtype}")
+    x = x.float()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{where} holds NaN or infinite values")
+    return x
+
+
+def resize_with_pad(image: torch.Tensor, size: int) -> torch.Tensor:
+    """``[3, H, W]`` in [0, 1] -> ``[3, size, size]``: bilinear resize keeping the aspect ratio
+    (openpi's ``int(H / ratio)``), clamped to [0, 1], zero-padded centred."""
+    h, w = image.shape[1:]
+    if (h, w) == (size, size):
+        return image
+    ratio = max(w / size, h / size)
+    nh, nw = int(h / ratio), int(w / ratio)
+    # channels-last in memory, as LeRobot hands the [B, H, W, C] image to interpolate
+    x = image.permute(1, 2, 0)[None].permute(0, 3, 1, 2)
+    x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False).clamp(0.0, 1.0)
+    top, left = (size - nh) // 2, (size - nw) // 2
+    x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)
+    return x[0].contiguous()
+
+
+def preprocess_image(image: Any, size: int, where: str = "image") -> torch.Tensor:
+    """Any accepted image -> ``[3, size, size]`` in [-1, 1], as LeRobot's ``_preprocess_images``."""
+    return resize_with_pad(unit_image(image, where), size) * 2.0 - 1.0
+
+
+# ---- normalisation -----------------------------------------------------------------------------
+
+#: The statistics each normalisation mode reads: (low, high).
+NORM_STATS = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"),
+              "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90"), "IDENTITY": ()}
+
+
+class Normalizer:
+    """One feature's normalisation (LeRobot's ``NormalizerProcessorStep`` rules)."""
+
+    def __init__(self, mode: str, stats: Mapping[str, torch.Tensor], eps: float = 1e-8,
+                 name: str = "feature") -> None:
+        if mode not in NORM_STATS:
+            raise ValueError(f"normalization mode {mode!r} of '{name}' is not one of "
+                             f"{sorted(NORM_STATS)}")
+        missing = [k for k in NORM_STATS[mode] if k not in stats]
+        if missing:
+            raise ValueError(f"'{name}' is normalised with {mode} but its statistics lack "
+                             f"{missing}")
+        self.mode, self.eps, self.name = mode, eps, name
+        self.stats = [stats[k].float() for k in NORM_STATS[mode]]
+
+    def _bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = (s.to(x.device, x.dtype) for s in self.stats)
+        return lo, hi
+
+    def _span(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """``hi - lo``, eps where it is 0 (a constant feature)."""
+        span = hi - lo
+        return torch.where(span == 0, torch.tensor(self.eps, dtype=span.dtype,
+                                                   device=span.device), span)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "IDENTITY":
+            return x
+        lo, hi = self._bounds(x)
+        if self.mode == "MEAN_STD":
+            return (x - lo) / (hi + self.eps)
+        if self.mode == "MIN_MAX":
+            return 2 * (x - lo) / self._span(lo, hi) - 1
+        return 2.0 * (x - lo) / self._span(lo, hi) - 1.0
+
+    def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
+        if self.mode == "IDENTITY":
+            return y
+        lo, hi = self._bounds(y)
+        if self.mode == "MEAN_STD":
+            return y * hi + lo
+        if self.mode == "MIN_MAX":
+            return (y + 1) / 2 * self._span(lo, hi) + lo
+        return (y + 1.0) * self._span(lo, hi) / 2.0 + lo
+
+
+def _steps(path: PathLike, name: str) -> list[Mapping[str, Any]]:
+    file = os.path.join(path, name)
+    try:
+        with open(file) as f:
+            steps = json.load(f).get("steps")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file} is missing; LeRobot saves it beside the weights "
+                                "(make_pre_post_processors(...) then save_pretrained)") from None
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{file} is not a LeRobot processor file ({e})") from None
+    if not isinstance(steps, list) or not all(isinstance(s, Mapping) for s in steps):
+        raise ValueError(f"{file} must hold a list of 'steps'")
+    for s in steps:
+        reg, cfg = s.get("registry_name"), s.get("config") or {}
+        if reg not in KNOWN_STEPS:
+            raise ValueError(f"{file}: processor step {reg!r} is not one mstar_rt reproduces "
+                             f"({sorted(KNOWN_STEPS)}); its actions would differ from LeRobot's")
+        if reg in ("relative_actions_processor", "absolute_actions_processor") and \
+                cfg.get("enabled"):
+            raise ValueError(f"{file}: {reg} is enabled (relative actions); not supported")
+        if reg == "rename_observations_processor" and cfg.get("rename_map"):
+            raise ValueError(f"{file}: the observation rename map {cfg['rename_map']} is not "
+                             "supported; give the images under the policy's own camera names")
+    return steps
+
+
+def _stats(path: PathLike, step: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state_file = step.get("state_file")
+    if not state_file:
+        return {}
+    file = os.path.join(path, state_file)
+    try:
+        flat = load_file(file)
+    except Exception as e:
+        raise ValueError(f"{file} is not a readable normalizer state file ({e})") from None
+    return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+
+
+class PiProcessor:
+    """Turns a raw observation into the model's inputs and the model's chunk into actions."""
+
+    def __init__(self, config: PiConfig, state: Normalizer, action: Normalizer,
+                 tokenizer: Any, max_length: int, pad_id: int) -> None:
+        self.config, self.state, self.action = config, state, action
+        self.tokenizer, self.max_length, self.pad_id = tokenizer, max_length, pad_id
+
+    @staticmethod
+    def from_dir(path: PathLike, config: PiConfig, tokenizer: Optional[PathLike] = None
+                 ) -> "PiProcessor":
+        pre = _steps(path, "policy_preprocessor.json")
+        post = _steps(path, "policy_postprocessor.json")
+        norm = next((s for s in pre if s["registry_name"] == "normalizer_processor"), None)
+        unnorm = next((s for s in post if s["registry_name"] == "unnormalizer_processor"), None)
+        tok = next((s for s in pre if s["registry_name"] == "tokenizer_processor"), None)
+        if norm is None or unnorm is None or tok is None:
+            raise ValueError(f"{path}: the processor files need a normalizer_processor, an "
+                             "unnormalizer_processor and a tokenizer_processor step")
+        ncfg, ucfg, tcfg = (s.get("config") or {} for s in (norm, unnorm, tok))
+        state_mode = (ncfg.get("norm_map") or {}).get("STATE", config.state_norm)
+        action_mode = (ucfg.get("norm_map") or {}).get("ACTION", config.action_norm)
+        state = Normalizer(state_mode, _stats(path, norm, "observation.state."),
+                           float(ncfg.get("eps", 1e-8)), "observation.state")
+        action = Normalizer(action_mode, _stats(path, unnorm, "action."),
+                            float(ucfg.get("eps", 1e-8)), "action")
+        if tcfg.get("padding_side", "right") != "right":
+            raise ValueError(f"{path}: the tokenizer pads on the {tcfg['padding_side']}; "
+                             "only right padding is supported")
+        tk, pad = load_tokenizer(path, tokenizer, tcfg.get("tokenizer_name"))
+        max_length = int(tcfg.get("max_length", config.tokenizer_max_length))
+        return PiProcessor(config, state, action, tk, max_length, pad)
+
+    def prompt(self, task: str, state: Optional[torch.Tensor] = None) -> str:
+        """The text fed to the tokenizer (pi0.5: with the normalised ``state [S]``)."""
+        if self.config.family == "pi0":
+            return task if task.endswith("\n") else task + "\n"
+        if state is None:
+            raise ValueError("pi0.5's prompt holds the normalised state; give it")
+        bins = np.digitize(state.detach().float().cpu().numpy(),
+                           bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+        text = task.strip().replace("_", " ").replace("\n", " ")
+        return f"Task: {text}, State: {' '.join(map(str, bins))};\nAction: "
+
+    def tokens(self, text: str) -> torch.Tensor:
+        """The prompt's token ids, truncated to ``max_length`` (no padding: the model drops
+        padded positions, which no token may see)."""
+        ids = self.tokenizer.encode(text).ids[: self.max_length]
+        return torch.tensor(ids, dtype=torch.long)
+
+    def padded(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids`` right-padded to ``max_length`` and the attention mask, as LeRobot's batch."""
+        out = torch.full((self.max_length,), self.pad_id, dtype=torch.long)
+        out[: ids.numel()] = ids
+        return out, torch.arange(self.max_length) < ids.numel()
+
+    def state_vector(self, state: Any) -> torch.Tensor:
+        """Raw ``state [state_dim]`` -> normalised float32 (a ValueError naming what is wrong)."""
+        s = torch.as_tensor(np.asarray(state) if not isinstance(state, torch.Tensor)
+                            else state)
+        if s.dtype == torch.bool or s.is_complex():
+            raise ValueError(f"'state' must be real numbers; got {s.dtype}")
+        s = s.float().reshape(-1) if s.dim() <= 1 else s.float()
+        if s.shape != (self.config.state_dim,):
+            raise ValueError(f"'state' must be [{self.config.state_dim}]; got {list(s.shape)}")
+        if not bool(torch.isfinite(s).all()):
+            raise ValueError("'state' holds NaN or infinite values; give finite numbers")
+        return self.state.normalize(s)
+
+    def actions(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The model's chunk ``[H, max_action_dim]`` (normalised) -> ``[H, action_dim]``."""
+        return self.action.unnormalize(chunk[..., : self.config.action_dim].float())
+
+    def normalized_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """Raw actions ``[N, action_dim]`` -> normalised, zero-padded to ``max_action_dim``
+        (what RTC compares the new chunk with)."""
+        a = self.action.normalize(actions.float())
+        return F.pad(a, (0, self.config.max_action_dim - a.shape[-1]))
+
+
+def load_tokenizer(path: PathLike, tokenizer: Optional[PathLike], name: Optional[str]
+                   ) -> tuple[Any, int]:
+    """A ``tokenizers.Tokenizer`` from ``tokenizer`` (a folder or a tokenizer.json), else from
+    ``path/tokenizer/`` or ``path`` itself; and its pad id."""
+    from tokenizers import Tokenizer
+
+    candidates = [tokenizer] if tokenizer is not None else [os.path.join(path, "tokenizer"), path]
+    for c in candidates:
+        file = os.fspath(c)
+        folder = os.path.dirname(file) if file.endswith(".json") else file
+        if os.path.isdir(file):
+            file = os.path.join(file, "tokenizer.json")
+        if os.path.isfile(file):
+            tk = Tokenizer.from_file(file)
+            pad = "<pad>"
+            cfg = os.path.join(folder, "tokenizer_config.json")
+            if os.path.isfile(cfg):
+                with open(cfg) as f:
+                    value = json.load(f).get("pad_token", pad)
+                pad = value.get("content", pad) if isinstance(value, dict) else (value or pad)
+            pad_id = tk.token_to_id(pad)
+            return tk, 0 if pad_id is None else pad_id
+    where = tokenizer if tokenizer is not None else f"{path}/tokenizer or {path}"
+    raise FileNotFoundError(f"no tokenizer.json in {where}; the policy's preprocessor uses "
+                            f"the tokenizer {name!r}: pass tokenizer=<its folder>")

@@ -1,0 +1,150 @@
+"""Loading LeRobot pi0 / pi0.5 checkpoint directories: the full-size configurations have LeRobot's
+exact keys, shapes and parameter counts (built on the meta device); a damaged checkpoint (a
+missing key, an unexpected one, a wrong shape, integer weights, a corrupt file, a wrong type, a
+missing tokenizer) is an error naming what is wrong; openpi's converted key layout loads the same
+weights; the load prints a memory estimate; bfloat16 loads and stays near the float32 chunk."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mstar_rt.models.lerobot_pi0_config import LM_HEADS, checkpoint_layout, full_size
+from mstar_rt.models.lerobot_pi0_layers import parameter_count
+from mstar_rt.models.lerobot_pi0_load import load_lerobot_pi0
+from mstar_rt.models.lerobot_pi0_reference import reference_actions
+
+FIXTURES = Path(__file__).resolve().parents[1] / "reference" / "fixtures"
+SIZES = {"vision_heads": 2}  # the tiny tower's (tiny_sizes.json); shapes cannot tell it
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
+
+def load(family: str, path=None, **kw):
+    d = FIXTURES / family
+    kw.setdefault("tokenizer", d / "tokenizer")
+    kw.setdefault("sizes", SIZES)
+    kw.setdefault("verbose", False)
+    return load_lerobot_pi0(path or d / "checkpoint", **kw)
+
+
+def copy_with(tmp_path: Path, family: str, change) -> Path:
+    """The fixture checkpoint copied to ``tmp_path`` with ``change(state_dict)`` applied."""
+    dst = tmp_path / family
+    shutil.copytree(FIXTURES / family / "checkpoint", dst)
+    state = load_file(str(dst / "model.safetensors"))
+    change(state)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("family, tensors, params", [("pi0", 778, 4_028_019_472),
+                                                     ("pi05", 813, 4_143_404_816)])
+def test_full_size_structure_has_lerobots_keys_shapes_and_parameter_count(family, tensors,
+                                                                          params):
+    want = json.loads((FIXTURES / family / "full_size_keys.json").read_text())
+    assert (want["num_tensors"], want["num_params"]) == (tensors, params)
+    config = full_size(family)
+    assert parameter_count(config) == (tensors, params)
+    layout = checkpoint_layout(config)
+    assert set(layout) == set(want["keys"])
+    wrong = {k: (layout[k], tuple(s)) for k, s in want["keys"].items() if layout[k] != tuple(s)}
+    assert not wrong
+    kept_tensors, kept = parameter_count(config, with_lm_heads=False)
+    assert kept_tensors == tensors - 2 and params - kept == 257152 * (2048 + 1024)
+
+
+def test_loading_prints_the_memory_per_dtype(capsys):
+    policy = load("pi0", verbose=True)
+    line = capsys.readouterr().out
+    kept = sum(p.numel() for p in policy.module.state_dict().values())
+    assert f"pi0: {kept:,} parameters" in line and "49,152 more in the lm_heads" in line
+    for words in ("in float32", "in bfloat16", "in float16", "KV cache"):
+        assert words in line
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda s: s.pop("model.action_out_proj.bias"), "missing key 'model.action_out_proj.bias'"),
+    (lambda s: s.update({"model.extra.weight": torch.zeros(2)}),
+     "unexpected key 'model.extra.weight'"),
+    (lambda s: s.update({"model.action_out_proj.bias": torch.zeros(31)}),
+     r"key 'model.action_out_proj.bias' has shape \(31,\) but the configuration expects \(32,\)"),
+    (lambda s: s.update({"model.state_proj.bias": torch.zeros(32, dtype=torch.int64)}),
+     "'model.state_proj.bias' holds I64"),
+    (lambda s: s.pop("model.paligemma_with_expert.gemma_expert.model.layers.0.self_attn."
+                     "q_proj.weight"), "missing key 'model.paligemma_with_expert.gemma_expert"),
+    (lambda s: s.update({"model.paligemma_with_expert.paligemma.model.language_model.layers.0."
+                         "mlp.up_proj.weight": torch.zeros(100, 64)}),
+     r"language_model.layers.0.mlp.up_proj.weight' has shape \(100, 64\)"),
+])
+def test_a_damaged_checkpoint_is_refused_naming_the_key(tmp_path, change, words):
+    with pytest.raises(ValueError, match=words):
+        load("pi0", copy_with(tmp_path, "pi0", change))
+
+
+def test_a_checkpoint_of_another_family_or_type_is_refused(tmp_path):
+    dst = copy_with(tmp_path, "pi0", lambda s: None)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "type": "pi05"}))
+    with pytest.raises(ValueError, match="unexpected key 'model.action_time_mlp_in.bias'"):
+        load("pi0", dst)
+    (dst / "config.json").write_text(json.dumps({**config, "type": "smolvla"}))
+    with pytest.raises(ValueError, match="type 'smolvla' is not a pi0 or pi0.5 policy"):
+        load("pi0", dst)
+
+
+def test_a_corrupt_or_incomplete_directory_is_refused(tmp_path):
+    dst = copy_with(tmp_path, "pi05", lambda s: None)
+    (dst / "model.safetensors").write_bytes((dst / "model.safetensors").read_bytes()[:5000])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load("pi05", dst)
+    with pytest.raises(FileNotFoundError, match="pass tokenizer=<its folder>"):
+        load("pi05", tokenizer=None)
+    with pytest.raises(ValueError, match=r"give sizes=\{'vision_heads': N\}"):
+        load("pi05", sizes={})
+    dst = copy_with(tmp_path / "b", "pi05", lambda s: None)
+    next(dst.glob("policy_postprocessor_step_*.safetensors")).unlink()
+    with pytest.raises(ValueError, match="not a readable normalizer state file"):
+        load("pi05", dst)
+
+
+@pytest.mark.parametrize("family", ["pi0", "pi05"])
+def test_openpis_converted_layout_loads_the_same_weights(tmp_path, family):
+    """No ``model.`` prefix, openpi's head names, no text embedding (its lm_head stands in);
+    pi0.5 files may still hold a state_proj and plain expert norms, which LeRobot drops."""
+    def to_openpi(state):
+        embed = state.pop("model.paligemma_with_expert.paligemma.model.language_model."
+                          "embed_tokens.weight")
+        state[LM_HEADS[0]] = embed.clone()
+        for key in list(state):
+            new = key.removeprefix("model.")
+            if family == "pi0":
+                new = new.replace("action_time_mlp_", "time_mlp_")
+            state[new] = state.pop(key)
+        if family == "pi05":
+            state["state_proj.weight"] = torch.zeros(32, 32)
+            state["paligemma_with_expert.gemma_expert.model.norm.weight"] = torch.zeros(32)
+
+    want = load(family).module.state_dict()
+    got = load(family, copy_with(tmp_path, family, to_openpi)).module.state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_bfloat16_loads_and_stays_near_the_float32_chunk():
+    d = FIXTURES / "pi05"
+    io = load_file(str(d / "io.safetensors"))
+    meta = json.loads((d / "io.json").read_text())
+    policy = load("pi05", dtype=torch.bfloat16)
+    assert policy.module.dtype == torch.bfloat16
+    obs = {"images": {k: io[f"input.{k}"] for k in meta["cameras_in_order"]},
+           "state": io["input.observation.state"], "task": meta["prompt"],
+           "noise": io["input.noise"]}
+    chunk = reference_actions(policy, obs)["action_chunk"]
+    want = io["output.action_chunk"][0]
+    assert chunk.dtype == torch.float32
+    assert (chunk - want).abs().max() < 0.05 * want.abs().max()
