@@ -1,0 +1,223 @@
+"""LeRobot's SmolVLA served as two walks on the KV engine.
+
+* ``prefix`` = ``vision`` (LeRobot's resize with left/top padding, the SmolVLM vision
+  transformer and connector; a stateless node that batches every camera of every request) then
+  ``prefix`` (the VLM's first ``num_vlm_layers`` layers over image tokens, task tokens and one
+  state token, written to the request's KV pages once). The prefix node also maps each
+  cross-attention layer's prefix K/V through that expert layer's ``k_proj``/``v_proj`` and
+  passes them on as ``cross_kv`` (they are fixed for the request).
+* ``action_gen`` = a Loop of ``num_steps`` ``denoise`` steps: the action expert runs the chunk's
+  action tokens; its self-attention layers read the cached prefix read-only
+  (``KVWork(persist=False)``: nothing is written) and attend causally to the action tokens, its
+  cross-attention layers attend to ``cross_kv``; then one Euler step from t = 1 to 0. The last
+  step EMITs ``actions [chunk_size, action_dim]``, unnormalised as LeRobot's postprocessor does.
+
+    smolvla = load_lerobot_smolvla("checkpoint_dir")
+    with mstar_rt.Runtime(SmolVLAPolicy(smolvla)) as rt:
+        chunk = rt.submit({"images": {"observation.images.camera1": rgb}, "state": q,
+                           "task": "pick up the cube"}).result()["actions"][0]
+
+:func:`~mstar_rt.models.smolvla_reference.sample_actions_reference` is the same computation
+without the runtime (dense attention), checked against LeRobot's own outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from mstar_rt.engines.kv_engine import KVCacheEngine, KVNodeSubmodule, KVStep, KVWork
+from mstar_rt.engines.masks import CAUSAL, PrefixBidirectional
+from mstar_rt.engines.paged_kv import KVLayout
+from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
+from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
+from mstar_rt.models.smolvla_checkpoint import LeRobotSmolVLA, load_lerobot_smolvla
+from mstar_rt.models.smolvla_inputs import camera_images, check_request, pixels, validate
+
+CrossKV = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+class VisionNode(NodeSubmodule):
+    """Every camera of every request in the batch through the vision model at once."""
+
+    max_batch = 16
+
+    def __init__(self, policy: LeRobotSmolVLA) -> None:
+        self.policy = policy
+
+    @torch.inference_mode()
+    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
+        m = self.policy.module
+        per_request = [camera_images(self.policy, b["images"]) for b in batch]
+        px = torch.stack([pixels(self.policy, im) for ims in per_request for im in ims])
+        tokens = m.embed_images(px.to(device=m.device, dtype=m.dtype))
+        outs: list[Mapping[str, Any]] = []
+        start = 0
+        for ims in per_request:
+            outs.append({"image_embs": tokens[start:start + len(ims)].flatten(0, 1)})
+            start += len(ims)
+        return outs
+
+
+class _KeepKV:
+    """Passes attention to the KV step and keeps the K/V of the layers asked for."""
+
+    def __init__(self, step: KVStep, layers: list[int]) -> None:
+        self.step, self.layers = step, set(layers)
+        self.kv: CrossKV = {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer in self.layers:
+            self.kv[layer] = (k, v)
+        return self.step.attend(layer, q, k, v)
+
+
+class PrefixNode(KVNodeSubmodule):
+    """The VLM over each request's prefix, written to its KV pages."""
+
+    def __init__(self, policy: LeRobotSmolVLA, max_batch: int) -> None:
+        self.policy, self.max_batch = policy, max_batch
+
+    def kv_layout(self) -> KVLayout:
+        return self.policy.module.kv_layout()
+
+    def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> KVWork:
+        r = check_request(self.policy, inputs)
+        with torch.inference_mode():
+            x = self.policy.module.prefix_embeds(inputs["image_embs"], r.prompt, r.state)
+        n = x.shape[0]
+        # Image and task tokens see each other both ways; the state token (last) sees all.
+        return KVWork(n, mask=PrefixBidirectional(n - 1), reserve=n, payload=(x, r.noise))
+
+    @torch.inference_mode()
+    def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
+        m = self.policy.module
+        keep = _KeepKV(step, m.cross_layers)
+        m.run_prefix(torch.cat([w.payload[0] for w in works]), step.positions, keep)
+        outs: list[Mapping[str, Any]] = []
+        start = 0
+        for w in works:
+            end = start + w.num_tokens
+            cross = {i: m.cross_kv(i, k[start:end], v[start:end]) for i, (k, v) in keep.kv.items()}
+            outs.append({"x": w.payload[1], "cross_kv": cross})
+            start = end
+        return outs
+
+
+class _BatchedCross:
+    """Cross-attention of every request's action tokens to its own ``cross_kv`` (padded to the
+    longest prefix of the batch, masked)."""
+
+    def __init__(self, kvs: list[CrossKV], h: int) -> None:
+        self.kvs, self.h = kvs, h
+        lengths = [next(iter(kv.values()))[0].shape[0] for kv in kvs] if kvs[0] else [0]
+        self.longest = max(lengths)
+        self.mask = None
+        if min(lengths) != self.longest:
+            dev = next(iter(kvs[0].values()))[0].device
+            pos = torch.arange(self.longest, device=dev)
+            self.mask = (pos[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None]
+
+    def _padded(self, layer: int, which: int) -> torch.Tensor:
+        return torch.stack([F.pad(kv[layer][which], (0, 0, 0, 0, 0, self.longest -
+                                                      kv[layer][which].shape[0]))
+                            for kv in self.kvs])
+
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        b, h = len(self.kvs), self.h
+        k, v = self._padded(layer, 0), self._padded(layer, 1)  # [B, n, Hkv, D]
+        qb = q.view(b, h, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=self.mask,
+                                             enable_gqa=q.shape[1] != k.shape[2])
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+class DenoiseNode(KVNodeSubmodule):
+    """One Euler step of the action expert per request, reading the cached prefix."""
+
+    def __init__(self, policy: LeRobotSmolVLA, max_batch: int) -> None:
+        self.policy, self.max_batch = policy, max_batch
+
+    def kv_layout(self) -> KVLayout:
+        return self.policy.module.kv_layout()
+
+    def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> KVWork:
+        h = self.policy.config.chunk_size
+        # Action tokens see the whole prefix and the tokens before them; nothing is written.
+        return KVWork(h, persist=False, mask=CAUSAL,
+                      payload=(inputs["x"], ctx.iteration, inputs["cross_kv"]))
+
+    @torch.inference_mode()
+    def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
+        m, c = self.policy.module, self.policy.config
+        h, n = c.chunk_size, c.num_steps
+        dt = -1.0 / n
+        suffix = torch.cat([m.suffix_embeds(x, torch.tensor(1.0 + it * dt, dtype=torch.float32,
+                                                            device=m.device))
+                            for x, it, _kv in (w.payload for w in works)])
+        cross = _BatchedCross([w.payload[2] for w in works], h)
+        cross_positions = torch.arange(h, device=m.device).repeat(len(works))
+        v = m.velocity(m.expert_forward(suffix, step.positions, step, cross_positions, cross))
+        outs: list[Mapping[str, Any]] = []
+        for i, w in enumerate(works):
+            x = w.payload[0] + dt * v[i * h:(i + 1) * h]
+            out: dict[str, Any] = {"x": x}
+            if w.payload[1] == n - 1:  # the chunk is done: stream it (earlier steps EMIT nothing)
+                out["actions"] = self.policy.unnormalize_actions(x)
+            outs.append(out)
+        return outs
+
+
+class SmolVLAPolicy(Model):
+    """The ``prefix`` and ``action_gen`` walks over a loaded :class:`LeRobotSmolVLA`.
+
+    Inputs: ``images`` (a dict by camera key -- any non-empty subset of the policy's cameras --
+    or a list in the config's order; float ``[3, H, W]`` in [0, 1] or uint8 ``[3, H, W]`` /
+    ``[H, W, 3]``), ``state [state_dim]`` (raw), ``task`` (the instruction, or its token ids);
+    optional ``noise [chunk_size, max_action_dim]`` (else drawn from ``seed``). EMITs
+    ``actions [chunk_size, action_dim]`` (unnormalised).
+    """
+
+    inputs = ("images", "state", "task", "noise", "seed")
+    input_defaults = {"noise": None, "seed": 0}
+
+    def __init__(self, policy: LeRobotSmolVLA, engine: Optional[KVCacheEngine] = None,
+                 max_batch: int = 32) -> None:
+        policy.module.eval()
+        self.policy = policy
+        c = policy.config
+        self.nodes = [
+            GraphNode("vision", ["images"], ["image_embs"], submodule=VisionNode(policy),
+                      engine="vision"),
+            GraphNode("prefix", ["image_embs", "state", "task", "noise", "seed"],
+                      [GraphEdge("denoise", "x", persist=True),
+                       GraphEdge("denoise", "cross_kv", persist=True)],
+                      submodule=PrefixNode(policy, max_batch), engine="vla"),
+            GraphNode("denoise", ["x", "cross_kv"], ["x", GraphEdge(EMIT, "actions")],
+                      submodule=DenoiseNode(policy, max_batch), engine="vla"),
+        ]
+        self.walks = {"prefix": Sequential("vision", "prefix"),
+                      "action_gen": Loop("denoise", c.num_steps, outputs=["x"])}
+        page = 16
+        pages = max_batch * -(-c.max_prefix // page)
+        self.engine_specs = {"vla": engine or KVCacheEngine(page_size=page, num_pages=pages,
+                                                            max_batch=max_batch)}
+
+    def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
+        validate(self.policy, inputs)
+
+    def next_walk(self, request: RequestContext, finished_walk: str,
+                  persisted: Mapping[str, Any]) -> Optional[str]:
+        return "action_gen" if finished_walk == "prefix" else None
+
+    @staticmethod
+    def from_lerobot(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
+                     device: str = "cpu", vlm_dir: Optional[str] = None, progress: bool = True,
+                     **kwargs: Any) -> "SmolVLAPolicy":
+        """Serves the LeRobot checkpoint directory ``path`` (see :func:`load_lerobot_smolvla`)."""
+        return SmolVLAPolicy(load_lerobot_smolvla(path, dtype, device, vlm_dir, progress),
+                             **kwargs)

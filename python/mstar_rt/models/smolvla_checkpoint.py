@@ -1,0 +1,263 @@
+"""Loading a LeRobot SmolVLA checkpoint directory, as ``SmolVLAPolicy.save_pretrained`` and
+the processor pipelines write it:
+
+* ``config.json`` (the policy) and ``model.safetensors`` (LeRobot's state-dict keys);
+* ``policy_preprocessor.json`` / ``policy_postprocessor.json`` and the normalizer states they
+  name (``*_normalizer_processor.safetensors``: ``<feature>.<stat>`` tensors);
+* the SmolVLM folder named by ``vlm_model_name``: its ``config.json`` gives the backbone's sizes
+  and its ``tokenizer.json`` tokenizes the task.
+
+Every file is checked before weights are allocated; a missing or unexpected key or a shape the
+config does not give is a ValueError naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from mstar_rt.models.checkpoint import check_weights, load_weights, meta_module, read_config
+from mstar_rt.models.smolvla_config import (ACTION_KEY, STATE_KEY, SmolVLAConfig,
+                                            smolvla_config)
+from mstar_rt.models.smolvla_layers import SmolVLAModule, parameter_count
+
+LM_HEAD = "model.vlm_with_expert.vlm.lm_head.weight"
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Normalizer:
+    """LeRobot's (un)normalizer for one feature: ``mode`` over ``stats`` (``mean``/``std``,
+    ``min``/``max``, ``q01``/``q99``, ``q10``/``q90``), with LeRobot's ``eps``."""
+
+    key: str
+    mode: str
+    stats: dict[str, torch.Tensor]
+    eps: float = 1e-8
+
+    def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        names = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"),
+                 "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[self.mode]
+        return self.stats[names[0]], self.stats[names[1]]
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "IDENTITY":
+            return x
+        a, b = (s.to(device=x.device, dtype=x.dtype) for s in self._pair())
+        if self.mode == "MEAN_STD":
+            return (x - a) / (b + self.eps)
+        span = b - a
+        span = torch.where(span == 0, torch.tensor(self.eps, dtype=x.dtype, device=x.device),
+                           span)
+        return 2 * (x - a) / span - 1
+
+    def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "IDENTITY":
+            return x
+        a, b = (s.to(device=x.device, dtype=x.dtype) for s in self._pair())
+        if self.mode == "MEAN_STD":
+            return x * b + a
+        span = b - a
+        span = torch.where(span == 0, torch.tensor(self.eps, dtype=x.dtype, device=x.device),
+                           span)
+        if self.mode == "MIN_MAX":
+            return (x + 1) / 2 * span + a
+        return (x + 1.0) * span / 2.0 + a
+
+
+def _processor_step(path: str, pipeline: str, registry: str) -> tuple[dict, str]:
+    file = os.path.join(path, f"{pipeline}.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} is missing; a LeRobot SmolVLA checkpoint holds the "
+                                "processor pipelines with the normalization statistics (save "
+                                "them with PolicyProcessorPipeline.save_pretrained)")
+    with open(file) as f:
+        try:
+            steps = json.load(f).get("steps", [])
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{file} is not a processor pipeline ({e})") from None
+    for step in steps:
+        if isinstance(step, Mapping) and step.get("registry_name") == registry:
+            return dict(step.get("config") or {}), os.path.join(path, step.get("state_file", ""))
+    raise ValueError(f"{file} has no '{registry}' step; SmolVLA needs it for the statistics")
+
+
+def load_normalizer(path: str, pipeline: str, registry: str, key: str,
+                    config: SmolVLAConfig) -> Normalizer:
+    """The normalizer of feature ``key`` from ``pipeline``'s ``registry`` step."""
+    from safetensors.torch import load_file
+
+    step, state_file = _processor_step(path, pipeline, registry)
+    feature = (step.get("features") or {}).get(key) or {}
+    ftype = feature.get("type", "STATE" if key == STATE_KEY else "ACTION")
+    mode = (step.get("norm_map") or {}).get(ftype, config.norm_mode(ftype))
+    eps = float(step.get("eps", 1e-8))
+    if mode == "IDENTITY":
+        return Normalizer(key, mode, {}, eps)
+    try:
+        state = load_file(state_file)
+    except Exception as e:
+        raise ValueError(f"the normalizer state {state_file} of {pipeline}.json cannot be read: "
+                         f"{type(e).__name__}: {e}") from None
+    stats = {k[len(key) + 1:]: v.float() for k, v in state.items() if k.startswith(key + ".")}
+    norm = Normalizer(key, mode, stats, eps)
+    try:
+        a, b = norm._pair()
+    except KeyError as e:
+        raise ValueError(f"{state_file} lacks '{key}.{e.args[0]}', which {mode} normalization "
+                         "of that feature needs") from None
+    dim = config.state_dim if key == STATE_KEY else config.action_dim
+    if a.shape != (dim,) or b.shape != (dim,):
+        raise ValueError(f"the {key} statistics in {state_file} have shapes {list(a.shape)} and "
+                         f"{list(b.shape)}; the config gives the feature {dim} dimensions")
+    return norm
+
+
+def find_vlm(path: str, name: str, vlm_dir: Optional[str]) -> str:
+    """The SmolVLM folder: ``vlm_dir`` if given; else ``vlm_model_name`` as a path (absolute,
+    from the working directory, or from the checkpoint and the folders above it); else the
+    Hugging Face cache (no download)."""
+    if vlm_dir is not None:
+        if not os.path.isfile(os.path.join(vlm_dir, "config.json")):
+            raise FileNotFoundError(f"vlm_dir {vlm_dir} holds no config.json of a SmolVLM")
+        return vlm_dir
+    here = os.path.abspath(path)
+    tries = [name] if os.path.isabs(name) else [name] + [
+        os.path.join(d, name) for d in _ancestors(here)]
+    for t in tries:
+        if os.path.isfile(os.path.join(t, "config.json")):
+            return t
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True,
+                                 allow_patterns=["config.json", "tokenizer*", "*.txt"])
+    except Exception:
+        pass
+    raise FileNotFoundError(f"the SmolVLM backbone '{name}' (vlm_model_name in "
+                            f"{os.path.join(path, 'config.json')}) is neither a folder here nor in "
+                            "the Hugging Face cache; pass vlm_dir= (a folder with its config.json "
+                            "and tokenizer.json)")
+
+
+def _ancestors(path: str) -> list[str]:
+    out = []
+    while True:
+        out.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            return out
+        path = parent
+
+
+def load_tokenizer(vlm_dir: str, max_length: int) -> Any:
+    """The prompt tokenizer (``tokenizer.json``, truncating to ``max_length``; no padding)."""
+    file = os.path.join(vlm_dir, "tokenizer.json")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ImportError("reading SmolVLA's task needs the `tokenizers` package (pip install "
+                          "tokenizers), or pass the task as token ids") from e
+    try:
+        tok = Tokenizer.from_file(file)
+    except Exception as e:
+        raise ValueError(f"{file} is not a readable tokenizer: {type(e).__name__}: {e}") from None
+    tok.enable_truncation(max_length)
+    tok.no_padding()
+    return tok
+
+
+def memory_estimate(config: SmolVLAConfig) -> dict[str, int]:
+    """Sizes, built on the meta device: ``parameters`` (what is loaded), ``lm_head`` (the
+    checkpoint's unused vocabulary projection, not loaded), and bytes per dtype of the weights
+    (``weights.<dtype>``) and of one prefix token's K/V in the cache (``kv_per_token.<dtype>``)."""
+    _n, params = parameter_count(meta_module(lambda: SmolVLAModule(config, False), "config"))
+    t = config.text
+    out = {"parameters": params, "lm_head": t.vocab_size * t.hidden_size}
+    for name, size in _BYTES.items():
+        out[f"weights.{name}"] = params * size
+        out[f"kv_per_token.{name}"] = 2 * config.num_layers * t.num_kv_heads * t.head_dim * size
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 \
+        else f"{n / 2**10:.1f} KiB"
+
+
+def describe_memory(config: SmolVLAConfig, tensors: int) -> str:
+    m = memory_estimate(config)
+    return (f"{tensors} tensors, {m['parameters'] + m['lm_head']:,} parameters "
+            f"({m['lm_head']:,} in the unused lm_head, not loaded); weights: "
+            + ", ".join(f"{d} {_size(m['weights.' + d])}" for d in _BYTES)
+            + "; KV cache per prefix token: "
+            + ", ".join(f"{d} {_size(m['kv_per_token.' + d])}" for d in _BYTES))
+
+
+@dataclass
+class LeRobotSmolVLA:
+    """A loaded LeRobot SmolVLA: weights, config, tokenizer and the state / action
+    normalizers (what LeRobot's pre- and postprocessor do around the model)."""
+
+    module: SmolVLAModule
+    config: SmolVLAConfig
+    tokenizer: Any
+    state_normalizer: Normalizer
+    action_normalizer: Normalizer
+
+    def tokenize(self, task: str) -> list[int]:
+        """LeRobot's preprocessing of the task: a newline appended (unless there), then the
+        backbone's tokenizer (its own special tokens, truncated to ``tokenizer_max_length``)."""
+        if self.tokenizer is None:
+            raise ValueError("this SmolVLA has no tokenizer; pass the task as token ids")
+        text = task if task.endswith("\n") else task + "\n"
+        return list(self.tokenizer.encode(text).ids)
+
+    def normalize_state(self, state: torch.Tensor) -> torch.Tensor:
+        """Raw state ``[state_dim]`` -> normalised and zero-padded to ``max_state_dim``."""
+        x = self.state_normalizer.normalize(state.float())
+        pad = self.config.max_state_dim - x.shape[-1]
+        return torch.nn.functional.pad(x, (0, pad))
+
+    def unnormalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """``[..., max_action_dim]`` model actions -> the first ``action_dim``, unnormalised."""
+        return self.action_normalizer.unnormalize(actions[..., : self.config.action_dim].float())
+
+
+def load_lerobot_smolvla(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
+                         device: str = "cpu", vlm_dir: Optional[str] = None,
+                         progress: bool = True) -> LeRobotSmolVLA:
+    """Loads a LeRobot SmolVLA checkpoint directory (see the module doc) into a
+    :class:`LeRobotSmolVLA` of ``dtype`` (default float32) on ``device``. ``vlm_dir`` overrides
+    where the SmolVLM folder is looked for. Prints the parameter count and the weights' size per
+    dtype unless ``progress`` is False. The checkpoint's ``lm_head`` is checked but not loaded
+    (SmolVLA never produces logits)."""
+    path = os.fspath(path)
+    policy_file = os.path.join(path, "config.json")
+    policy = read_config(path)
+    name = policy.get("vlm_model_name", "HuggingFaceTB/SmolVLM2-500M-Video-Instruct")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"field 'vlm_model_name' of {policy_file} must name the SmolVLM folder")
+    vlm_path = find_vlm(path, name, vlm_dir)
+    config = smolvla_config(policy, read_config(vlm_path), policy_file,
+                            os.path.join(vlm_path, "config.json"))
+    # the config's sizes against the weights' headers, before allocating anything
+    full = meta_module(lambda: SmolVLAModule(config, lm_head=True), policy_file)
+    check_weights(full, path, allow_missing=(LM_HEAD,))
+    state_norm = load_normalizer(path, "policy_preprocessor", "normalizer_processor", STATE_KEY,
+                                 config)
+    action_norm = load_normalizer(path, "policy_postprocessor", "unnormalizer_processor",
+                                  ACTION_KEY, config)
+    tokenizer = load_tokenizer(vlm_path, config.tokenizer_max_length) if os.path.exists(
+        os.path.join(vlm_path, "tokenizer.json")) else None
+    if progress:
+        print(f"SmolVLA {path}: {describe_memory(config, len(full.state_dict()))}")
+    with torch.device("meta"):  # sizes already checked by meta_module above
+        module = SmolVLAModule(config, lm_head=False)
+    module = module.to(dtype or torch.float32).to_empty(device=device)
+    load_weights(module, path, progress=progress, ignore=(LM_HEAD,))
+    return LeRobotSmolVLA(module.eval(), config, tokenizer, state_norm, action_norm)

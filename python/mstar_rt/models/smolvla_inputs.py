@@ -1,0 +1,141 @@
+"""A SmolVLA request's inputs, checked and preprocessed as LeRobot's pipeline does: camera
+images (resized with left/top padding, scaled to [-1, 1]), the task (newline, tokenizer), the
+state (normalised, zero-padded) and the flow's starting noise. Bad input is a ValueError that
+names the input and what it needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from mstar_rt.models.smolvla_checkpoint import LeRobotSmolVLA
+from mstar_rt.models.smolvla_vision import resize_with_pad
+
+
+@dataclass
+class SmolVLARequest:
+    """A request's model inputs: prompt ids ``[L]``, the normalised padded state
+    ``[max_state_dim]`` (module dtype) and the noise ``[chunk_size, max_action_dim]`` (float32)."""
+
+    prompt: torch.Tensor
+    state: torch.Tensor
+    noise: torch.Tensor
+
+
+def camera_images(policy: LeRobotSmolVLA, images: Any) -> list[torch.Tensor]:
+    """The request's cameras in the config's order, each float32 ``[3, H, W]`` in [0, 1].
+    ``images``: a dict by camera key (any non-empty subset of the config's cameras: a missing
+    camera contributes nothing, as in LeRobot), a list in the config's order, or one image.
+    An image is float ``[3, H, W]`` in [0, 1] (LeRobot's layout) or uint8 ``[3, H, W]`` /
+    ``[H, W, 3]``."""
+    cams = policy.config.cameras
+    if images is None:
+        raise ValueError(f"SmolVLA input 'images' is missing; give at least one of {list(cams)}")
+    if isinstance(images, Mapping):
+        unknown = [k for k in images if k not in cams]
+        if unknown:
+            raise ValueError(f"'images' has unknown cameras {unknown}; the policy's cameras are "
+                             f"{list(cams)}")
+        ordered = [(k, images[k]) for k in cams if k in images and images[k] is not None]
+    else:
+        if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim == 3:
+            images = [images]
+        images = list(images)
+        if len(images) > len(cams):
+            raise ValueError(f"'images' holds {len(images)} cameras; the policy has {len(cams)} "
+                             f"({list(cams)})")
+        ordered = list(zip(cams, images))
+    if not ordered:
+        raise ValueError(f"'images' holds no camera; give at least one of {list(cams)}")
+    return [_image(k, im) for k, im in ordered]
+
+
+def _image(key: str, image: Any) -> torch.Tensor:
+    x = torch.as_tensor(np.asarray(image) if not isinstance(image, torch.Tensor) else image)
+    if x.dtype == torch.uint8:
+        if x.ndim == 3 and x.shape[0] != 3 and x.shape[-1] == 3:
+            x = x.permute(2, 0, 1)
+        if x.ndim != 3 or x.shape[0] != 3:
+            raise ValueError(f"image '{key}' must be uint8 [3, H, W] or [H, W, 3]; got "
+                             f"{list(x.shape)}")
+        return x.float() / 255
+    if not x.dtype.is_floating_point or x.ndim != 3 or x.shape[0] != 3:
+        raise ValueError(f"image '{key}' must be float [3, H, W] in [0, 1] or uint8; got "
+                         f"{x.dtype} {list(x.shape)}")
+    x = x.float()
+    if not bool(torch.isfinite(x).all()) or float(x.min()) < 0 or float(x.max()) > 1:
+        raise ValueError(f"image '{key}' (float) must hold values in [0, 1]")
+    return x
+
+
+def pixels(policy: LeRobotSmolVLA, image: torch.Tensor) -> torch.Tensor:
+    """One camera image ``[3, H, W]`` in [0, 1] -> the vision input ``[3, S, S]`` in [-1, 1]
+    (LeRobot's ``prepare_images``)."""
+    w, h = policy.config.resize_imgs_with_padding
+    return resize_with_pad(image[None], h, w)[0] * 2.0 - 1.0
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = int(value)
+    if isinstance(value, np.integer):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"'{name}' must be an integer >= 0; got {value!r}")
+    return value
+
+
+def prompt_ids(policy: LeRobotSmolVLA, task: Any) -> torch.Tensor:
+    """``task``: the instruction (a string, tokenized as LeRobot does) or token ids."""
+    c = policy.config
+    if task is None:
+        raise ValueError("SmolVLA input 'task' is missing; give the instruction as a string")
+    ids = policy.tokenize(task) if isinstance(task, str) else task
+    ids = torch.as_tensor(ids).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("'task' has no tokens; give an instruction")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"'task' must be a string or integer token ids; got {ids.dtype}")
+    if ids.numel() > c.tokenizer_max_length:
+        raise ValueError(f"'task' has {ids.numel()} tokens; at most {c.tokenizer_max_length} "
+                         "fit (tokenizer_max_length)")
+    if int(ids.min()) < 0 or int(ids.max()) >= c.text.vocab_size:
+        raise ValueError(f"'task' token ids must lie in [0, {c.text.vocab_size})")
+    return ids.long()
+
+
+def check_request(policy: LeRobotSmolVLA, inputs: Mapping[str, Any]) -> SmolVLARequest:
+    """Everything but the images (the vision node's), checked and preprocessed."""
+    c, m = policy.config, policy.module
+    prompt = prompt_ids(policy, inputs.get("task"))
+    if inputs.get("state") is None:
+        raise ValueError(f"SmolVLA input 'state' is missing; give [{c.state_dim}] floats")
+    state = torch.as_tensor(np.asarray(inputs["state"]) if not isinstance(
+        inputs["state"], torch.Tensor) else inputs["state"]).float().reshape(-1)
+    if state.shape != (c.state_dim,):
+        raise ValueError(f"'state' must be [{c.state_dim}]; got {list(state.shape)}")
+    shape = (c.chunk_size, c.max_action_dim)
+    noise = inputs.get("noise")
+    if noise is None:
+        g = torch.Generator().manual_seed(_int(inputs.get("seed", 0) or 0, "seed"))
+        noise = torch.randn(shape, generator=g)
+    noise = torch.as_tensor(noise).float()
+    if noise.dim() == 3 and noise.shape[0] == 1:
+        noise = noise[0]
+    if tuple(noise.shape) != shape:
+        raise ValueError(f"'noise' must be [{shape[0]}, {shape[1]}] (chunk_size, max_action_dim); "
+                         f"got {list(noise.shape)}")
+    for name, t in (("state", state), ("noise", noise)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"'{name}' holds NaN or infinite values; give finite numbers")
+    state = policy.normalize_state(state).to(device=m.device, dtype=m.dtype)
+    return SmolVLARequest(prompt.to(m.device), state, noise.to(m.device))
+
+
+def validate(policy: LeRobotSmolVLA, inputs: Mapping[str, Any]) -> None:
+    """Checks a whole request (at submit), so bad input never reaches an engine."""
+    camera_images(policy, inputs.get("images"))
+    check_request(policy, inputs)
