@@ -59,8 +59,8 @@ class ToySpeech(m.Model):
     }
 
     def __init__(self) -> None:
-        # Each node once: what it reads and writes, what runs it, on which engine (each engine
-        # is a worker; "lm" and "codec" run concurrently while a request streams).
+        # Each node once: what it reads and writes and what runs it (engine= would give it its
+        # own worker; here all three share the default one, which interleaves lm and codec).
         self.nodes = [
             GraphNode("encode", ["text"], [GraphEdge("lm", "token", persist=True),
                                            GraphEdge("lm", "length", persist=True)],
@@ -68,9 +68,9 @@ class ToySpeech(m.Model):
             GraphNode("lm", ["token", "length"],
                       [GraphEdge(EMIT, "token"),
                        StreamingGraphEdge("codec", "token", m.SlidingWindow(4, 2))],
-                      submodule=LanguageModel(), engine="lm"),
+                      submodule=LanguageModel()),
             GraphNode("codec", ["token"], [GraphEdge(EMIT, "audio")],
-                      submodule=Codec(), engine="codec"),
+                      submodule=Codec()),
         ]
 
     def next_walk(self, request, finished_walk, persisted):

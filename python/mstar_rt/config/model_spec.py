@@ -33,7 +33,8 @@ def _path_list(v: Any) -> Any:
 class ModelSpec(Section):
     """The model: ``factory`` (YAML ``class``, or its other spelling ``factory``) called with
     ``args`` (YAML ``args`` or ``kwargs``; JSON data, so every process can get them), or
-    ``checkpoint``: a Llama checkpoint directory served as a CausalLM. ``parent_kwargs``
+    ``checkpoint``: a LeRobot policy directory (pi0, pi0.5, SmolVLA: served as that policy) or
+    a Llama checkpoint directory (served as a CausalLM). ``parent_kwargs``
     override ``args`` in a placement parent that needs only the graph (e.g. ``{"device":
     "meta"}``). ``path``: folders put on sys.path first (relative to the config's folder).
     ``name``: the id clients see (default: the factory's name).
@@ -102,6 +103,10 @@ class ModelSpec(Section):
             ckpt = Path(base_dir) / self.checkpoint
             if not ckpt.is_dir():
                 raise ConfigError(f"model.checkpoint: {str(ckpt)!r} is not a directory")
+            from mstar_rt.models.lerobot import lerobot_family, load_lerobot_policy
+
+            if lerobot_family(ckpt) is not None:  # a LeRobot pi0 / pi0.5 / SmolVLA policy
+                return load_lerobot_policy(ckpt, **kwargs)
             from mstar_rt.models.causal_lm import CausalLM
 
             return CausalLM.from_pretrained(str(ckpt), **kwargs)

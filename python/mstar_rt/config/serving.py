@@ -111,7 +111,8 @@ class PolicySpec(Section):
     inputs (empty: keys named like the inputs), ``images`` are observation keys that may arrive
     as encoded bytes (JPEG/PNG), ``shapes`` / ``dtypes`` check and cast inputs by model input
     name (``null`` in a shape = any size), ``actions`` is the EMIT returned as ``actions``,
-    ``outputs`` maps further EMITs to reply keys, ``metadata`` is sent on connect."""
+    ``outputs`` maps further EMITs to reply keys, ``metadata`` is sent on connect. A target
+    ``input/key`` puts the value under ``key`` of a dict input (a LeRobot policy's cameras)."""
 
     noun: ClassVar[str] = "policy"
     observation: dict[str, str] = Field(default_factory=dict)

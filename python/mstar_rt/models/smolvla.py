@@ -207,6 +207,12 @@ class SmolVLAPolicy(Model):
         self.engine_specs = {"vla": engine or KVCacheEngine(page_size=page, num_pages=pages,
                                                             max_batch=max_batch)}
 
+    def openpi_defaults(self) -> dict[str, Any]:
+        """How the openpi websocket maps LeRobot's observation keys onto the inputs."""
+        from mstar_rt.models.lerobot import openpi_defaults
+
+        return openpi_defaults(self.policy.config, "smolvla")
+
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         validate(self.policy, inputs)
 

@@ -32,7 +32,8 @@ class Deployment:
                   speech: Optional[SpeechSpec] = None, policy: Optional[PolicySpec] = None,
                   **kw: Any) -> "Deployment":
         """Fills what the config leaves out from the model: a model with a ``sample_rate``
-        serves speech (its ``voices``, if it has them, are the voices accepted)."""
+        serves speech (its ``voices``, if it has them, are the voices accepted); a model with
+        ``openpi_defaults()`` (a LeRobot policy) gives the policy mapping."""
         if speech is None and hasattr(model, "sample_rate"):
             speech = SpeechSpec()
         if speech is not None:
@@ -49,6 +50,8 @@ class Deployment:
             voices = speech.voices if speech.voices is not None else tuple(
                 getattr(model, "voices", ()) or ())
             speech = speech.model_copy(update=dict(model_rate=int(rate), voices=voices))
+        if policy is None and hasattr(model, "openpi_defaults"):  # e.g. a LeRobot checkpoint
+            policy = PolicySpec(**model.openpi_defaults())
         return Deployment(runtime=runtime, name=name or type(model).__name__,
                           inputs=tuple(model.inputs), speech=speech,
                           optional_inputs=tuple(getattr(model, "input_defaults", None) or ()),

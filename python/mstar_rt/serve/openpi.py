@@ -123,7 +123,7 @@ class PolicyAdapter:
 
     def __init__(self, spec: PolicySpec, model_inputs: tuple[str, ...], name: str) -> None:
         self.spec = spec
-        unknown = [v for v in spec.observation.values() if v not in model_inputs]
+        unknown = [v for v in spec.observation.values() if v.split("/")[0] not in model_inputs]
         if unknown:
             raise ValueError(f"policy.observation maps to {unknown}, which are not inputs of the "
                              f"model; its inputs are {list(model_inputs)}")
@@ -146,9 +146,14 @@ class PolicyAdapter:
                                        f"it has {sorted(map(str, obs))}")
             if key in self.spec.images:
                 value = decode_image(value, key, self.spec.shapes.get(name))
-            elif isinstance(value, np.ndarray) and not value.flags.writeable:
+            if isinstance(value, np.ndarray) and not value.flags.writeable:
                 value = value.copy()  # msgpack's buffer is read-only; models may write
-            out[name] = check_input(self.spec, name, value, f"observation {key!r}")
+            value = check_input(self.spec, name, value, f"observation {key!r}")
+            top, _, inner = name.partition("/")  # "images/<camera>": one entry of a dict input
+            if inner:
+                out.setdefault(top, {})[inner] = value
+            else:
+                out[name] = value
         return out
 
     def reply(self, outputs: Mapping[str, list]) -> dict[str, Any]:
