@@ -319,15 +319,17 @@ class PyConductor {
   }
 
   /// Under bind_nodes' finish_walks: finishes the requests of out->walks_done (into `out`) and
-  /// returns [(request, timeline bytes)] for them, having forgotten them; else None.
+  /// returns [(request, timeline bytes, emits made)] for them, having forgotten them; else None.
   py::object finish_walks(Outcome* out) {
     if (!finish_walks_ || out->walks_done.empty()) return py::none();
     py::list finished;
     static thread_local std::vector<RequestId> ended;
     ended.swap(out->walks_done);
     out->walks_done.clear();
-    for (RequestId r : ended)
-      if (c_->finish(r, out)) finished.append(py::make_tuple(r, take_timeline(r)));
+    for (RequestId r : ended) {
+      const std::uint64_t emitted = c_->emitted(r);  // final: the walk is over
+      if (c_->finish(r, out)) finished.append(py::make_tuple(r, take_timeline(r), emitted));
+    }
     ended.clear();
     return finished;
   }
@@ -444,6 +446,8 @@ waiting) and report complete(); each call that changes state returns its outcome
              return c.complete(node, ids, outputs, stops);
            }, py::arg("node"), py::arg("items"), py::arg("outputs"), py::arg("stops") = py::none())
       .def("fail_items", &PyConductor::fail_items)
+      .def("emitted", [](PyConductor& c, RequestId r) { return c.conductor()->emitted(r); },
+           py::arg("request"), "How many outputs the request has EMITted so far.")
       .def("set_spin", [](PyConductor& c, double seconds) {
              c.conductor()->set_spin(std::chrono::duration_cast<std::chrono::nanoseconds>(
                  std::chrono::duration<double>(seconds)));

@@ -97,6 +97,7 @@ class RequestHandle:
         self._finished = False
         self._error: Optional[BaseException] = None
         self._emitted: dict[str, list] = {}
+        self._received = 0  # outputs delivered (Runtime._end waits for all of them)
         self._timeline: bytes | list[tuple] = b""
 
     @property
@@ -106,6 +107,7 @@ class RequestHandle:
     # -- called by the runtime --
     def _emit(self, name: str, value: Any) -> None:
         self._emitted.setdefault(name, []).append(value)
+        self._received += 1
         self._events.put((name, value))
 
     def _end(self, error: Optional[BaseException], timeline: bytes) -> None:
@@ -206,6 +208,9 @@ class Runtime:
         self.poll_s = poll_s
         self.nodes = NodeTable(model, g)
         self.requests = RequestRegistry()
+        # Signalled after outputs are delivered: a request's end waits until every output it
+        # made has reached its handle (another engine thread may still be delivering one).
+        self._delivered = threading.Condition(self.requests.lock)
         self.runner = BatchRunner(self.nodes, self.requests.contexts, self.loop_id)
         self.node_names = self.nodes.names
         self.walk_names = list(g.walk_ids)
@@ -327,9 +332,9 @@ class Runtime:
         return self.conductor.complete(node, ids, outputs, stops)
 
     def requests_ended(self, finished: list) -> None:
-        """Requests the Conductor finished itself: [(request, timeline bytes)]."""
-        for rid, timeline in finished:
-            self._end(rid, None, timeline)
+        """Requests the Conductor finished itself: [(request, timeline bytes, outputs made)]."""
+        for rid, timeline, emitted in finished:
+            self._end(rid, None, timeline, emitted)
 
     def loop_id(self, name: str) -> int:
         try:
@@ -342,12 +347,13 @@ class Runtime:
         """Acts on a Conductor outcome. Never raises: one request's trouble stays its own."""
         emits, walks_done, failed, expired = outcome
         if emits:
-            with self.requests.lock:
+            with self._delivered:
                 get = self.requests.by_id.get
                 for rid, name, value in emits:
                     handle = get(rid)
                     if handle is not None:
                         handle._emit(name, value)
+                self._delivered.notify_all()
         late = {e[0]: e for e in expired}
         for rid, message in failed:
             x = late.get(rid)
@@ -362,7 +368,15 @@ class Runtime:
     # ---- request ends ----------------------------------------------------------------------------
 
     def _end(self, rid: int, error: Optional[BaseException],
-             timeline: Optional[bytes] = None) -> None:
+             timeline: Optional[bytes] = None, emitted: int = 0) -> None:
+        """Ends the request. ``emitted``: the outputs it made (a finished request): another
+        engine thread may still be delivering the last of them, so they are waited for."""
+        if emitted:
+            with self._delivered:
+                handle = self.requests.by_id.get(rid)
+                if handle is not None and not self._delivered.wait_for(
+                        lambda: handle._received >= emitted, timeout=10.0):
+                    traceback.print_stack()  # a bug: an outcome with outputs was lost
         handle = self.requests.pop(rid)
         if handle is None:
             return
@@ -402,9 +416,10 @@ class Runtime:
         self.report(self.conductor.start_walk(rid, self.graph.walk_ids[walk]))
 
     def _finish(self, rid: int) -> None:
+        emitted = self.conductor.emitted(rid)  # final: the walk is over
         ended, outcome = self.conductor.finish(rid)
         if ended:  # else it was cancelled meanwhile, and cancel() ended the handle
-            self._end(rid, None)
+            self._end(rid, None, emitted=emitted)
         self.report(outcome)
 
     # ---- lifecycle -----------------------------------------------------------------------------

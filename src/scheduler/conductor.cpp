@@ -230,6 +230,12 @@ void Conductor::forget(RequestId id) {
   impl_->finished_timelines.erase(it);
 }
 
+std::uint64_t Conductor::emitted(RequestId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->requests.find(id);
+  return it == impl_->requests.end() ? 0 : it->second->emitted;
+}
+
 std::size_t Conductor::live_requests() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->requests.size();

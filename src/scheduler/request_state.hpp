@@ -67,6 +67,7 @@ struct Request {
   // node-based set would allocate once per loop iteration.
   std::vector<Activation*> live;
   std::vector<StreamState> streams;      // of the current walk
+  std::uint64_t emitted = 0;             // Emits made, in all walks
   std::size_t queued = 0;                // items in ready queues
   std::size_t inflight = 0;
   std::vector<TimelineEvent> timeline;

@@ -66,6 +66,7 @@ std::unique_ptr<Request> Conductor::Impl::new_request() {
   r->live.clear();
   r->streams.clear();
   r->queued = r->inflight = 0;
+  r->emitted = 0;
   r->timeline.clear();
   if (!spare_timelines.empty()) {
     r->timeline = std::move(spare_timelines.back());
@@ -150,8 +151,10 @@ void Conductor::Impl::apply_outputs(Request& r, const Item& item, const Completi
     if (h == 0) continue;
     const NameId name = n.outputs[k];
     const auto& emits = ix.emit_names[item.node];
-    if (std::find(emits.begin(), emits.end(), name) != emits.end())
+    if (std::find(emits.begin(), emits.end(), name) != emits.end()) {
       out->emits.push_back({r.id, item.node, name, h});
+      ++r.emitted;
+    }
     for (int st : ix.produces_streams[item.node]) {
       StreamState& s = r.streams[static_cast<std::size_t>(st)];
       if (s.spec->name != name) continue;

@@ -68,6 +68,11 @@ def same(a, b) -> bool:
     if isinstance(a, np.ndarray):
         return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     if isinstance(a, dict):
+        if "window" in a and "window" in b:
+            # A window's `last` flag depends on timing: the stream contract lets the end come
+            # as the last chunk or as a stream-end call (test_stream_conformance checks that).
+            a = {**a, "window": [w[:3] + w[4:] for w in a["window"]]}
+            b = {**b, "window": [w[:3] + w[4:] for w in b["window"]]}
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))

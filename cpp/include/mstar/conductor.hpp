@@ -162,6 +162,11 @@ class Conductor {
   std::vector<TimelineEvent> timeline(RequestId request) const;
   void forget(RequestId request);
 
+  /// How many Emits the request has made so far (0 once it is gone). Between walks this is its
+  /// final count: a caller whose threads hand Emits over concurrently can wait until it has
+  /// delivered them all before it reports the request finished.
+  std::uint64_t emitted(RequestId request) const;
+
   std::size_t live_requests() const;
   std::size_t live_handles() const;   ///< handles with a nonzero reference count
   std::size_t queued_items() const;

@@ -6,6 +6,11 @@ ever takes a lock the other holds. Messages are consumed in the order they were 
 pipe keeps order), so a message only says where its allocations end (``span_end``) and the
 receiver frees everything before that point once it has copied the data out.
 
+Each counter is read and written with one 8-byte access, through a memoryview of the header as
+native 64-bit words, so the other process sees the old value or the new one, never a mix:
+``struct.pack_into`` zeroes its destination before it writes the value, and a reader caught in
+between saw a head (or tail) of 0 -- a message's span end then lay "beyond the published head".
+
 Segments are plain files under /dev/shm (no multiprocessing resource tracker, whose extra process
 and exit-time unlinking fight a worker that may be killed); the parent creates and unlinks them.
 """
@@ -50,6 +55,8 @@ class ShmArena:
         os.close(fd)
         self.capacity = size - _DATA
         self._head = 0  # the writer's private copy; published to the segment per message
+        # The header as 64-bit words: one load or store each, never torn (see the module doc).
+        self._words: Optional[memoryview] = memoryview(self.mm)[:_DATA].cast("Q")
 
     @staticmethod
     def create(name: str, capacity: int) -> "ShmArena":
@@ -69,6 +76,10 @@ class ShmArena:
     def attach(name: str) -> "ShmArena":
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         size = os.fstat(fd).st_size
+        if size < _DATA + ALIGN:
+            os.close(fd)
+            raise ValueError(f"shared-memory segment '{name}' is not an mstar_rt arena "
+                             f"({size} bytes)")
         arena = ShmArena(name, fd, size, owner=False)
         magic, capacity = struct.unpack_from("<QQ", arena.mm, 0)
         if magic != _MAGIC or capacity != arena.capacity:
@@ -81,16 +92,17 @@ class ShmArena:
 
     @property
     def published_head(self) -> int:
-        return struct.unpack_from("<Q", self.mm, _HEAD)[0]
+        return self._words[_HEAD // 8]
 
     @property
     def tail(self) -> int:
-        return struct.unpack_from("<Q", self.mm, _TAIL)[0]
+        return self._words[_TAIL // 8]
 
     @property
     def in_use(self) -> int:
         """Bytes sent and not yet freed by the receiver (as this side sees them)."""
-        return self.published_head - self.tail
+        tail = self.tail  # first: the head only grows, so it is never behind a tail read before
+        return self.published_head - tail
 
     # ---- writer ------------------------------------------------------------------------------
 
@@ -134,7 +146,7 @@ class ShmArena:
 
     def publish(self) -> int:
         """Makes this side's allocations visible; returns the span end a message carries."""
-        struct.pack_into("<Q", self.mm, _HEAD, self._head)
+        self._words[_HEAD // 8] = self._head
         return self._head
 
     def data(self, offset: int, nbytes: int) -> memoryview:
@@ -150,15 +162,18 @@ class ShmArena:
 
     def free_to(self, span_end: int) -> None:
         """Frees everything sent before ``span_end`` (after the data was copied out)."""
-        tail = self.tail
-        if not isinstance(span_end, int) or not tail <= span_end <= self.published_head:
-            raise ValueError(f"span end {span_end} is outside [{tail}, {self.published_head}] "
+        tail, head = self.tail, self.published_head
+        if not isinstance(span_end, int) or not tail <= span_end <= head:
+            raise ValueError(f"span end {span_end} is outside [{tail}, {head}] "
                              f"of arena '{self.name}'")
-        struct.pack_into("<Q", self.mm, _TAIL, span_end)
+        self._words[_TAIL // 8] = span_end
 
     # ---- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._words is not None:
+            self._words.release()
+            self._words = None
         if self.mm is not None:
             try:
                 self.mm.close()

@@ -28,6 +28,13 @@ class ItemLedger:
         self.known[rid] = node
         return new
 
+    def unsent(self, items: list) -> list:
+        """Those of ``items`` (work items that send_batch recorded) still in flight, to be sent.
+        One that release() took out since was failed, and its request's 'release' was posted,
+        perhaps sent already: a batch that opened the request after that release would leave
+        the worker holding the request's state for good."""
+        return [it for it in items if it.id in self.inflight]
+
     def take(self, items: Iterable[int]) -> set[int]:
         """Removes and returns those of `items` still in flight (each is then reported once)."""
         taken = set()

@@ -45,10 +45,7 @@ class WorkerLink:
                  zctx: zmq.Context, workdir: str, parent_endpoint: str, tag: str,
                  shm_bytes: int, ready_timeout_s: float, progress: bool,
                  engines: Optional[dict[str, dict]] = None) -> None:
-        self.rt = runtime
-        self.rank = plan.rank
-        self.plan = plan
-        self.spec = spec
+        self.rt, self.rank, self.plan, self.spec = runtime, plan.rank, plan, spec
         self._zctx, self._workdir, self._parent_endpoint, self._tag = zctx, workdir, \
             parent_endpoint, tag
         self.shm_bytes, self.ready_timeout_s, self.progress = shm_bytes, ready_timeout_s, progress
@@ -59,8 +56,7 @@ class WorkerLink:
         self.worker: Optional[WorkerProcess] = None
         self.endpoint = ""
         self.last_exit: Optional[str] = None
-        self.restarts = 0
-        self.error_replies = 0
+        self.restarts = self.error_replies = 0
         self.last_error: Optional[str] = None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -345,9 +341,11 @@ class WorkerLink:
         failures: list[tuple[list[int], str]] = []
         channel = self._channel
         with channel.lock:
-            if self.gen != gen or not channel.is_open(gen):
-                return  # the worker died meanwhile: its death failed these items
-            groups = [items]
+            with self._lock:  # not the items of requests ended since (ItemLedger.unsent); a
+                # 'release' posted after this check queues behind the batch (post / flush)
+                alive = self.gen == gen and channel.is_open(gen)  # else its death failed them
+                items = self._ledger.unsent(items) if alive else []
+            groups = [items] if items else []
             while groups:
                 group = groups.pop()
                 group_opens = {rid: self._open(rid) for rid in opens

@@ -1,0 +1,51 @@
+"""Every output a request EMITs reaches its handle before the request ends, even when another
+engine thread finishes the request while the thread that made the output is still delivering it
+(found by the placement stress runs: the last EMIT of a request was sometimes lost)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from mstar_rt import EMIT, GraphEdge, GraphNode, Model, Parallel, Runtime
+
+from walk_models import ZERO_LIVE, Fn, settled
+
+
+class TwoEngines(Model):
+    inputs = ("x",)
+    walks = {"main": Parallel("a", "b")}
+
+    def __init__(self) -> None:
+        self.b_may_run = threading.Event()
+
+        def b(d):
+            self.b_may_run.wait(5)  # runs once a's output is on its way
+            return {"y": d["x"] + 2}
+
+        self.nodes = [GraphNode("a", ["x"], [GraphEdge(EMIT, "x1")],
+                                submodule=Fn(lambda d: {"x1": d["x"] + 1}), engine="ea"),
+                      GraphNode("b", ["x"], [GraphEdge(EMIT, "y")], submodule=Fn(b),
+                                engine="eb")]
+
+
+class SlowDelivery(Runtime):
+    """Delivers node a's outputs late: b finishes the request meanwhile."""
+
+    def report(self, outcome) -> None:
+        if any(name == "x1" for _rid, name, _v in outcome.emits):
+            self.model.b_may_run.set()
+            time.sleep(0.05)
+        super().report(outcome)
+
+
+def test_an_output_still_being_delivered_is_not_lost_when_another_thread_ends_the_request():
+    model = TwoEngines()
+    rt = SlowDelivery(model)
+    try:
+        for k in range(5):
+            model.b_may_run.clear()
+            assert rt.submit({"x": k}).result(5) == {"x1": [k + 1], "y": [k + 2]}
+        assert settled(rt) == ZERO_LIVE
+    finally:
+        rt.close()
