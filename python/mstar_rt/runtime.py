@@ -21,7 +21,8 @@ from mstar_rt.model import (NO_DEADLINE, Model, NodeSubmodule, RequestContext, h
 from mstar_rt.nodes import BatchRunner, NodeTable, overrides
 from mstar_rt.registry import RequestRegistry
 
-_TIMELINE_RECORD = "<IIIIqqq"  # the C++ TimelineEvent: node, walk, iteration, batch, 3 clocks
+_TIMELINE_RECORD = "<IIIIqqq"
+_GATHER = threading.Lock()  # RequestHandle.result() gathering (brief; not one lock per request)  # the C++ TimelineEvent: node, walk, iteration, batch, 3 clocks
 
 
 class RequestFailed(RuntimeError):
@@ -86,7 +87,7 @@ class RequestHandle:
     """A submitted request: iterate it for EMIT outputs as ``(name, value)``, or wait for
     :meth:`result`; :meth:`cancel` stops it; :meth:`stats` / :meth:`chrome_trace` time it."""
 
-    def __init__(self, runtime: "Runtime", ctx: RequestContext) -> None:
+    def __init__(self, runtime: "Runtime", ctx: RequestContext, keep_outputs: bool = True) -> None:
         self._runtime = runtime
         self.context = ctx
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -96,7 +97,8 @@ class RequestHandle:
         self._latch.acquire()
         self._finished = False
         self._error: Optional[BaseException] = None
-        self._emitted: dict[str, list] = {}
+        self._emitted: dict[str, list] = {}  # every output, or (not kept) those result() took
+        self._keep = keep_outputs
         self._received = 0  # outputs delivered (Runtime._end waits for all of them)
         self._timeline: bytes | list[tuple] = b""
 
@@ -106,7 +108,8 @@ class RequestHandle:
 
     # -- called by the runtime --
     def _emit(self, name: str, value: Any) -> None:
-        self._emitted.setdefault(name, []).append(value)
+        if self._keep:
+            self._emitted.setdefault(name, []).append(value)
         self._received += 1
         self._events.put((name, value))
 
@@ -131,14 +134,24 @@ class RequestHandle:
             yield event
 
     def result(self, timeout: Optional[float] = None) -> dict[str, list]:
-        """Waits for the end; returns every EMIT output by name, in order. Raises
-        RequestFailed / RequestCancelled, or TimeoutError."""
+        """Waits for the end; returns every EMIT output by name, in order (submitted with
+        ``keep_outputs=False``: those iterating has not taken). Raises RequestFailed /
+        RequestCancelled, or TimeoutError."""
         if not self._finished:
             if not self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
                 raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
             self._latch.release()  # for the next waiter
         if self._error is not None:
             raise self._error
+        if self._keep:
+            return self._emitted
+        with _GATHER:  # two threads may ask at once; the end marker goes back for both
+            while True:
+                event = self._events.get()
+                if event is None:
+                    self._events.put(None)
+                    break
+                self._emitted.setdefault(event[0], []).append(event[1])
         return self._emitted
 
     @property
@@ -255,7 +268,8 @@ class Runtime:
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
-               priority: int = 0, fail_late: Optional[bool] = None) -> RequestHandle:
+               priority: int = 0, fail_late: Optional[bool] = None,
+               keep_outputs: bool = True) -> RequestHandle:
         """Starts a request. ``deadline`` is seconds from now (earlier deadlines run first);
         ``priority`` breaks ties (higher first); then the earlier request goes first.
 
@@ -264,7 +278,11 @@ class Runtime:
         :class:`DeadlineExceeded` naming the node it had reached; and a request that the work
         already queued ahead of it cannot let start in time is refused here, by raising
         :class:`DeadlineExceeded` with ``refused`` set. A node already running is not
-        interrupted."""
+        interrupted.
+
+        ``keep_outputs=False``: the handle holds an output only until iterating takes it (a
+        request that streams for hours, e.g. a voice session, would otherwise keep them all);
+        ``result()`` then returns what iterating has not taken."""
         if self._closed:
             raise RuntimeError("submit: the runtime is closed")
         inputs = {**self._input_defaults, **inputs} if self._input_defaults else dict(inputs)
@@ -292,7 +310,7 @@ class Runtime:
                 self.graph.walk_ids[walk], values, deadline_ns, priority,
                 self.fail_late if fail_late is None else fail_late)
             ctx.id = rid
-            handle = RequestHandle(self, ctx)
+            handle = RequestHandle(self, ctx, keep_outputs)
             self.requests.add(rid, handle)
         if outcome.emits or outcome.walks_done or outcome.failed:  # usually empty: work queued
             self.report(outcome)

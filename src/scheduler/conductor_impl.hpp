@@ -55,6 +55,9 @@ struct Conductor::Impl {
   std::vector<detail::Activation*> free_acts;  // reused: no allocation per loop iteration once warm
   static constexpr std::size_t kSpares = 256;                 // requests / timelines kept
   static constexpr std::size_t kSpareTimelineCapacity = 4096;  // longer ones are freed
+  // A request's timeline keeps its first node executions only: one that streams for hours (a
+  // voice session) would otherwise grow by 40 bytes per execution for as long as it runs.
+  static constexpr std::size_t kMaxTimeline = 1 << 16;
   std::vector<std::unique_ptr<detail::Request>> spare_requests;
   std::vector<std::vector<TimelineEvent>> spare_timelines;
   RequestId next_request = 1;

@@ -134,8 +134,9 @@ void Conductor::Impl::complete_one(const Completion& c, std::int64_t t, Outcome*
       fail_request(r, "node '" + n.name + "' returned " + std::to_string(c.outputs.size()) +
                           " outputs, expected " + std::to_string(n.outputs.size()), out);
     } else {
-      r.timeline.push_back({item->node, item->walk, item->iteration, item->batch_size,
-                            item->queued_ns, item->started_ns, t});
+      if (r.timeline.size() < kMaxTimeline)
+        r.timeline.push_back({item->node, item->walk, item->iteration, item->batch_size,
+                              item->queued_ns, item->started_ns, t});
       apply_outputs(r, *item, c, out);
     }
   }

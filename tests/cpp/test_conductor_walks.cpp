@@ -478,3 +478,24 @@ TEST(Conductor, SubmitWithAnUnknownInputNameKeepsNoReference) {
 }
 
 }  // namespace
+
+namespace {
+
+// A request that runs for hours (a voice session's listening loop) keeps a bounded timeline:
+// its first 65536 node executions.
+TEST(Conductor, ALongRunningRequestKeepsABoundedTimeline) {
+  IR ir;
+  ir.node("tick", "e0", {"h"}, {"h"});
+  WalkB w(ir, "main");
+  const WalkId main = w.build(w.loop(w.node("tick"), 70000, {"h"}));
+  App app(ir.g);
+  app.record = false;
+  const RequestId r = app.submit(main, {{ir.name("h"), 0}});
+  std::size_t runs = 0;
+  for (std::size_t n; (n = app.step(0)) != 0;) runs += n;
+  EXPECT_EQ(runs, 70000u);
+  EXPECT_EQ(app.c.timeline(r).size(), 65536u);
+  app.expect_all_released();
+}
+
+}  // namespace

@@ -49,3 +49,24 @@ def test_an_output_still_being_delivered_is_not_lost_when_another_thread_ends_th
         assert settled(rt) == ZERO_LIVE
     finally:
         rt.close()
+
+
+def test_a_request_that_does_not_keep_its_outputs_holds_only_what_was_not_read(serve):
+    from mstar_rt import DynamicLoop
+    from walk_models import Stopper
+
+    model = type("Counter", (Model,), {})()
+    model.inputs = ("n",)
+    model.nodes = [GraphNode("step", ["n"], [GraphEdge(EMIT, "i"), "n"],
+                             submodule=Stopper(lambda d: {"i": d["n"], "n": d["n"] + 1},
+                                               lambda d, out: out["n"] >= 1000, "count"))]
+    model.walks = {"main": DynamicLoop("step", 10_000, "count")}
+    rt = serve(model)
+    kept = rt.submit({"n": 0})
+    streamed = rt.submit({"n": 0}, keep_outputs=False)
+    it = iter(streamed)
+    first = [next(it)[1] for _ in range(600)]
+    assert first == list(range(600))
+    assert kept.result(5)["i"] == list(range(1000))
+    assert streamed.result(5) == {"i": list(range(600, 1000))}  # only what was not read
+    assert settled(rt) == ZERO_LIVE

@@ -158,7 +158,8 @@ class Conductor {
 
   /// Single values currently visible to the request by name (after a walk: persisted + inputs).
   std::vector<NamedHandle> values(RequestId request) const;
-  /// The request's per-node-execution timeline (kept until forget()).
+  /// The request's per-node-execution timeline (kept until forget(); its first 65536 node
+  /// executions, so a request that streams for hours holds a bounded record).
   std::vector<TimelineEvent> timeline(RequestId request) const;
   void forget(RequestId request);
 

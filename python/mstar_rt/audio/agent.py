@@ -300,7 +300,8 @@ class VoiceAgent:
         try:
             with Runtime(ListenModel(reader, node), poll_s=0.01) as listen:
                 self.listen_runtime = listen
-                for _name, events in listen.submit({}):
+                # One request for the whole session: its outputs are not kept once read.
+                for _name, events in listen.submit({}, keep_outputs=False):
                     now = time.monotonic()
                     self.windows += 1
                     for ev in events:

@@ -56,8 +56,15 @@ class Bridge:
         self.admission = Admission(max_concurrent_requests)
         self.timeout_s = timeout_s
         # One blocked thread per streaming request, plus room for submits and decoding.
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrent_requests + 8,
-                                        thread_name_prefix="mstar-serve")
+        workers = max_concurrent_requests + 8
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mstar-serve")
+        # Started up front: a pool that grows on demand adds threads at odd moments under load
+        # (seen from outside, a server whose thread count creeps up), and the first requests of
+        # a burst would pay for the thread starts.
+        started = threading.Barrier(workers + 1)
+        for _ in range(workers):
+            self._pool.submit(started.wait)
+        started.wait()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
