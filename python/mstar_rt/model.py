@@ -155,22 +155,28 @@ class Model:
     @property
     def submodules(self) -> Mapping[str, NodeSubmodule]:
         """Node name -> the submodule that runs it, for every node. Setting it (the older form,
-        for nodes whose GraphNode carries none) is still accepted."""
-        return node_submodules(self)
+        for nodes whose GraphNode carries none) is still accepted; a model declared only that
+        way gets its own map back (changing it in place still works)."""
+        if any(getattr(n, "submodule", None) is not None for n in self.nodes):
+            return node_submodules(self)
+        return _given(self, "submodules")
 
     @submodules.setter
     def submodules(self, value: Mapping[str, NodeSubmodule]) -> None:
-        self.__dict__["_submodules_given"] = dict(value)
+        self.__dict__["_submodules_given"] = value
 
     @property
     def engines(self) -> Mapping[str, str]:
-        """Node name -> engine name (default "default"; each engine gets its own worker).
-        Setting it (the older form, for nodes whose GraphNode names none) is still accepted."""
-        return node_engines(self)
+        """Node name -> engine name, for the nodes that name one (default "default"; each engine
+        gets its own worker). Setting it (the older form) is still accepted; a model declared
+        only that way gets its own map back."""
+        if any(getattr(n, "engine", None) is not None for n in self.nodes):
+            return node_engines(self)
+        return _given(self, "engines")
 
     @engines.setter
     def engines(self, value: Mapping[str, str]) -> None:
-        self.__dict__["_engines_given"] = dict(value)
+        self.__dict__["_engines_given"] = value
     #: engine name -> Engine object (e.g. a KVCacheEngine); unnamed engines are stateless.
     engine_specs: Mapping[str, Any] = {}
     #: Values for declared inputs a request may leave out.

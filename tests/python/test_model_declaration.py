@@ -112,3 +112,19 @@ def test_each_model_instance_has_its_own_submodules():
     one, two = Declared(), Declared()
     assert one.submodules["a"] is not two.submodules["a"]
     assert one.nodes[0] == two.nodes[0]  # equal declarations: the submodule is not compared
+
+
+def test_a_model_filling_the_older_maps_in_place_still_works(serve):
+    class InPlace(Model):
+        inputs = ("x",)
+
+        def __init__(self) -> None:
+            self.nodes, self.walks, self.submodules, self.engines = [], {}, {}, {}
+            self.nodes.append(GraphNode("a", ["x"], [GraphEdge(EMIT, "y")]))
+            self.walks["main"] = "a"
+            self.submodules.update({"a": Fn(lambda d: {"y": d["x"] + 1})})
+            self.engines.update({"a": "mine"})
+
+    rt = serve(InPlace())
+    assert set(rt.engines) == {"mine"}
+    assert rt.submit({"x": 1}).result(T) == {"y": [2]}
