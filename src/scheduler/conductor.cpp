@@ -174,6 +174,7 @@ void Conductor::complete(const std::vector<Completion>& done, Outcome* out) {
 }
 
 void Conductor::expire(Outcome* out) {
+  if (impl_->late_watch.load(std::memory_order_relaxed) == 0) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->expire_late(out);
 }

@@ -5,6 +5,7 @@
 // with `mu` held.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -66,7 +67,9 @@ struct Conductor::Impl {
   std::size_t inflight = 0;
   // Deadlines (deadlines.cpp): live fail_late requests, recent per-item time by node, and a
   // scratch list reused by expire_late.
-  std::size_t late_watch = 0;
+  // Written under `mu`; Conductor::expire reads it without, so that a worker's check before
+  // each batch costs no lock while no fail_late request is live.
+  std::atomic<std::size_t> late_watch{0};
   std::vector<std::int64_t> item_ns;
   std::vector<std::int64_t> engine_done_ns;  // by engine: when its last item completed
   std::vector<std::int64_t> engine_busy_ns;  // by engine: when its batch in flight should end

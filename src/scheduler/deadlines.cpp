@@ -33,7 +33,7 @@ void Conductor::Impl::note_batch_time(NodeId node, std::int64_t per_item_ns) {
 }
 
 void Conductor::Impl::expire_late(Outcome* out) {
-  if (late_watch == 0) return;
+  if (late_watch.load(std::memory_order_relaxed) == 0) return;
   const std::int64_t t = detail::now_ns();
   late.clear();
   for (auto& q : engines)

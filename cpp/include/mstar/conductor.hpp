@@ -130,7 +130,7 @@ class Conductor {
   void fail(RequestId request, const std::string& message, Outcome* out);
   /// Fails the fail_late requests whose queued work is past its deadline. Submit, start_walk
   /// and complete do this themselves; an engine worker calls it before next_batch so that it
-  /// never takes such work. Cheap (no clock read) while no fail_late request is live.
+  /// never takes such work. Costs no lock and no clock read while no fail_late request is live.
   void expire(Outcome* out);
 
   /// Waits up to `timeout` for work on `engine`; returns up to `max_batch` items of one node and
