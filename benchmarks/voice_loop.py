@@ -10,15 +10,20 @@ command responder, Piper's joe voice (espeak-ng without it). Each turn plays an 
 command into the virtual microphone; two independent recording streams (mstar_mic.monitor and
 mstar_spk.monitor) time the end of the user's speech and the first reply sample heard, so both
 systems are measured by the same clock and the same detector.
-  * agent     VoiceAgent: mic thread (VAD/endpointing) + reply walk on the Runtime
-              (asr → respond → DynamicLoop(tts), one EMITted chunk per sentence) streamed into
-              the output ring as each sentence is ready.
+  * agent     VoiceAgent: mic thread (VAD/endpointing, a streaming recognizer's partials) +
+              reply walk on the Runtime (asr → respond → DynamicLoop(tts), one EMITted chunk per
+              sentence) started preemptively at the first pause and streamed into the output ring
+              once the endpoint is confirmed; a partial that is a whole command shortens the
+              endpointer's silence (adaptive endpointing).
   * baseline  one Python loop: read the mic until the endpointer ends the utterance, recognize,
               synthesize the whole reply, write it, wait until it has played, listen again.
 Replies are three sentences (the command's confirmation plus two fixed ones), as a talking agent
 gives; on one-sentence replies both would wait for the same single synthesis. Underruns are the
 output ring's (blocks short of audio while a reply was open). The systems alternate in blocks of
-turns; figures are medians (p50) over all turns of each.
+turns; figures are medians (p50) over all turns of each. Every turn of both systems is also cut
+into stages (mstar_rt.audio.turns: end of speech → request submitted → recognized → reply text →
+first TTS audio → endpoint → first write → first sample at the DAC), by each system's own clock;
+the table gives their p50s, which add up to that clock's voice-to-voice latency.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Baseline:
     def __init__(self, devices, tts, responder) -> None:
         from mstar_rt.audio.agent import RATE, WINDOW
         from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
+        from mstar_rt.audio.listen import CaptureClock
         from mstar_rt.audio.vad import Endpointer, SileroVAD
 
         self.vad, self.end = SileroVAD(RATE), Endpointer(sample_rate=RATE, window=WINDOW)
@@ -79,6 +85,9 @@ class Baseline:
         self.vad.reset()
         self.texts: list[str] = []
         self.underruns: list[int] = []
+        self.turns: list = []  # mstar_rt.audio.turns.Turn, stage times by this loop's clock
+        self.heard = 0  # 16 kHz samples read
+        self.clock = CaptureClock(self.inp)  # the agent's mapping of samples to time
         self.done = 0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -86,27 +95,41 @@ class Baseline:
 
     def _loop(self) -> None:
         from mstar_rt.audio.agent import WINDOW
+        from mstar_rt.audio.turns import Turn, dac_time
         buf = np.zeros(0, np.float32)
         while not self._stop.is_set():
             try:  # 1. record until the endpointer says the utterance ended
-                buf = np.concatenate([buf, self.inp.read(3 * WINDOW, timeout=0.5)])
+                block = self.inp.read(3 * WINDOW, timeout=0.5)
             except TimeoutError:
                 continue
+            self.heard += len(block)
+            self.clock.note(self.heard)
+            buf = np.concatenate([buf, block])
             utterance = None
             while len(buf) >= WINDOW and utterance is None:
                 w, buf = buf[:WINDOW], buf[WINDOW:]
                 for ev in self.end.push(w, self.vad(w)):
                     if ev.kind == "end":
-                        utterance = ev.audio
+                        utterance, end_sample = ev.audio, ev.sample
             if utterance is None:
                 continue
+            now = time.monotonic()
+            turn = Turn(len(self.turns), now, self.clock.time_of(end_sample), now,
+                        submitted=now)
             text = self.asr.recognize(utterance).text  # 2. recognize
+            turn.recognized_at = time.monotonic()
             reply = self.responder(text)
+            turn.replied_at = time.monotonic()
             audio = np.concatenate(list(self.tts.synthesize_stream(reply)))  # 3. whole reply
+            turn.first_audio = time.monotonic()
             u0 = self.out.underruns
+            frame = self.out.counters()["written"]
+            turn.first_write = time.monotonic()
             self.out.write(audio, timeout=TURN_TIMEOUT)  # 4. play it, wait until played
             self.out.drain(timeout=TURN_TIMEOUT)
             time.sleep(self.out.latency)
+            turn.first_dac = dac_time(self.out, frame)
+            self.turns.append(turn)
             self.texts.append(text)
             self.underruns.append(self.out.underruns - u0)
             self.inp.clear()  # what it heard while talking is not a new turn
@@ -145,7 +168,7 @@ def _measure(mic, spk, t0: float) -> float:
     return reply[0][0] - user[-1][1] if reply else float("nan")
 
 
-def run_turns(kind, system, wavs, mic, spk, records) -> None:
+def run_turns(kind, system, wavs, mic, spk, records, all_turns) -> None:
     for cmd, wav in wavs:
         before = len(system.turns) if kind == "agent" else system.done
         t0 = time.monotonic()
@@ -159,14 +182,23 @@ def run_turns(kind, system, wavs, mic, spk, records) -> None:
             under = turn.underruns if turn else -1
         else:
             ok = _wait(lambda: system.done > before, TURN_TIMEOUT)
+            turn = system.turns[before] if ok else None
             text = system.texts[before] if ok else ""
             under = system.underruns[before] if ok else -1
+        if turn is not None:
+            all_turns[kind].append(turn)
         time.sleep(0.4)  # the recorder's latency
         v2v = _measure(mic, spk, t0)
+        stages = turn.stages() if turn is not None else {}
         records.append({"system": kind, "command": cmd, "recognized": text, "ok": ok,
-                        "v2v_s": v2v, "underruns": under})
+                        "v2v_s": v2v, "underruns": under,
+                        "own_clock_v2v_s": turn.latency_dac if turn is not None else None,
+                        "preemptive": bool(turn is not None and turn.preemptive),
+                        "wasted_preemptive_s": turn.wasted_preemptive_s if turn else 0.0,
+                        "stages_s": stages})
         print(f"  {kind:<9}{cmd!r:<30} heard {text!r:<30} v2v {1e3 * v2v:7.0f} ms  "
-              f"underruns {under}", flush=True)
+              f"underruns {under}  stages " + " ".join(f"{1e3 * v:.0f}" for v in stages.values()),
+              flush=True)
         time.sleep(0.3)
 
 
@@ -195,6 +227,7 @@ def main() -> int:
     responder = Talkative()
     mic, spk = Tap(devices, "mstar_mic.monitor"), Tap(devices, "mstar_spk.monitor")
     records: list[dict] = []
+    all_turns: dict[str, list] = {"agent": [], "baseline": []}
     try:
         mic.wait_flowing()
         spk.wait_flowing()
@@ -209,7 +242,7 @@ def main() -> int:
                     system = Baseline(devices, tts, responder)
                 time.sleep(0.5)
                 try:
-                    run_turns(kind, system, plan[b:b + block], mic, spk, records)
+                    run_turns(kind, system, plan[b:b + block], mic, spk, records, all_turns)
                 finally:
                     system.stop() if kind == "agent" else system.close()
     finally:
@@ -228,7 +261,17 @@ def main() -> int:
         figures[f"turns_measured_{kind}"] = int(len(good))
         figures[f"recognized_exact_{kind}"] = sum(r["recognized"] == r["command"] for r in rs)
         figures[f"underruns_{kind}"] = int(sum(max(r["underruns"], 0) for r in rs))
+    from mstar_rt.audio.turns import STAGES, STAGE_DOC, VoiceStats
+
+    stats = {kind: VoiceStats(all_turns[kind]).summary() for kind in ("agent", "baseline")}
+    for kind in ("agent", "baseline"):
+        for st in STAGES:
+            figures[f"stage_{st}_p50_ms_{kind}"] = stats[kind][f"{st}_p50_ms"]
     a, b = figures["v2v_latency_p50_ms_agent"], figures["v2v_latency_p50_ms_baseline"]
+    figures["v2v_p50_ms"] = a
+    figures["wasted_preemptive_ms_per_turn"] = stats["agent"]["wasted_preemptive_ms_per_turn"]
+    figures["preemptive_share"] = stats["agent"]["preemptive_share"]
+    figures["endpoint_p50_ms_agent"] = stats["agent"]["endpoint_p50_ms"]
     ratios = {"v2v_latency_baseline_over_agent": (b / a) if a and b else None}
     result = {"name": "voice_loop", "quick": args.quick, "machine": machine(),
               "tts": type(tts).__name__, "figures": figures, "ratios": ratios, "turns": records}
@@ -240,6 +283,16 @@ def main() -> int:
               f"{figures[f'v2v_latency_p50_ms_{kind}'] or float('nan'):>12.0f}"
               f"{figures[f'v2v_latency_p90_ms_{kind}'] or float('nan'):>9.0f}"
               f"{figures[f'underruns_{kind}']:>11}")
+    print(f"\n{'stage (p50 ms, own clock)':<27}{'agent':>8}{'baseline':>10}  ends at")
+    for st in STAGES:
+        va, vb = stats["agent"][f"{st}_p50_ms"], stats["baseline"][f"{st}_p50_ms"]
+        print(f"{st:<27}{va if va is not None else float('nan'):>8.0f}"
+              f"{vb if vb is not None else float('nan'):>10.0f}  {STAGE_DOC[st]}")
+    print(f"{'v2v (own clock)':<27}{stats['agent']['v2v_p50_ms'] or float('nan'):>8.0f}"
+          f"{stats['baseline']['v2v_p50_ms'] or float('nan'):>10.0f}")
+    print(f"wasted preemptive work: {figures['wasted_preemptive_ms_per_turn'] or 0:.0f} ms per "
+          f"turn; preemptive replies used in {100 * (figures['preemptive_share'] or 0):.0f}% of "
+          "turns")
     r = ratios["v2v_latency_baseline_over_agent"]
     print(f"v2v_latency_baseline_over_agent: {r:.2f}" if r else "ratio: n/a")
     args.out.parent.mkdir(parents=True, exist_ok=True)

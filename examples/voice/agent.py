@@ -40,6 +40,12 @@ def report(agent) -> None:
               f"after speech end; underruns {t.underruns}"
               + ("; interrupted" if t.barged_in else "")
               + (f"; error {t.error}" if t.error else ""))
+        stages = t.stages()
+        if all(v == v for v in stages.values()):  # played: NaN-free
+            print("  stages (ms): " + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in stages.items())
+                  + ("; preemptive" if t.preemptive else ""))
+    if len(agent.turns) > 1:
+        print(agent.stats().table())
 
 
 def components(args) -> dict:

@@ -20,6 +20,8 @@ _LAZY = {
     "open_agent": "agent",
     "LMResponder": "lm_responder", "WhisperASR": "whisper", "OrpheusSpeech": "tts",
     "SpeechMetrics": "speech_metrics", "SpeechMeter": "speech_metrics",
+    "Turn": "turns", "VoiceStats": "turns", "CommandGrammar": "grammar",
+    "PartialRecognizer": "asr_stream", "PartialASRNode": "asr_stream",
 }
 
 __all__ = ["Resampler", *_LAZY]

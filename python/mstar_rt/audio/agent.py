@@ -12,6 +12,15 @@ decode loop streams into a sentence splitter that feeds the speech loop) and str
 into the speaker ring as they come.
 Barge-in (speech starting while a reply is queued or playing) cancels the request in the
 Conductor and flushes the output ring, and writes tagged with the old epoch are dropped.
+
+Preemptive replies: the reply starts at the first quiet window of an utterance (the endpointer's
+"pause"), while the endpointer still waits for its silence; its outputs are kept, not played.
+Speech resuming cancels it (KV pages freed, the work counted as wasted); the endpoint confirmed
+at that pause adopts it, so its audio is ready or nearly so. Adaptive endpointing: when the
+preemptive recognition already reads as a whole command (``complete``: the grammar's, or a
+finished sentence), the endpointer ends the utterance after its shorter silence.
+Every turn records when each stage finished (:class:`~mstar_rt.audio.turns.Turn`;
+``agent.stats()`` gives p50 / p90 per stage) and the reply walk's Chrome trace.
 """
 
 from __future__ import annotations
@@ -19,185 +28,20 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Parallel, Sequential,
-                            StreamingGraphEdge)
-from mstar_rt.model import Model, NodeSubmodule
 from mstar_rt.audio.commands import CommandResponder
-from mstar_rt.audio.speak import SpeakNode
+from mstar_rt.audio.grammar import CommandGrammar, ends_sentence
+from mstar_rt.audio.listen import RATE, WINDOW, ListenModel, MicReader
+from mstar_rt.audio.reply_model import ReplyModel
+from mstar_rt.audio.reply_stream import ReplyStream
 from mstar_rt.audio.tts import TTS
+from mstar_rt.audio.turns import Turn, VoiceStats, dac_time
 
-RATE = 16000  # VAD and recognizer rate
-WINDOW = 512  # 32 ms
-
-# ---- the reply walk ------------------------------------------------------------------------
-
-class _Call(NodeSubmodule):
-    """``out = fn(inp)`` per item, one item per forward (each is a whole utterance)."""
-
-    max_batch = 1
-
-    def __init__(self, fn: Callable[[Any], Any], inp: str, out: str) -> None:
-        self.fn, self.inp, self.out = fn, inp, out
-
-    def forward(self, batch: list[Any]) -> list[dict[str, Any]]:
-        return [{self.out: self.fn(x[self.inp])} for x in batch]
-
-
-class ReplyModel(Model):
-    """Input ``audio`` (16 kHz float32 utterance); EMITs ``text`` (the recognition), ``reply``
-    and the ``audio_out`` chunks at ``tts.sample_rate`` as they are made (one a sentence for
-    Piper / espeak-ng). Cancelling the request stops it at the next chunk.
-
-    With a deterministic ``responder`` the walk is ``asr -> respond -> DynamicLoop(tts)``. With
-    an LM responder (:class:`~mstar_rt.audio.lm_responder.LMResponder`) the LM is part of the
-    walk graph: ``reply = asr -> chat -> prefill``, then ``speak = Parallel(DynamicLoop(decode),
-    split, DynamicLoop(tts))``, the decode node streaming tokens (also EMITted as ``token``)
-    into the sentence splitter, which feeds the speech loop sentence by sentence and EMITs the
-    ``reply`` so far; the KV pages are freed when the request ends, cancelled or not.
-    ``max_sentences`` caps the speech loop's iterations (one a chunk)."""
-
-    inputs = ("audio",)
-
-    def __init__(self, asr: Any, responder: Callable[[str], str], tts: TTS,
-                 max_sentences: int = 2**31 - 1) -> None:
-        recognize = _Call(lambda a: asr.recognize(np.asarray(a, np.float32)).text, "audio", "text")
-        if getattr(responder, "is_lm", False):
-            self._lm_walks(recognize, responder, tts)
-            return
-        self.nodes = [
-            GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text")], submodule=recognize),
-            GraphNode("respond", ["text"], [GraphEdge(EMIT, "reply")],
-                      submodule=_Call(responder, "text", "reply")),
-            GraphNode("tts", ["reply"], [GraphEdge(EMIT, "audio_out")],
-                      submodule=SpeakNode(tts, loop="speak", text="reply"), engine="tts")]
-        self.walks = {"reply": Sequential("asr", "respond",
-                                          DynamicLoop("tts", max_sentences, "speak"))}
-
-    def _lm_walks(self, asr: NodeSubmodule, lm: Any, tts: TTS) -> None:
-        from mstar_rt.audio.lm_responder import ChatPrompt, SentenceSplitter
-        from mstar_rt.models.causal_lm import LOOP
-        from mstar_rt.streaming import Fixed
-
-        node = lm.lm_node()
-        self.nodes = [
-            GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text"), "text"], submodule=asr),
-            GraphNode("chat", ["text"], ["prompt", "params"], submodule=ChatPrompt(lm)),
-            GraphNode("prefill", ["prompt", "params"],
-                      [GraphEdge("decode", "token", persist=True)], submodule=node, engine="lm"),
-            GraphNode("decode", ["token"], [GraphEdge(EMIT, "token"), "token",
-                                            StreamingGraphEdge("split", "token", Fixed(1))],
-                      submodule=node, engine="lm"),
-            GraphNode("split", ["token"], [GraphEdge(EMIT, "reply")],
-                      submodule=SentenceSplitter(lm)),
-            GraphNode("tts", [], [GraphEdge(EMIT, "audio_out")],
-                      submodule=SpeakNode(tts, text=None), engine="tts"),
-        ]
-        self.walks = {"reply": Sequential("asr", "chat", "prefill"),
-                      "speak": Parallel(DynamicLoop("decode", lm.max_seq_len, LOOP), "split",
-                                        DynamicLoop("tts", 2**31 - 1, "speak"))}
-        self.engine_specs = {"lm": lm.engine()}
-
-    def next_walk(self, request: Any, finished_walk: str, persisted: Any) -> Optional[str]:
-        if finished_walk == "reply" and "speak" in self.walks:
-            return "speak"
-        return None
-
-
-class _MicReader(NodeSubmodule):
-    """Loop body of the listen walk: the next 32 ms block of 16 kHz samples per iteration."""
-
-    max_batch = 1
-
-    def __init__(self, input: Any, stopped: threading.Event) -> None:
-        self.input, self.stopped = input, stopped
-        self.device_block = int(round(WINDOW * input.samplerate / RATE))
-        self._buf = np.zeros(0, np.float32)
-        self.heard = 0  # 16 kHz samples handed to the graph so far
-
-    def forward(self, batch: list[Any]) -> list[dict[str, Any]]:
-        while len(self._buf) < WINDOW and not self.stopped.is_set():
-            try:
-                x = self.input.read(self.device_block, timeout=0.5)
-            except TimeoutError:
-                continue
-            self._buf = np.concatenate([self._buf, np.asarray(x, np.float32).reshape(-1)])
-        if len(self._buf) < WINDOW:  # stopping: pad the last block
-            self._buf = np.concatenate([self._buf, np.zeros(WINDOW - len(self._buf), np.float32)])
-        block, self._buf = self._buf[:WINDOW], self._buf[WINDOW:]
-        self.heard += WINDOW
-        return [{"mic": block} for _ in batch]
-
-    def check_stop(self, batch: list[Any], outputs: list[Any]) -> list[Any]:
-        return [("listen",) if self.stopped.is_set() else () for _ in batch]
-
-
-class ListenModel(Model):
-    """One request per session: ``mic`` (DynamicLoop "listen", engine ``mic``) streams 32 ms
-    blocks through ``Fixed(1)`` windows into ``vad`` (engine ``vad``), which EMITs ``events``
-    (the endpointer's VADEvents of that window; utterance audio on "end")."""
-
-    inputs = ()
-
-    def __init__(self, reader: _MicReader, vad_node: Any) -> None:
-        from mstar_rt.streaming import Fixed
-
-        self.nodes = [GraphNode("mic", [], [StreamingGraphEdge("vad", "mic", Fixed(1))],
-                                submodule=reader, engine="mic"),
-                      GraphNode("vad", ["mic"], [GraphEdge(EMIT, "events"), "vad"],
-                                submodule=vad_node, engine="vad")]
-        self.walks = {"listen": Parallel(DynamicLoop("mic", 2**31 - 1, "listen"), "vad")}
-
-
-# ---- records -------------------------------------------------------------------------------
-
-@dataclass
-class Turn:
-    """One user utterance and the agent's reply; times are time.monotonic() seconds."""
-
-    index: int
-    speech_start: float
-    speech_end: float  # the endpointer's last speech sample, mapped to wall time
-    detected: float  # when the endpointer declared the end (speech_end + its silence wait)
-    text: str = ""
-    reply: str = ""
-    recognized_at: float = float("nan")
-    first_write: float = float("nan")  # first reply sample handed to the output ring
-    first_dac: float = float("nan")  # ... and when the device played it (PortAudio clock)
-    written_frames: int = 0  # device-rate frames queued for this reply
-    underruns: int = 0  # output underruns while this reply was queued or playing
-    barged_in: bool = False
-    barge_in_at: float = float("nan")
-    flushed_frames: int = 0  # frames of this reply dropped by the barge-in flush
-    error: str = ""
-    done: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    @property
-    def latency_write(self) -> float:
-        return self.first_write - self.speech_end
-
-    @property
-    def latency_dac(self) -> float:
-        return self.first_dac - self.speech_end
-
-
-def dac_time(output: Any, frame: int) -> float:
-    """Monotonic time at which the output device plays device frame ``frame`` (counted like
-    ``counters()["written"]``), from the callback log; NaN if not played (yet) or logged."""
-    ts = output.timestamps()
-    if not len(ts):
-        return float("nan")
-    # Idle callbacks keep the position: the block that played ``frame`` is the last one
-    # starting at or before it, found through the first block that starts after it.
-    later = np.nonzero(ts[:, 2] > frame)[0]
-    if not len(later) or later[0] == 0:
-        return float("nan")
-    cur, dac, pos, mono = ts[later[0] - 1]
-    return float(mono + (dac - cur) + (frame - pos) / output.samplerate)
+__all__ = ["RATE", "WINDOW", "CommandResponder", "ListenModel", "ReplyModel", "Turn", "VoiceAgent",
+           "VoiceStats", "dac_time", "ends_sentence", "open_agent"]
 
 
 # ---- the agent -----------------------------------------------------------------------------
@@ -208,12 +52,18 @@ class VoiceAgent:
 
     ``input`` is an AudioInput whose ``target_rate`` is 16 kHz; ``output`` an AudioOutput whose
     ``source_rate`` is ``tts.sample_rate``. ``use_runtime=False`` runs the same steps as plain
-    calls on the reply thread (no Conductor), for comparison.
+    calls on the reply thread (no Conductor), for comparison. ``preemptive`` starts replies at
+    pauses (needs the Runtime; the endpointer is switched to report pauses); ``complete(text)``
+    says whether a recognition is a whole utterance (adaptive endpointing; None: never), asked
+    of the streaming ``partial`` recognizer's hypotheses when there is one (a grammar's batch
+    decode always lands on a whole sentence, so only a live decode can tell), else of the
+    preemptive recognition.
     """
 
     def __init__(self, input: Any, output: Any, vad: Any, endpointer: Any, asr: Any,
                  responder: Callable[[str], str], tts: TTS, barge_in: bool = True,
-                 use_runtime: bool = True, reply_timeout: float = 30.0) -> None:
+                 use_runtime: bool = True, reply_timeout: float = 30.0, preemptive: bool = True,
+                 complete: Optional[Callable[[str], bool]] = None, partial: Any = None) -> None:
         if getattr(input, "target_rate", RATE) != RATE:
             raise ValueError(f"the input must deliver {RATE} Hz (AudioInput(target_rate={RATE}))")
         if getattr(output, "source_rate", tts.sample_rate) != tts.sample_rate:
@@ -223,15 +73,25 @@ class VoiceAgent:
         self.vad, self.endpointer, self.asr = vad, endpointer, asr
         self.responder, self.tts = responder, tts
         self.barge_in, self.reply_timeout = barge_in, reply_timeout
+        self.preemptive = preemptive and use_runtime
+        self.complete, self.partial = complete, partial
+        if self.preemptive or partial is not None:
+            endpointer.pauses = True
         self.runtime = None
         if use_runtime:
             from mstar_rt.runtime import Runtime
             self.runtime = Runtime(ReplyModel(asr, responder, tts), poll_s=0.01)
+        self._preempt: Optional[ReplyStream] = None  # the reply started at the current pause
+        self._wasted, self._cancelled = 0.0, 0  # preemptive work dropped in this utterance
+        self._utt = -1  # the utterance the endpointer is in (counting its starts)
+        self._pause: Optional[int] = None  # sample of the pause the utterance is in, if any
+        self._partial: Any = None  # the streaming recognizer's latest Partial of it
         self.turns: list[Turn] = []
         self.owned: list[Any] = []  # streams stop() closes (set by open_agent)
         self.windows = 0  # VAD windows processed
         self.errors: list[str] = []
-        self._utterances: "queue.Queue[Optional[tuple[Turn, np.ndarray]]]" = queue.Queue()
+        self._utterances: "queue.Queue[Optional[tuple[Turn, np.ndarray, Optional[ReplyStream]]]]" \
+            = queue.Queue()
         self._stop = threading.Event()
         self._current: Optional[Turn] = None  # the turn being replied to (reply thread)
         self._handle: Any = None  # its Runtime request
@@ -266,6 +126,9 @@ class VoiceAgent:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._interrupt()
+        stream, self._preempt = self._preempt, None
+        if stream is not None:
+            stream.cancel()
         self._utterances.put(None)
         for t in self._threads:
             t.join(timeout)
@@ -284,6 +147,10 @@ class VoiceAgent:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def stats(self) -> VoiceStats:
+        """Per-stage latency over the turns so far."""
+        return VoiceStats([t for t in self.turns if t.done.is_set()])
+
     @property
     def speaking(self) -> bool:
         """A reply is being produced, queued or played."""
@@ -295,18 +162,27 @@ class VoiceAgent:
         from mstar_rt.audio.vad import VADNode
         from mstar_rt.runtime import Runtime
 
-        reader = _MicReader(self.input, self._stop)
-        node = VADNode(input_name="mic", vad=self.vad, endpointer=self.endpointer)
+        reader = MicReader(self.input, self._stop)
+        node = VADNode(input_name="mic", vad=self.vad, endpointer=self.endpointer,
+                       speech_name="speech" if self.partial is not None else None)
+        partial = None
+        if self.partial is not None:
+            from mstar_rt.audio.asr_stream import PartialASRNode
+            partial = PartialASRNode(self.partial)
         try:
-            with Runtime(ListenModel(reader, node), poll_s=0.01) as listen:
+            with Runtime(ListenModel(reader, node, partial), poll_s=0.01) as listen:
                 self.listen_runtime = listen
                 # One request for the whole session: its outputs are not kept once read.
-                for _name, events in listen.submit({}, keep_outputs=False):
+                for name, value in listen.submit({}, keep_outputs=False):
+                    if name == "partials":
+                        self._on_partials(value)
+                        continue
                     now = time.monotonic()
                     self.windows += 1
-                    for ev in events:
-                        # The newest block handed to the graph was captured about "now".
-                        t = now - (reader.heard - ev.sample) / RATE
+                    for ev in value:
+                        t = reader.clock.time_of(ev.sample)
+                        if t != t:  # no callback logged (a fake input): "now" is the newest
+                            t = now - (reader.heard - ev.sample) / RATE
                         self._on_event(ev, t, now)
         except Exception as e:  # a dead mic thread must show, not hang the caller
             self.errors.append(f"mic: {type(e).__name__}: {e}")
@@ -315,15 +191,66 @@ class VoiceAgent:
     def _on_event(self, ev: Any, t: float, now: float) -> None:
         if ev.kind == "start":
             self._speech_start = t
+            self._utt, self._pause, self._partial = self._utt + 1, None, None
+            self._drop_preemption()
+            self._wasted, self._cancelled = 0.0, 0
             # Without barge-in the agent is half-duplex: speech heard while it talks (its own
             # voice, without headphones) is not a turn.
             self._deaf = self.speaking and not self.barge_in
             if self.barge_in and self.speaking:
                 self._interrupt(now)
+        elif ev.kind == "pause":
+            self._pause = ev.sample
+            self._check_complete()
+            if self.preemptive and not self._deaf and not self._stop.is_set():
+                self._drop_preemption()
+                assert self.runtime is not None
+                self._preempt = ReplyStream(self.runtime.submit({"audio": ev.audio}), ev.sample,
+                                            self._on_text)
+        elif ev.kind == "resume":
+            self._pause = None
+            self._drop_preemption()
         elif ev.kind == "end" and not self._deaf:
+            self._pause = None
             turn = Turn(len(self.turns), self._speech_start, t, now)
+            turn.partial = self._partial.text if self._partial is not None else ""
+            stream, self._preempt = self._preempt, None
+            if stream is not None and stream.pause_sample != ev.sample:
+                self._preempt = stream
+                self._drop_preemption()
+                stream = None
+            turn.preemptive = stream is not None
+            turn.wasted_preemptive_s, turn.cancelled_preemptive = self._wasted, self._cancelled
             self.turns.append(turn)
-            self._utterances.put((turn, np.asarray(ev.audio, np.float32)))
+            self._utterances.put((turn, np.asarray(ev.audio, np.float32), stream))
+
+    def _drop_preemption(self) -> None:
+        """Cancels the reply started at a pause the user spoke through."""
+        stream, self._preempt = self._preempt, None
+        if stream is not None:
+            self._wasted += stream.cancel()
+            self._cancelled += 1
+
+    def _on_text(self, stream: ReplyStream, text: str) -> None:
+        """A preemptive recognition (without a streaming recognizer): a whole utterance ends
+        the turn sooner."""
+        if self.partial is None and self.complete is not None \
+                and stream.pause_sample is not None and self.complete(text):
+            self.endpointer.complete(stream.pause_sample)
+
+    def _on_partials(self, partials: list) -> None:
+        for p in partials:
+            if p.utterance == self._utt:
+                self._partial = p
+        self._check_complete()
+
+    def _check_complete(self) -> None:
+        """In a pause, a partial hypothesis that has heard the pause and reads as a whole
+        utterance lets the endpointer end sooner."""
+        p, pause = self._partial, self._pause
+        if pause is not None and p is not None and p.position >= pause \
+                and self.complete is not None and self.complete(p.text):
+            self.endpointer.complete(pause)
 
     def _interrupt(self, now: Optional[float] = None) -> None:
         """Barge-in: cancel the request, drop what is queued for the speaker."""
@@ -350,9 +277,9 @@ class VoiceAgent:
             item = self._utterances.get()
             if item is None:
                 return
-            turn, audio = item
+            turn, audio, stream = item
             try:
-                self._reply(turn, audio)
+                self._reply(turn, audio, stream)
             except Exception as e:
                 turn.error = f"{type(e).__name__}: {e}"
                 self.errors.append(turn.error)
@@ -361,47 +288,56 @@ class VoiceAgent:
                     self._current = self._handle = None
                 turn.done.set()
 
-    def _chunks(self, turn: Turn, audio: np.ndarray):
+    def _chunks(self, turn: Turn, audio: np.ndarray, stream: Optional[ReplyStream]):
         """(text, reply, audio chunks) of the reply, via the Runtime or plain calls."""
         if self.runtime is None:
+            turn.submitted = time.monotonic()
             turn.text = self.asr.recognize(audio).text
             turn.recognized_at = time.monotonic()
             turn.reply = self.responder(turn.text)
+            turn.replied_at = time.monotonic()
             chunks = iter(self.tts.synthesize_stream(turn.reply))
             try:
                 for chunk in chunks:
                     if self._cancel.is_set():
                         return
+                    if np.isnan(turn.first_audio):
+                        turn.first_audio = time.monotonic()
                     yield chunk
             finally:  # an iterator with a request in flight (Orpheus) cancels it
                 getattr(chunks, "close", lambda: None)()
             return
         from mstar_rt.runtime import RequestCancelled
 
-        handle = self.runtime.submit({"audio": audio})
+        if stream is None:
+            stream = ReplyStream(self.runtime.submit({"audio": audio}))
+        turn.submitted = stream.submitted
         with self._lock:
-            self._handle = handle
+            self._handle = stream.handle
             if self._cancel.is_set():
-                handle.cancel()
+                stream.handle.cancel()
         # A watchdog turns a hung request into a cancelled one instead of a hung thread.
-        timer = threading.Timer(self.reply_timeout, handle.cancel)
+        timer = threading.Timer(self.reply_timeout, stream.handle.cancel)
         timer.daemon = True
         timer.start()
         try:
-            for name, value in handle:
+            for name, value in stream:
                 if name == "text":
-                    turn.text, turn.recognized_at = value, time.monotonic()
+                    turn.text, turn.recognized_at = value, stream.recognized_at
                 elif name == "reply":
-                    turn.reply = value
+                    turn.reply, turn.replied_at = value, stream.replied_at
                 elif name == "audio_out" and len(value):
+                    turn.first_audio = stream.first_audio
                     yield value
+            stream.join(1.0)
+            turn.trace = stream.handle.chrome_trace()
         except RequestCancelled:
             if not self._cancel.is_set():
                 raise TimeoutError(f"reply took over {self.reply_timeout} s")
         finally:
             timer.cancel()
 
-    def _reply(self, turn: Turn, audio: np.ndarray) -> None:
+    def _reply(self, turn: Turn, audio: np.ndarray, stream: Optional[ReplyStream]) -> None:
         out = self.output
         with self._lock:
             self._cancel.clear()
@@ -409,7 +345,7 @@ class VoiceAgent:
         epoch = out.epoch
         under0 = out.underruns
         first_frame = None
-        chunks = self._chunks(turn, audio)
+        chunks = self._chunks(turn, audio, stream)
         pending = next(chunks, None)
         while pending is not None and not self._cancel.is_set():
             if first_frame is None:
@@ -439,6 +375,8 @@ def open_agent(mic_source: Optional[str] = None, speaker_sink: Optional[str] = N
     command grammar, :class:`CommandResponder`, and Piper (espeak-ng without it) unless given
     (e.g. ``asr=WhisperASR(dir)``, ``responder=LMResponder(dir)``,
     ``tts=OrpheusSpeech.tiny()``; the output resamples ``tts.sample_rate`` to ``rate``).
+    Adaptive endpointing judges a recognition whole by the recognizer's grammar when it has one,
+    else by a final '.', '?' or '!'.
     ``stop()`` closes the streams. Imports sounddevice: start virtual devices first."""
     from mstar_rt.audio import devices
     from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
@@ -447,6 +385,12 @@ def open_agent(mic_source: Optional[str] = None, speaker_sink: Optional[str] = N
 
     tts = tts or default_tts()
     asr = asr if asr is not None else PocketSphinxASR(ROBOT_COMMANDS_JSGF)
+    grammar = getattr(asr, "grammar", None) if isinstance(asr, PocketSphinxASR) else None
+    if "complete" not in kwargs:  # a grammar says what is whole; else a finished sentence is
+        kwargs["complete"] = CommandGrammar(grammar).complete if grammar else ends_sentence
+    if "partial" not in kwargs and grammar is not None:
+        from mstar_rt.audio.asr_stream import PartialRecognizer
+        kwargs["partial"] = PartialRecognizer(grammar)
     vad, endpointer = SileroVAD(RATE), Endpointer(sample_rate=RATE, window=WINDOW)
     inp = devices.AudioInput(rate, blocksize=blocksize, pulse_source=mic_source,
                              target_rate=RATE, ring_seconds=8.0)

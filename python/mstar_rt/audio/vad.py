@@ -45,13 +45,35 @@ class SileroVAD:
 
 @dataclass(frozen=True)
 class VADEvent:
-    kind: Literal["start", "end"]
-    sample: int  # stream position: first speech sample ("start"), first sample after ("end")
-    audio: Optional[np.ndarray] = None  # "end": the utterance, with up to pad_ms either side
+    """``start`` / ``end`` of an utterance; with ``Endpointer(pauses=True)`` also ``pause`` (the
+    first quiet window inside an utterance: the end it would have if the quiet lasts) and
+    ``resume`` (speech again before the end was decided)."""
+
+    kind: Literal["start", "end", "pause", "resume"]
+    # Stream position: the first speech sample ("start"), the first sample after the speech
+    # ("end", "pause": an end confirmed later has the sample of its last pause), the window
+    # that resumed ("resume").
+    sample: int
+    # "end" / "pause": the utterance, with up to pad_ms either side (after a pause only the
+    # quiet seen so far)
+    audio: Optional[np.ndarray] = None
 
     def __repr__(self) -> str:
         n = "" if self.audio is None else f", audio={len(self.audio)} samples"
         return f"VADEvent({self.kind!r}, sample={self.sample}{n})"
+
+
+@dataclass(frozen=True)
+class SpeechSegment:
+    """Audio of an utterance as the endpointer takes it in (``Endpointer(segments=True)``): the
+    first segment of an utterance starts at its leading pad; ``ended`` marks the last (it holds
+    no audio). Quiet windows inside the utterance are handed on only once speech resumes, so a
+    streaming recognizer never decodes the silence that ends it."""
+
+    utterance: int  # 0, 1, ... in the stream
+    start: int  # stream position of audio[0]
+    audio: np.ndarray
+    ended: bool = False
 
 
 class Endpointer:
@@ -62,19 +84,30 @@ class Endpointer:
     windows fall below ``end_threshold`` (hysteresis: in between keeps the current state). The
     "end" event carries the utterance audio with ``pad_ms`` of context on each side (the trailing
     pad is limited to the silence already seen, i.e. ``min_silence_ms``).
+
+    Adaptive endpointing: :meth:`complete` tells it that the utterance up to a pause already
+    reads as a whole command (a recognizer said so); that pause then ends the utterance after
+    ``complete_silence_ms`` of quiet (at most ``min_silence_ms``) instead of ``min_silence_ms``.
+    Speech resuming voids it.
     """
 
     def __init__(self, start_threshold: float = 0.5, end_threshold: float = 0.35,
                  min_speech_ms: float = 96, min_silence_ms: float = 320, pad_ms: float = 160,
-                 sample_rate: int = 16000, window: int = 512) -> None:
+                 sample_rate: int = 16000, window: int = 512, pauses: bool = False,
+                 complete_silence_ms: float = 160, segments: bool = False) -> None:
         if not 0.0 <= end_threshold <= start_threshold <= 1.0:
             raise ValueError("need 0 <= end_threshold <= start_threshold <= 1, got "
                              f"{end_threshold} and {start_threshold}")
+        if complete_silence_ms <= 0:
+            raise ValueError(f"complete_silence_ms must be > 0, got {complete_silence_ms}")
         self.start_threshold, self.end_threshold = start_threshold, end_threshold
-        self.sample_rate, self.window = sample_rate, window
+        self.sample_rate, self.window, self.pauses = sample_rate, window, pauses
+        self.segments = segments  # keep SpeechSegments for take_segments() (a streaming ASR)
         ms = sample_rate / 1000.0
         self._speech_windows = max(1, math.ceil(min_speech_ms * ms / window))
         self._silence_windows = max(1, math.ceil(min_silence_ms * ms / window))
+        self._complete_windows = min(self._silence_windows,
+                                     max(1, math.ceil(complete_silence_ms * ms / window)))
         self._pad = int(round(pad_ms * ms))
         # Before speech: enough recent windows for the leading pad plus a pending start.
         self._history = self._speech_windows + math.ceil(self._pad / window) + 1
@@ -89,6 +122,10 @@ class Endpointer:
         self._utterance: list[tuple[int, np.ndarray]] = []
         self._start = 0
         self._silence_start = 0  # first silent window of the current quiet run
+        self._complete_at = -1  # the pause complete() vouched for (-1: none)
+        self._count = 0  # utterances started
+        self._segments: list[SpeechSegment] = []
+        self._held: list[tuple[int, np.ndarray]] = []  # quiet windows of the current pause
 
     @property
     def in_speech(self) -> bool:
@@ -97,6 +134,17 @@ class Endpointer:
     @property
     def position(self) -> int:
         return self._pos
+
+    def take_segments(self) -> list[SpeechSegment]:
+        """The utterance audio taken in since the last call (with ``segments`` on)."""
+        out, self._segments = self._segments, []
+        return out
+
+    def complete(self, pause_sample: int) -> None:
+        """The utterance up to the pause at ``pause_sample`` is complete: end it after the
+        shorter quiet. Safe from another thread; a stale pause (speech resumed since) is
+        ignored."""
+        self._complete_at = pause_sample
 
     def push(self, window: np.ndarray, prob: float) -> list[VADEvent]:
         """One window of samples and its speech probability; returns the events it completes."""
@@ -112,16 +160,33 @@ class Endpointer:
                 first = max(0, self._start - self._pad)
                 self._utterance = [(p, w) for p, w in self._recent if p + len(w) > first]
                 self._recent.clear()
+                self._count += 1
+                if self.segments:
+                    self._segments.append(SpeechSegment(
+                        self._count - 1, self._utterance[0][0],
+                        np.concatenate([w for _, w in self._utterance])))
                 events.append(VADEvent("start", self._start))
             return events
         self._utterance.append((pos, x))
+        if self.segments:
+            if prob < self.end_threshold:
+                self._held.append((pos, x))
+            else:
+                for p, w in self._held + [(pos, x)]:
+                    self._segments.append(SpeechSegment(self._count - 1, p, w))
+                self._held = []
         if prob < self.end_threshold:
             if self._run == 0:
                 self._silence_start = pos
+                if self.pauses:
+                    events.append(VADEvent("pause", pos, self._clip(pos)))
             self._run += 1
-            if self._run >= self._silence_windows:
+            quick = self._complete_at == self._silence_start
+            if self._run >= (self._complete_windows if quick else self._silence_windows):
                 events.append(self._finish(self._silence_start))
         else:
+            if self._run and self.pauses:
+                events.append(VADEvent("resume", pos))
             self._run = 0
         return events
 
@@ -132,15 +197,24 @@ class Endpointer:
         end = self._silence_start if self._run > 0 else self._pos
         return [self._finish(end)]
 
-    def _finish(self, end: int) -> VADEvent:
+    def _clip(self, end: int) -> np.ndarray:
+        """The utterance from its leading pad to ``end`` plus the trailing pad seen so far."""
         begin = self._utterance[0][0]
         audio = np.concatenate([w for _, w in self._utterance])
         first = max(begin, self._start - self._pad)
         last = min(self._pos, end + self._pad)
-        clip = audio[first - begin:last - begin]
+        return audio[first - begin:last - begin]
+
+    def _finish(self, end: int) -> VADEvent:
+        clip = self._clip(end)
         # The trailing silence is the next utterance's leading pad.
         self._recent.extend(self._utterance[-self._history:])
         self._speaking, self._run, self._utterance = False, 0, []
+        self._complete_at = -1
+        if self.segments:
+            self._held = []
+            self._segments.append(SpeechSegment(self._count - 1, self._pos,
+                                                np.zeros(0, np.float32), ended=True))
         return VADEvent("end", end, clip)
 
 
@@ -158,7 +232,9 @@ class VADNode(NodeSubmodule):
     Stream items may be single samples or blocks of samples; whatever a window brings is cut
     into 512-sample VAD windows (a remainder waits for the next window of the stream). Outputs
     per execution ``{vad_name: probability of its last VAD window (None if it completed none),
-    events_name: [VADEvent, ...]}``; at the end of the stream an utterance in progress ends.
+    events_name: [VADEvent, ...]}`` (and, with ``speech_name``, ``{speech_name:
+    [SpeechSegment, ...]}`` for a streaming recognizer); at the end of the stream an utterance
+    in progress ends.
     Silero and endpointer state live in the request's state, so requests never mix.
     """
 
@@ -166,10 +242,16 @@ class VADNode(NodeSubmodule):
 
     def __init__(self, input_name: str = "mic", vad_name: str = "vad",
                  events_name: str = "events", vad: Optional["SileroVAD"] = None,
-                 endpointer: Optional["Endpointer"] = None, **endpointer_kwargs: Any) -> None:
+                 endpointer: Optional["Endpointer"] = None, speech_name: Optional[str] = None,
+                 **endpointer_kwargs: Any) -> None:
         """``vad`` / ``endpointer``: ready instances for the first request (an agent's one
         listening session); later requests get fresh ones built from ``endpointer_kwargs``."""
         self.input_name, self.vad_name, self.events_name = input_name, vad_name, events_name
+        self.speech_name = speech_name
+        if speech_name is not None:
+            endpointer_kwargs["segments"] = True
+            if endpointer is not None:
+                endpointer.segments = True
         self.endpointer_kwargs = endpointer_kwargs
         self._given = (vad, endpointer) if vad is not None and endpointer is not None else None
         self._key = f"vad_node:{id(self)}"
@@ -214,7 +296,10 @@ class VADNode(NodeSubmodule):
             s.carry = buf[n * w:].copy()
             if last:
                 events += s.endpointer.finish()
-            out.append({self.vad_name: prob, self.events_name: events})
+            o = {self.vad_name: prob, self.events_name: events}
+            if self.speech_name is not None:
+                o[self.speech_name] = s.endpointer.take_segments()
+            out.append(o)
         return out
 
     def cleanup(self, request: RequestContext) -> None:
