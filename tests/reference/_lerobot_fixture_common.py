@@ -8,11 +8,13 @@ and write files.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -280,3 +282,152 @@ def versions() -> dict[str, str]:
         "safetensors": safetensors.__version__,
         "lerobot": getattr(lerobot, "__version__", "?"),
     }
+
+
+# --------------------------------------------------------------------------------------- RTC case
+RTC_DELAY = 3  # inference_delay d: actions of the previous chunk that execute during inference
+RTC_EXECUTED = 3  # actions of the previous chunk already executed: the left-over is chunk[3:]
+
+
+@contextlib.contextmanager
+def rtc_checkpoint(ckpt: Path, rtc_dir: Path, rtc: dict[str, Any]):
+    """Writes ``rtc_dir/config.json``: the checkpoint's config with ``rtc_config`` set (read and
+    written by LeRobot's own ``PreTrainedConfig``; nothing else changes), and yields a temporary
+    checkpoint directory = ``ckpt`` with that config, for ``Policy.from_pretrained``."""
+    import tempfile
+
+    from lerobot.configs import RTCAttentionSchedule
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.rtc.configuration_rtc import RTCConfig
+
+    cfg = PreTrainedConfig.from_pretrained(str(ckpt))
+    cfg.rtc_config = RTCConfig(
+        enabled=True,
+        prefix_attention_schedule=RTCAttentionSchedule(rtc["prefix_attention_schedule"]),
+        max_guidance_weight=rtc["max_guidance_weight"],
+        execution_horizon=rtc["execution_horizon"],
+    )
+    rtc_dir.mkdir(parents=True, exist_ok=True)
+    cfg._save_pretrained(rtc_dir)
+    plain = json.loads((ckpt / "config.json").read_text())
+    with_rtc = json.loads((rtc_dir / "config.json").read_text())
+    assert {k for k in plain if plain[k] != with_rtc.get(k)} == {"rtc_config"}, "config drifted"
+    assert set(plain) == set(with_rtc)
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in ckpt.iterdir():
+            shutil.copy(f, tmp)
+        shutil.copy(rtc_dir / "config.json", tmp)
+        yield Path(tmp)
+
+
+def record_rtc(policy: Any, post: Any, batch: dict, prev_chunk: torch.Tensor, noise: torch.Tensor,
+               num_steps: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """LeRobot's guided real-time chunking, as its RTC rollout calls it:
+    ``policy.predict_action_chunk(batch, noise=noise, inference_delay=d,
+    prev_chunk_left_over=left_over)`` (``execution_horizon`` from the config's ``rtc_config``),
+    with ``left_over = prev_chunk[:, RTC_EXECUTED:]`` (normalised, as the policy returned it).
+    Records the Euler trajectory, the base and guided velocities and LeRobot's prefix weights;
+    also the same call without ``prev_chunk_left_over`` (no guidance, same noise)."""
+    model, rtc = policy.model, policy.rtc_processor
+    assert policy._rtc_enabled() and rtc is not None
+    left_over = prev_chunk[:, RTC_EXECUTED:].clone()
+    rec = Recorder()
+    rec.wrap(model, "denoise_step")
+    rec.wrap(rtc, "denoise_step", "rtc_denoise_step")
+    with torch.no_grad():
+        chunk = policy.predict_action_chunk(dict(batch), noise=noise.clone(), inference_delay=RTC_DELAY,
+                                            prev_chunk_left_over=left_over.clone())
+    rec.restore()
+    with torch.no_grad():
+        unguided = policy.predict_action_chunk(dict(batch), noise=noise.clone(), inference_delay=RTC_DELAY,
+                                               prev_chunk_left_over=None)
+        again = policy.predict_action_chunk(dict(batch), noise=noise.clone(), inference_delay=RTC_DELAY,
+                                            prev_chunk_left_over=left_over.clone())
+    assert torch.equal(chunk, again), "guided reference is not deterministic"
+    c = rec.calls
+    assert len(c["denoise_step"]) == len(c["rtc_denoise_step"]) == num_steps
+    x_ts = torch.stack([call[1]["x_t"] for call in c["denoise_step"]])
+    ts = torch.stack([call[1]["timestep"] for call in c["denoise_step"]])
+    v_base = torch.stack([call[2] for call in c["denoise_step"]])
+    v_guided = torch.stack([call[2] for call in c["rtc_denoise_step"]])
+    x_final = x_ts[-1] + (-1.0 / num_steps) * v_guided[-1]
+    action_dim = chunk.shape[-1]
+    assert torch.allclose(x_final[:, :, :action_dim], chunk, atol=1e-6)
+    cfg = policy.config.rtc_config
+    horizon = min(cfg.execution_horizon, left_over.shape[1])  # LeRobot clips it to the left-over
+    weights = rtc.get_prefix_weights(RTC_DELAY, horizon, chunk.shape[1])
+    tensors = {
+        "input.noise": noise,
+        "input.prev_chunk_left_over": left_over,
+        "input.prev_actions": post(left_over.clone())[0],
+        "model.prefix_weights": weights,
+        "model.x_t": x_ts,
+        "model.t": ts,
+        "model.v_t_base": v_base,
+        "model.v_t": v_guided,
+        "model.actions_padded": x_final,
+        "output.action_chunk_normalized": chunk,
+        "output.action_chunk": post(chunk.clone()),
+        "output.unguided.action_chunk_normalized": unguided,
+        "output.unguided.action_chunk": post(unguided.clone()),
+    }
+    meta = {
+        "rtc_config": {
+            "enabled": cfg.enabled,
+            "prefix_attention_schedule": str(cfg.prefix_attention_schedule.value),
+            "max_guidance_weight": cfg.max_guidance_weight,
+            "execution_horizon": cfg.execution_horizon,
+        },
+        "inference_delay": RTC_DELAY,
+        "executed_of_previous_chunk": RTC_EXECUTED,
+        "left_over_steps": int(left_over.shape[1]),
+        "effective_execution_horizon": horizon,
+        "max_abs_guided_minus_unguided": float((chunk - unguided).abs().max()),
+    }
+    return tensors, meta
+
+
+def write_rtc_readme(rtc_dir: Path, family: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    r = meta["rtc_config"]
+    lines = [
+        f"# {family}: guided real-time chunking (LeRobot 0.6.1 `RTCProcessor`)",
+        "",
+        "Written by the family's generator with the fixture one folder up; do not edit by hand.",
+        "",
+        "* `config.json` -- `../checkpoint/config.json` with `rtc_config` set, as LeRobot's "
+        "`PreTrainedConfig` writes it (no other field differs): "
+        f"`{json.dumps(r)}`. A checkpoint with RTC = `../checkpoint/` with this `config.json`.",
+        "* `io.safetensors` (+ `io.json`) -- the guided call. The observation is the plain fixture's "
+        "(`../io.safetensors`: `input.*` cameras, state, task); the noise is new.",
+        "",
+        "```python",
+        *meta["call"],
+        "```",
+        "",
+        "Inside, `euler_integrate` routes every step through `RTCProcessor.denoise_step`: the "
+        "left-over is zero-padded to `[1, chunk, max_action_dim]`; the execution horizon is clipped to "
+        f"the left-over's length ({meta['left_over_steps']} -> {meta['effective_execution_horizon']}); "
+        "weights `W = get_prefix_weights(d, horizon, chunk)` (1 below d, the schedule's ramp to the "
+        "horizon, 0 after); `x1 = x - t v` with `v` the plain velocity (computed before `x` requires "
+        "grad, so the autograd correction is `W (prev - x1)` itself); `tau = 1 - t`; "
+        "`g = min(max_w, nan_to_num((1-tau)/tau * ((1-tau)^2 + tau^2)/(1-tau)^2, posinf=max_w))`; "
+        "guided `v - g W (prev - x1)`; `x <- x - v_guided / num_steps`.",
+        "",
+        "| key | shape | dtype |",
+        "| --- | --- | --- |",
+    ]
+    for k, v in tensors.items():
+        lines.append(f"| `{k}` | {list(v.shape)} | {str(v.dtype).replace('torch.', '')} |")
+    lines += [
+        "",
+        "`input.prev_chunk_left_over` = `../io.safetensors: output.action_chunk_normalized[:, "
+        f"{meta['executed_of_previous_chunk']}:]` (normalised, what `predict_action_chunk` takes); "
+        "`input.prev_actions` = the same after the postprocessor (un-normalised); "
+        "`model.prefix_weights` = `RTCProcessor.get_prefix_weights`; `model.x_t[k]`, `model.t[k]` = "
+        "the Euler state and time at step k; `model.v_t_base[k]` = `denoise_step` (plain velocity); "
+        "`model.v_t[k]` = `RTCProcessor.denoise_step` (guided velocity the step used); "
+        "`output.unguided.*` = the same call with `prev_chunk_left_over=None` (max |guided - unguided| "
+        f"= {meta['max_abs_guided_minus_unguided']:.3g}).",
+        "",
+    ]
+    (rtc_dir / "README.md").write_text("\n".join(lines))

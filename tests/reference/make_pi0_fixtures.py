@@ -38,7 +38,16 @@ What it does, per family (pi0 -> fixtures/pi0/, pi0.5 -> fixtures/pi05/):
     PaliGemma tokenizer cannot be fetched offline); the saved preprocessor still names
     "google/paligemma-3b-pt-224" -- this script redirects that name to `tokenizer/`;
   * `full_size_keys.json`: the full-size policy built on the meta device (key -> shape, count);
-  * `README.md`: call path, preprocessing, sizes, file list.
+  * `README.md`: call path, preprocessing, sizes, file list;
+  * `rtc/`: guided real-time chunking (LeRobot's `RTCProcessor`). `rtc/config.json` is the
+    checkpoint's config with `rtc_config` enabled (written by LeRobot's `PreTrainedConfig`; RTC
+    below); the policy is reloaded from the checkpoint with that config and called as LeRobot's
+    RTC rollout calls it,
+        chunk = policy.predict_action_chunk(batch, noise=noise2, inference_delay=3,
+                                            prev_chunk_left_over=chunk_plain[:, 3:])
+    (execution horizon from `rtc_config`), recording the Euler trajectory, the plain and guided
+    velocities, the prefix weights and the same call without the left-over. It runs last, with
+    its own noise generator, so every other file is unchanged by it.
 """
 
 from __future__ import annotations
@@ -68,6 +77,11 @@ ACTION_DIM = 6
 CHUNK = 10
 NUM_STEPS = 10
 PROMPT = "pick up the red block and put it in the bowl"
+# the guided real-time-chunking case (fixtures/<family>/rtc/): a schedule each, to cover both ramps
+RTC = {
+    "pi0": {"prefix_attention_schedule": "LINEAR", "max_guidance_weight": 10.0, "execution_horizon": 8},
+    "pi05": {"prefix_attention_schedule": "EXP", "max_guidance_weight": 5.0, "execution_horizon": 8},
+}
 
 # width, depth, mlp_dim, num_heads, num_kv_heads, head_dim (LeRobot's GemmaConfig fields)
 TINY_GEMMA = {
@@ -398,6 +412,7 @@ def run_family(family: str, do_full: bool) -> dict:
     if do_full:
         summary["full_size"] = full_size(family, out)
     write_readme(out, family, Policy, meta, summary, tensors, sizes)
+    summary["rtc"] = run_rtc(family, out, Policy, modeling, pre(dict(raw)), post, chunk)
     summary["files"] = common.file_listing(out)
     summary["total_bytes"] = common.dir_size(out)
     summary["cache_vs_nocache_velocity_max_abs_diff"] = cache_vs_nocache
@@ -405,6 +420,39 @@ def run_family(family: str, do_full: bool) -> dict:
     summary["velocity_abs_mean"] = float(v_ts.abs().mean())
     assert summary["total_bytes"] <= common.MAX_FAMILY_BYTES, summary["total_bytes"]
     return summary
+
+
+def run_rtc(family: str, out: Path, Policy, modeling, batch: dict, post, chunk: torch.Tensor) -> dict:
+    """`rtc/`: the policy reloaded from a checkpoint whose config enables `rtc_config`, its
+    guided `predict_action_chunk` with the plain chunk's left-over as the previous chunk
+    (see `_lerobot_fixture_common.record_rtc`). Runs after everything else, with its own noise
+    generator: the plain fixture's files do not change."""
+    rtc_dir = out / "rtc"
+    noise = torch.randn((1, CHUNK, 32), generator=torch.Generator().manual_seed(SEED + 3))
+    with common.rtc_checkpoint(out / "checkpoint", rtc_dir, RTC[family]) as ckpt:
+        with tiny_sizes(modeling, {}), tokenizer_redirect(out / "tokenizer"):
+            policy = Policy.from_pretrained(str(ckpt), strict=True)
+    policy.eval()
+    tensors, meta = common.record_rtc(policy, post, batch, chunk, noise, NUM_STEPS)
+    meta.update(
+        family=family,
+        observation="../io.safetensors (input.* cameras and state; prompt in ../io.json)",
+        call=[
+            f"policy = {Policy.__name__}.from_pretrained(<../checkpoint with rtc/config.json>)",
+            "batch = pre(observation)   # ../checkpoint's preprocessor, as in ../io.json",
+            "left_over = previous_chunk_normalized[:, executed_of_previous_chunk:]",
+            "chunk = policy.predict_action_chunk(batch, noise=noise, inference_delay=d, "
+            "prev_chunk_left_over=left_over)",
+            "actions = post(chunk)",
+        ],
+        seed=SEED + 3,
+        versions=common.versions(),
+        tolerance="float32, 1e-4 absolute",
+    )
+    common.save_io(rtc_dir / "io.safetensors", tensors, meta)
+    common.write_rtc_readme(rtc_dir, family, meta, tensors)
+    return {"guided_minus_unguided": meta["max_abs_guided_minus_unguided"],
+            "bytes": common.dir_size(rtc_dir)}
 
 
 def write_readme(out: Path, family: str, Policy, meta: dict, summary: dict, tensors: dict, sizes: dict) -> None:

@@ -28,7 +28,11 @@ What it writes under tests/reference/fixtures/smolvla/:
     recorded from LeRobot's own methods during that call, outputs;
   * `full_size_keys.json`: SmolVLA with SmolVLM2-500M sizes built on the meta device (the hub
     config cannot be fetched offline: the sizes are written in this script, see FULL_SMOLVLM);
-  * `README.md`.
+  * `README.md`;
+  * `rtc/`: guided real-time chunking, as for pi0 (see make_pi0_fixtures.py and
+    `_lerobot_fixture_common.record_rtc`): `rtc/config.json` enables `rtc_config` (RTC below),
+    `rtc/io.safetensors` holds LeRobot's guided `predict_action_chunk` step by step. It runs
+    last, with its own noise generator, so every other file is unchanged by it.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ ACTION_DIM = 6
 CHUNK = 10
 NUM_STEPS = 10
 PROMPT = "pick up the red block and put it in the bowl"
+# the guided real-time-chunking case (fixtures/smolvla/rtc/); the horizon is below the left-over's
+# length here (pi0's and pi0.5's cases clip it)
+RTC = {"prefix_attention_schedule": "LINEAR", "max_guidance_weight": 10.0, "execution_horizon": 6}
 TEXT_VOCAB = 384
 
 SPECIAL_TOKENS = [
@@ -399,6 +406,7 @@ def main() -> None:
     if not args.no_full_size:
         summary["full_size"] = full_size(out)
     write_readme(out, meta, summary, tensors, vlm_cfg)
+    summary["rtc"] = run_rtc(out, post, pre(fresh()), chunk)
     summary["files"] = common.file_listing(out)
     summary["total_bytes"] = common.dir_size(out)
     summary["cache_vs_nocache_velocity_max_abs_diff"] = cache_vs_nocache
@@ -407,6 +415,40 @@ def main() -> None:
     summary["seconds"] = round(time.time() - t_start, 1)
     assert summary["total_bytes"] <= common.MAX_FAMILY_BYTES, summary["total_bytes"]
     print(json.dumps({FAMILY: summary}, indent=1))
+
+
+def run_rtc(out: Path, post, batch: dict, chunk: torch.Tensor) -> dict:
+    """`rtc/`: the policy reloaded from a checkpoint whose config enables `rtc_config`, its
+    guided `predict_action_chunk` with the plain chunk's left-over as the previous chunk
+    (see `_lerobot_fixture_common.record_rtc`). Runs after everything else, with its own noise
+    generator: the plain fixture's files do not change."""
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+
+    rtc_dir = out / "rtc"
+    noise = torch.randn((1, CHUNK, 32), generator=torch.Generator().manual_seed(SEED + 3))
+    with common.rtc_checkpoint(out / "checkpoint", rtc_dir, RTC) as ckpt:
+        policy = SmolVLAPolicy.from_pretrained(str(ckpt), strict=True)
+    policy.eval()
+    tensors, meta = common.record_rtc(policy, post, batch, chunk, noise, NUM_STEPS)
+    meta.update(
+        family=FAMILY,
+        observation="../io.safetensors (input.* cameras and state; prompt in ../io.json)",
+        call=[
+            "policy = SmolVLAPolicy.from_pretrained(<../checkpoint with rtc/config.json>)   # cwd = repo root",
+            "batch = pre(observation)   # ../checkpoint's preprocessor, as in ../io.json",
+            "left_over = previous_chunk_normalized[:, executed_of_previous_chunk:]",
+            "chunk = policy.predict_action_chunk(batch, noise=noise, inference_delay=d, "
+            "prev_chunk_left_over=left_over)",
+            "actions = post(chunk)",
+        ],
+        seed=SEED + 3,
+        versions=common.versions(),
+        tolerance="float32, 1e-4 absolute",
+    )
+    common.save_io(rtc_dir / "io.safetensors", tensors, meta)
+    common.write_rtc_readme(rtc_dir, FAMILY, meta, tensors)
+    return {"guided_minus_unguided": meta["max_abs_guided_minus_unguided"],
+            "bytes": common.dir_size(rtc_dir)}
 
 
 def write_readme(out: Path, meta: dict, summary: dict, tensors: dict, vlm_cfg: dict) -> None:

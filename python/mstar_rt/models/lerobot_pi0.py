@@ -22,7 +22,7 @@ chunk equals LeRobot's (the tests compare with its fixtures within 1e-4 in float
                              "state": q, "task": "pick up the cube"}).result()["actions"][0]
 
 Real-time chunking: LeRobot's guided form (``delay``, ``prev_actions``; see
-:mod:`~mstar_rt.models.lerobot_pi0_request`), with the checkpoint's ``rtc_config`` or LeRobot's
+:mod:`~mstar_rt.models.lerobot_rtc`), with the checkpoint's ``rtc_config`` or LeRobot's
 defaults. :func:`~mstar_rt.models.lerobot_pi0_reference.reference_actions` is the plain
 PyTorch computation in LeRobot's order.
 """
@@ -39,11 +39,11 @@ from mstar_rt.engines.masks import BlockCausal, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
-from mstar_rt.models.lerobot_pi0_config import RtcSettings
+from mstar_rt.models.lerobot_inputs import camera_images
 from mstar_rt.models.lerobot_pi0_io import preprocess_image, unit_image
 from mstar_rt.models.lerobot_pi0_load import LeRobotPi0, load_lerobot_pi0
-from mstar_rt.models.lerobot_pi0_request import (PiRequest, camera_images, check_request,
-                                                 guidance, guided_velocity)
+from mstar_rt.models.lerobot_pi0_request import PiRequest, check_request
+from mstar_rt.models.lerobot_rtc import RtcSettings, guidance, guided_velocity
 
 
 class VisionNode(NodeSubmodule):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 from mstar_rt.models.gemma import GEMMA_VARIANTS, GemmaSizes
+from mstar_rt.models.lerobot_rtc import RtcSettings, rtc_settings
 from mstar_rt.models.siglip import SiglipConfig
 
 FAMILIES = ("pi0", "pi05")
@@ -39,17 +40,6 @@ BACKBONE = _PALI + "model.language_model."
 EXPERT = "model.paligemma_with_expert.gemma_expert.model."
 #: The lm_heads LeRobot's state dict holds; a policy never decodes text, so they are not kept.
 LM_HEADS = (_PALI + "lm_head.weight", "model.paligemma_with_expert.gemma_expert.lm_head.weight")
-
-
-@dataclass(frozen=True)
-class RtcSettings:
-    """LeRobot's ``rtc_config`` (guided real-time chunking): the prefix-weight schedule
-    (ZEROS, ONES, LINEAR, EXP), the guidance weight's cap and the execution horizon."""
-
-    schedule: str = "LINEAR"
-    max_guidance_weight: float = 10.0
-    execution_horizon: int = 10
-    enabled: bool = True
 
 
 @dataclass(frozen=True)
@@ -196,19 +186,6 @@ def _features(cfg: Mapping[str, Any], name: str, source: str) -> Mapping[str, An
     return value
 
 
-def _rtc(value: Any, source: str) -> Optional[RtcSettings]:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{source}: 'rtc_config' must be an object or null")
-    schedule = str(value.get("prefix_attention_schedule", "LINEAR")).upper()
-    if schedule not in ("ZEROS", "ONES", "LINEAR", "EXP"):
-        raise ValueError(f"{source}: rtc_config.prefix_attention_schedule {schedule!r} is "
-                         "not one of ZEROS, ONES, LINEAR, EXP")
-    return RtcSettings(schedule, float(value.get("max_guidance_weight", 10.0)),
-                       int(value.get("execution_horizon", 10)), bool(value.get("enabled", True)))
-
-
 def config_from_checkpoint(cfg: Mapping[str, Any], shapes: Mapping[str, tuple], source: str,
                            sizes: Optional[Mapping[str, int]] = None) -> PiConfig:
     """A :class:`PiConfig` from LeRobot's ``config.json`` fields and the checkpoint's tensor
@@ -262,4 +239,5 @@ def config_from_checkpoint(cfg: Mapping[str, Any], shapes: Mapping[str, tuple], 
         min_period=f.number("min_period", 4e-3), max_period=f.number("max_period", 4.0),
         tokenizer_max_length=f.integer("tokenizer_max_length", 48 if family == "pi0" else 200),
         state_norm=modes.get("STATE", "IDENTITY"), action_norm=modes.get("ACTION", "IDENTITY"),
-        rtc=_rtc(cfg.get("rtc_config"), source), checkpoint_dtype=f.text("dtype", "float32"))
+        rtc=rtc_settings(cfg.get("rtc_config"), source),
+        checkpoint_dtype=f.text("dtype", "float32"))

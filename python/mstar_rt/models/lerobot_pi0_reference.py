@@ -19,7 +19,8 @@ import torch
 
 from mstar_rt.models.lerobot_pi0_io import preprocess_image
 from mstar_rt.models.lerobot_pi0_load import LeRobotPi0
-from mstar_rt.models.lerobot_pi0_request import check_request, guidance, guided_velocity
+from mstar_rt.models.lerobot_pi0_request import check_request
+from mstar_rt.models.lerobot_rtc import guidance, guided_velocity
 
 #: openpi's "minus infinity" for masked attention scores.
 MASKED = -2.3819763e38

@@ -12,6 +12,9 @@ whatever the new one says, and the next ones overlap it.
   ``x + (1 - tau) v`` through the expert, scaled by ``min(beta, (tau^2 + (1 - tau)^2) /
   (tau (1 - tau)))``. Weights are 1 below d, decay exponentially over the rest of the overlap,
   0 after it. One extra backward pass of the expert per step.
+
+This is the miniature ``Pi0Policy``'s; LeRobot's checkpoints (pi0, pi0.5, SmolVLA) use
+LeRobot's guided form, which has no backward pass: :mod:`mstar_rt.models.lerobot_rtc`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@
   cross-attention layers attend to ``cross_kv``; then one Euler step from t = 1 to 0. The last
   step EMITs ``actions [chunk_size, action_dim]``, unnormalised as LeRobot's postprocessor does.
 
+Real-time chunking: LeRobot's guided form (``delay``, ``prev_actions``), the same guidance as
+pi0's (:mod:`~mstar_rt.models.lerobot_rtc`), with the checkpoint's ``rtc_config`` or
+LeRobot's defaults.
+
     smolvla = load_lerobot_smolvla("checkpoint_dir")
     with mstar_rt.Runtime(SmolVLAPolicy(smolvla)) as rt:
         chunk = rt.submit({"images": {"observation.images.camera1": rgb}, "state": q,
@@ -34,6 +38,7 @@ from mstar_rt.engines.masks import CAUSAL, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
+from mstar_rt.models.lerobot_rtc import RtcSettings, guidance, guided_velocity
 from mstar_rt.models.smolvla_checkpoint import LeRobotSmolVLA, load_lerobot_smolvla
 from mstar_rt.models.smolvla_inputs import camera_images, check_request, pixels, validate
 
@@ -78,14 +83,15 @@ class _KeepKV:
 class PrefixNode(KVNodeSubmodule):
     """The VLM over each request's prefix, written to its KV pages."""
 
-    def __init__(self, policy: LeRobotSmolVLA, max_batch: int) -> None:
-        self.policy, self.max_batch = policy, max_batch
+    def __init__(self, policy: LeRobotSmolVLA, rtc: Optional[RtcSettings], max_batch: int) -> None:
+        self.policy, self.rtc, self.max_batch = policy, rtc, max_batch
 
     def kv_layout(self) -> KVLayout:
         return self.policy.module.kv_layout()
 
     def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> KVWork:
-        r = check_request(self.policy, inputs)
+        r = check_request(self.policy, inputs, self.rtc)
+        ctx.request.state["request"] = r  # the flow steps' guidance reads delay and prev
         with torch.inference_mode():
             x = self.policy.module.prefix_embeds(inputs["image_embs"], r.prompt, r.state)
         n = x.shape[0]
@@ -139,8 +145,8 @@ class _BatchedCross:
 class DenoiseNode(KVNodeSubmodule):
     """One Euler step of the action expert per request, reading the cached prefix."""
 
-    def __init__(self, policy: LeRobotSmolVLA, max_batch: int) -> None:
-        self.policy, self.max_batch = policy, max_batch
+    def __init__(self, policy: LeRobotSmolVLA, rtc: Optional[RtcSettings], max_batch: int) -> None:
+        self.policy, self.rtc, self.max_batch = policy, rtc, max_batch
 
     def kv_layout(self) -> KVLayout:
         return self.policy.module.kv_layout()
@@ -149,19 +155,26 @@ class DenoiseNode(KVNodeSubmodule):
         h = self.policy.config.chunk_size
         # Action tokens see the whole prefix and the tokens before them; nothing is written.
         return KVWork(h, persist=False, mask=CAUSAL,
-                      payload=(inputs["x"], ctx.iteration, inputs["cross_kv"]))
+                      payload=(inputs["x"], ctx.iteration, inputs["cross_kv"],
+                               ctx.request.state["request"]))
 
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
         m, c = self.policy.module, self.policy.config
         h, n = c.chunk_size, c.num_steps
         dt = -1.0 / n
-        suffix = torch.cat([m.suffix_embeds(x, torch.tensor(1.0 + it * dt, dtype=torch.float32,
-                                                            device=m.device))
-                            for x, it, _kv in (w.payload for w in works)])
+        # requests of one step may be at different iterations: each carries its own time
+        times = [1.0 + w.payload[1] * dt for w in works]
+        suffix = torch.cat([m.suffix_embeds(w.payload[0], torch.tensor(t, dtype=torch.float32,
+                                                                       device=m.device))
+                            for w, t in zip(works, times)])
         cross = _BatchedCross([w.payload[2] for w in works], h)
         cross_positions = torch.arange(h, device=m.device).repeat(len(works))
         v = m.velocity(m.expert_forward(suffix, step.positions, step, cross_positions, cross))
+        guide = guidance([w.payload[3] for w in works], times, self.rtc, h, c.max_action_dim,
+                         m.device)
+        if guide is not None:  # the batch's unguided requests have weight 0
+            v = guided_velocity(v, torch.cat([w.payload[0] for w in works]), guide)
         outs: list[Mapping[str, Any]] = []
         for i, w in enumerate(works):
             x = w.payload[0] + dt * v[i * h:(i + 1) * h]
@@ -178,27 +191,32 @@ class SmolVLAPolicy(Model):
     Inputs: ``images`` (a dict by camera key -- any non-empty subset of the policy's cameras --
     or a list in the config's order; float ``[3, H, W]`` in [0, 1] or uint8 ``[3, H, W]`` /
     ``[H, W, 3]``), ``state [state_dim]`` (raw), ``task`` (the instruction, or its token ids);
-    optional ``noise [chunk_size, max_action_dim]`` (else drawn from ``seed``). EMITs
-    ``actions [chunk_size, action_dim]`` (unnormalised).
+    optional ``noise [chunk_size, max_action_dim]`` (else drawn from ``seed``), and for guided
+    real-time chunking ``delay`` and ``prev_actions [N, action_dim]`` (raw). EMITs
+    ``actions [chunk_size, action_dim]`` (unnormalised). ``rtc``: the guidance settings
+    (default: the checkpoint's ``rtc_config``, else LeRobot's defaults;
+    ``RtcSettings(enabled=False)`` refuses ``prev_actions``).
     """
 
-    inputs = ("images", "state", "task", "noise", "seed")
-    input_defaults = {"noise": None, "seed": 0}
+    inputs = ("images", "state", "task", "noise", "seed", "delay", "prev_actions")
+    input_defaults = {"noise": None, "seed": 0, "delay": 0, "prev_actions": None}
 
     def __init__(self, policy: LeRobotSmolVLA, engine: Optional[KVCacheEngine] = None,
-                 max_batch: int = 32) -> None:
+                 max_batch: int = 32, rtc: Optional[RtcSettings] = None) -> None:
         policy.module.eval()
         self.policy = policy
         c = policy.config
+        self.rtc = rtc or c.rtc or RtcSettings()
         self.nodes = [
             GraphNode("vision", ["images"], ["image_embs"], submodule=VisionNode(policy),
                       engine="vision"),
-            GraphNode("prefix", ["image_embs", "state", "task", "noise", "seed"],
+            GraphNode("prefix", ["image_embs", "state", "task", "noise", "seed", "delay",
+                                 "prev_actions"],
                       [GraphEdge("denoise", "x", persist=True),
                        GraphEdge("denoise", "cross_kv", persist=True)],
-                      submodule=PrefixNode(policy, max_batch), engine="vla"),
+                      submodule=PrefixNode(policy, self.rtc, max_batch), engine="vla"),
             GraphNode("denoise", ["x", "cross_kv"], ["x", GraphEdge(EMIT, "actions")],
-                      submodule=DenoiseNode(policy, max_batch), engine="vla"),
+                      submodule=DenoiseNode(policy, self.rtc, max_batch), engine="vla"),
         ]
         self.walks = {"prefix": Sequential("vision", "prefix"),
                       "action_gen": Loop("denoise", c.num_steps, outputs=["x"])}
@@ -214,7 +232,7 @@ class SmolVLAPolicy(Model):
         return openpi_defaults(self.policy.config, "smolvla")
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
-        validate(self.policy, inputs)
+        validate(self.policy, inputs, self.rtc)
 
     def next_walk(self, request: RequestContext, finished_walk: str,
                   persisted: Mapping[str, Any]) -> Optional[str]:

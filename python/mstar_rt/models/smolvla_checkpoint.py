@@ -3,7 +3,9 @@ the processor pipelines write it:
 
 * ``config.json`` (the policy) and ``model.safetensors`` (LeRobot's state-dict keys);
 * ``policy_preprocessor.json`` / ``policy_postprocessor.json`` and the normalizer states they
-  name (``*_normalizer_processor.safetensors``: ``<feature>.<stat>`` tensors);
+  name (``*_normalizer_processor.safetensors``: ``<feature>.<stat>`` tensors) -- or, in a
+  checkpoint saved before LeRobot had processor pipelines, the statistics as buffers in
+  ``model.safetensors`` (``normalize_inputs.buffer_observation_state.mean``, ...);
 * the SmolVLM folder named by ``vlm_model_name``: its ``config.json`` gives the backbone's sizes
   and its ``tokenizer.json`` tokenizes the task.
 
@@ -20,7 +22,8 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from mstar_rt.models.checkpoint import check_weights, load_weights, meta_module, read_config
+from mstar_rt.models.checkpoint import (check_weights, checkpoint_files, load_weights,
+                                        meta_module, read_config)
 from mstar_rt.models.smolvla_config import (ACTION_KEY, STATE_KEY, SmolVLAConfig,
                                             smolvla_config)
 from mstar_rt.models.smolvla_layers import SmolVLAModule, parameter_count
@@ -86,11 +89,79 @@ def _processor_step(path: str, pipeline: str, registry: str) -> tuple[dict, str]
     raise ValueError(f"{file} has no '{registry}' step; SmolVLA needs it for the statistics")
 
 
+#: Where LeRobot kept the statistics before its processor pipelines (the first
+#: ``lerobot/smolvla_base``): ``<module>.buffer_<feature, '.' as '_'>.<stat>`` in the weights.
+#: LeRobot 0.6.1 loads such weights skipping them (``strict=False``) and needs its migration
+#: script (``processor/migrate_policy_normalization.py``) to turn them into processor files.
+LEGACY_MODULES = ("normalize_inputs.", "normalize_targets.", "unnormalize_outputs.")
+LEGACY_BUFFERS = {STATE_KEY: ("normalize_inputs.buffer_observation_state.",),
+                  ACTION_KEY: ("unnormalize_outputs.buffer_action.",
+                               "normalize_targets.buffer_action.")}
+
+
+def legacy_statistics(path: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's in-weights statistics buffers (key -> tensor; none in a checkpoint
+    saved with processor pipelines)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if key.startswith(LEGACY_MODULES):
+                        found[key] = f.get_tensor(key)
+        except Exception as e:  # SafetensorError, OSError: truncated, corrupt
+            raise ValueError(f"{file} is not a readable safetensors file: "
+                             f"{type(e).__name__}: {e}") from None
+    return found
+
+
+def _legacy_normalizer(path: str, key: str, config: SmolVLAConfig,
+                       legacy: Mapping[str, torch.Tensor]) -> Optional[Normalizer]:
+    """``key``'s normalizer from the in-weights buffers (as LeRobot's migration builds it:
+    the config's mode, eps 1e-8), or None when the weights hold none for it."""
+    for prefix in LEGACY_BUFFERS[key]:
+        stats = {k[len(prefix):]: v.float() for k, v in legacy.items() if k.startswith(prefix)}
+        if stats:
+            break
+    else:
+        return None
+    source = f"{os.path.join(path, 'model.safetensors')} ({prefix}*)"
+    mode = config.norm_mode("STATE" if key == STATE_KEY else "ACTION")
+    return _checked(Normalizer(key, mode, stats if mode != "IDENTITY" else {}), source, config)
+
+
+def _checked(norm: Normalizer, source: str, config: SmolVLAConfig) -> Normalizer:
+    if norm.mode == "IDENTITY":
+        return norm
+    try:
+        a, b = norm._pair()
+    except KeyError as e:
+        raise ValueError(f"{source} lacks '{norm.key}.{e.args[0]}', which {norm.mode} "
+                         "normalization of that feature needs") from None
+    dim = config.state_dim if norm.key == STATE_KEY else config.action_dim
+    if a.shape != (dim,) or b.shape != (dim,):
+        raise ValueError(f"the {norm.key} statistics in {source} have shapes {list(a.shape)} "
+                         f"and {list(b.shape)}; the config gives the feature {dim} dimensions")
+    if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise ValueError(f"the {norm.key} statistics in {source} are not finite (LeRobot fills "
+                         "them with inf until dataset statistics are given): the policy was "
+                         "saved without its dataset's statistics")
+    return norm
+
+
 def load_normalizer(path: str, pipeline: str, registry: str, key: str,
-                    config: SmolVLAConfig) -> Normalizer:
-    """The normalizer of feature ``key`` from ``pipeline``'s ``registry`` step."""
+                    config: SmolVLAConfig,
+                    legacy: Optional[Mapping[str, torch.Tensor]] = None) -> Normalizer:
+    """The normalizer of feature ``key`` from ``pipeline``'s ``registry`` step; without the
+    pipeline file, from the ``legacy`` in-weights buffers (:func:`legacy_statistics`)."""
     from safetensors.torch import load_file
 
+    if legacy and not os.path.exists(os.path.join(path, f"{pipeline}.json")):
+        norm = _legacy_normalizer(path, key, config, legacy)
+        if norm is not None:
+            return norm
     step, state_file = _processor_step(path, pipeline, registry)
     feature = (step.get("features") or {}).get(key) or {}
     ftype = feature.get("type", "STATE" if key == STATE_KEY else "ACTION")
@@ -104,17 +175,7 @@ def load_normalizer(path: str, pipeline: str, registry: str, key: str,
         raise ValueError(f"the normalizer state {state_file} of {pipeline}.json cannot be read: "
                          f"{type(e).__name__}: {e}") from None
     stats = {k[len(key) + 1:]: v.float() for k, v in state.items() if k.startswith(key + ".")}
-    norm = Normalizer(key, mode, stats, eps)
-    try:
-        a, b = norm._pair()
-    except KeyError as e:
-        raise ValueError(f"{state_file} lacks '{key}.{e.args[0]}', which {mode} normalization "
-                         "of that feature needs") from None
-    dim = config.state_dim if key == STATE_KEY else config.action_dim
-    if a.shape != (dim,) or b.shape != (dim,):
-        raise ValueError(f"the {key} statistics in {state_file} have shapes {list(a.shape)} and "
-                         f"{list(b.shape)}; the config gives the feature {dim} dimensions")
-    return norm
+    return _checked(Normalizer(key, mode, stats, eps), state_file, config)
 
 
 def find_vlm(path: str, name: str, vlm_dir: Optional[str]) -> str:
@@ -227,6 +288,12 @@ class LeRobotSmolVLA:
         """``[..., max_action_dim]`` model actions -> the first ``action_dim``, unnormalised."""
         return self.action_normalizer.unnormalize(actions[..., : self.config.action_dim].float())
 
+    def normalize_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """Raw actions ``[N, action_dim]`` -> normalised, zero-padded to ``max_action_dim``
+        (what guided real-time chunking compares the new chunk with)."""
+        x = self.action_normalizer.normalize(actions.float())
+        return torch.nn.functional.pad(x, (0, self.config.max_action_dim - x.shape[-1]))
+
 
 def load_lerobot_smolvla(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
                          device: str = "cpu", vlm_dir: Optional[str] = None,
@@ -247,11 +314,12 @@ def load_lerobot_smolvla(path: Union[str, os.PathLike], dtype: Optional[torch.dt
                             os.path.join(vlm_path, "config.json"))
     # the config's sizes against the weights' headers, before allocating anything
     full = meta_module(lambda: SmolVLAModule(config, lm_head=True), policy_file)
-    check_weights(full, path, allow_missing=(LM_HEAD,))
+    legacy = legacy_statistics(path)
+    check_weights(full, path, allow_missing=(LM_HEAD,), ignore=tuple(legacy))
     state_norm = load_normalizer(path, "policy_preprocessor", "normalizer_processor", STATE_KEY,
-                                 config)
+                                 config, legacy)
     action_norm = load_normalizer(path, "policy_postprocessor", "unnormalizer_processor",
-                                  ACTION_KEY, config)
+                                  ACTION_KEY, config, legacy)
     tokenizer = load_tokenizer(vlm_path, config.tokenizer_max_length) if os.path.exists(
         os.path.join(vlm_path, "tokenizer.json")) else None
     if progress:
@@ -259,5 +327,5 @@ def load_lerobot_smolvla(path: Union[str, os.PathLike], dtype: Optional[torch.dt
     with torch.device("meta"):  # sizes already checked by meta_module above
         module = SmolVLAModule(config, lm_head=False)
     module = module.to(dtype or torch.float32).to_empty(device=device)
-    load_weights(module, path, progress=progress, ignore=(LM_HEAD,))
+    load_weights(module, path, progress=progress, ignore=(LM_HEAD, *legacy))
     return LeRobotSmolVLA(module.eval(), config, tokenizer, state_norm, action_norm)

@@ -11,9 +11,10 @@ between two equal computations.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from mstar_rt.models.checkpoint import MAX_LAYERS, ConfigFields
+from mstar_rt.models.lerobot_rtc import RtcSettings, rtc_settings
 
 #: LeRobot's feature names.
 STATE_KEY = "observation.state"
@@ -82,6 +83,7 @@ class SmolVLAConfig:
     max_period: float = 4.0
     normalization: tuple[tuple[str, str], ...] = (("VISUAL", "IDENTITY"), ("STATE", "MEAN_STD"),
                                                   ("ACTION", "MEAN_STD"))
+    rtc: Optional[RtcSettings] = None  # the checkpoint's rtc_config (LeRobot's guided RTC)
 
     @property
     def num_layers(self) -> int:
@@ -189,10 +191,7 @@ def smolvla_config(policy: Mapping[str, Any], vlm: Mapping[str, Any], policy_sou
         if p.flag(name, False):
             raise ValueError(f"field '{name}' of {policy_source} is true; mstar_rt's SmolVLA "
                              "does not implement it (only the default, false)")
-    rtc = policy.get("rtc_config")
-    if isinstance(rtc, Mapping) and rtc.get("enabled"):
-        raise ValueError(f"{policy_source} enables rtc_config; LeRobot's guidance RTC is not "
-                         "implemented for SmolVLA here (set it to null)")
+    rtc = rtc_settings(policy.get("rtc_config"), policy_source)
     if p.integer("n_obs_steps", 1) != 1:
         raise ValueError(f"field 'n_obs_steps' of {policy_source} must be 1")
     mode = p.text("attention_mode", "cross_attn")
@@ -240,7 +239,7 @@ def smolvla_config(policy: Mapping[str, Any], vlm: Mapping[str, Any], policy_sou
         attention_mode=mode,
         min_period=p.number("min_period", 4e-3), max_period=p.number("max_period", 4.0),
         normalization=tuple(sorted((str(k), str(m)) for k, m in norm.items())) or
-        SmolVLAConfig.normalization)
+        SmolVLAConfig.normalization, rtc=rtc)
     check_config(config, policy_source, experts)
     return config
 

@@ -1,16 +1,19 @@
 """A SmolVLA request's inputs, checked and preprocessed as LeRobot's pipeline does: camera
 images (resized with left/top padding, scaled to [-1, 1]), the task (newline, tokenizer), the
-state (normalised, zero-padded) and the flow's starting noise. Bad input is a ValueError that
-names the input and what it needs."""
+state (normalised, zero-padded), the flow's starting noise, and for guided real-time chunking
+the delay and the previous chunk's actions still to execute (normalised, zero-padded). Bad input
+is a ValueError that names the input and what it needs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 
+from mstar_rt.models.lerobot_inputs import camera_images as camera_pairs, flow_noise
+from mstar_rt.models.lerobot_rtc import RtcSettings, guidance_inputs
 from mstar_rt.models.smolvla_checkpoint import LeRobotSmolVLA
 from mstar_rt.models.smolvla_vision import resize_with_pad
 
@@ -18,11 +21,15 @@ from mstar_rt.models.smolvla_vision import resize_with_pad
 @dataclass
 class SmolVLARequest:
     """A request's model inputs: prompt ids ``[L]``, the normalised padded state
-    ``[max_state_dim]`` (module dtype) and the noise ``[chunk_size, max_action_dim]`` (float32)."""
+    ``[max_state_dim]`` (module dtype), the noise ``[chunk_size, max_action_dim]`` (float32);
+    for guided RTC the ``delay`` and ``prev [N, max_action_dim]`` (normalised, padded; None: no
+    guidance) -- the fields :func:`~mstar_rt.models.lerobot_rtc.guidance` reads."""
 
     prompt: torch.Tensor
     state: torch.Tensor
     noise: torch.Tensor
+    delay: int = 0
+    prev: Optional[torch.Tensor] = None
 
 
 def camera_images(policy: LeRobotSmolVLA, images: Any) -> list[torch.Tensor]:
@@ -32,25 +39,7 @@ def camera_images(policy: LeRobotSmolVLA, images: Any) -> list[torch.Tensor]:
     An image is float ``[3, H, W]`` in [0, 1] (LeRobot's layout) or uint8 ``[3, H, W]`` /
     ``[H, W, 3]``."""
     cams = policy.config.cameras
-    if images is None:
-        raise ValueError(f"SmolVLA input 'images' is missing; give at least one of {list(cams)}")
-    if isinstance(images, Mapping):
-        unknown = [k for k in images if k not in cams]
-        if unknown:
-            raise ValueError(f"'images' has unknown cameras {unknown}; the policy's cameras are "
-                             f"{list(cams)}")
-        ordered = [(k, images[k]) for k in cams if k in images and images[k] is not None]
-    else:
-        if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim == 3:
-            images = [images]
-        images = list(images)
-        if len(images) > len(cams):
-            raise ValueError(f"'images' holds {len(images)} cameras; the policy has {len(cams)} "
-                             f"({list(cams)})")
-        ordered = list(zip(cams, images))
-    if not ordered:
-        raise ValueError(f"'images' holds no camera; give at least one of {list(cams)}")
-    return [_image(k, im) for k, im in ordered]
+    return [_image(cams[i], im) for i, im in camera_pairs(cams, images)]
 
 
 def _image(key: str, image: Any) -> torch.Tensor:
@@ -78,16 +67,6 @@ def pixels(policy: LeRobotSmolVLA, image: torch.Tensor) -> torch.Tensor:
     return resize_with_pad(image[None], h, w)[0] * 2.0 - 1.0
 
 
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = int(value)
-    if isinstance(value, np.integer):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"'{name}' must be an integer >= 0; got {value!r}")
-    return value
-
-
 def prompt_ids(policy: LeRobotSmolVLA, task: Any) -> torch.Tensor:
     """``task``: the instruction (a string, tokenized as LeRobot does) or token ids."""
     c = policy.config
@@ -107,8 +86,10 @@ def prompt_ids(policy: LeRobotSmolVLA, task: Any) -> torch.Tensor:
     return ids.long()
 
 
-def check_request(policy: LeRobotSmolVLA, inputs: Mapping[str, Any]) -> SmolVLARequest:
-    """Everything but the images (the vision node's), checked and preprocessed."""
+def check_request(policy: LeRobotSmolVLA, inputs: Mapping[str, Any],
+                  rtc: Optional[RtcSettings] = None) -> SmolVLARequest:
+    """Everything but the images (the vision node's), checked and preprocessed; ``rtc``: the
+    guidance settings ``prev_actions`` needs."""
     c, m = policy.config, policy.module
     prompt = prompt_ids(policy, inputs.get("task"))
     if inputs.get("state") is None:
@@ -117,25 +98,17 @@ def check_request(policy: LeRobotSmolVLA, inputs: Mapping[str, Any]) -> SmolVLAR
         inputs["state"], torch.Tensor) else inputs["state"]).float().reshape(-1)
     if state.shape != (c.state_dim,):
         raise ValueError(f"'state' must be [{c.state_dim}]; got {list(state.shape)}")
-    shape = (c.chunk_size, c.max_action_dim)
-    noise = inputs.get("noise")
-    if noise is None:
-        g = torch.Generator().manual_seed(_int(inputs.get("seed", 0) or 0, "seed"))
-        noise = torch.randn(shape, generator=g)
-    noise = torch.as_tensor(noise).float()
-    if noise.dim() == 3 and noise.shape[0] == 1:
-        noise = noise[0]
-    if tuple(noise.shape) != shape:
-        raise ValueError(f"'noise' must be [{shape[0]}, {shape[1]}] (chunk_size, max_action_dim); "
-                         f"got {list(noise.shape)}")
-    for name, t in (("state", state), ("noise", noise)):
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"'{name}' holds NaN or infinite values; give finite numbers")
+    if not bool(torch.isfinite(state).all()):
+        raise ValueError("'state' holds NaN or infinite values; give finite numbers")
+    noise = flow_noise(inputs, c.chunk_size, c.max_action_dim)
     state = policy.normalize_state(state).to(device=m.device, dtype=m.dtype)
-    return SmolVLARequest(prompt.to(m.device), state, noise.to(m.device))
+    delay, prev = guidance_inputs(inputs, rtc, c.action_dim, c.chunk_size,
+                                  lambda p: policy.normalize_actions(p).to(m.device))
+    return SmolVLARequest(prompt.to(m.device), state, noise.to(m.device), delay, prev)
 
 
-def validate(policy: LeRobotSmolVLA, inputs: Mapping[str, Any]) -> None:
+def validate(policy: LeRobotSmolVLA, inputs: Mapping[str, Any],
+             rtc: Optional[RtcSettings] = None) -> None:
     """Checks a whole request (at submit), so bad input never reaches an engine."""
     camera_images(policy, inputs.get("images"))
-    check_request(policy, inputs)
+    check_request(policy, inputs, rtc)

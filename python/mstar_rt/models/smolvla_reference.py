@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
+from mstar_rt.models.lerobot_rtc import RtcSettings, guidance, guided_velocity
 from mstar_rt.models.smolvla_checkpoint import LeRobotSmolVLA
 from mstar_rt.models.smolvla_inputs import camera_images, check_request, pixels
 
@@ -52,17 +53,19 @@ class DenseSuffix:
 
 @torch.inference_mode()
 def sample_actions_reference(policy: LeRobotSmolVLA, inputs: Mapping[str, Any],
-                             record: Optional[dict] = None) -> torch.Tensor:
+                             record: Optional[dict] = None,
+                             rtc: Optional[RtcSettings] = None) -> torch.Tensor:
     """The chunk ``[chunk_size, action_dim]`` (unnormalised) for one request, as LeRobot's
     ``predict_action_chunk`` + postprocessor compute it. ``record`` (a dict) receives the
     intermediates under the fixture's names (without ``model.``): ``images.i``,
     ``image_embs.i``, ``state_padded``, ``prefix_embs``, ``prefix_out``, ``prefix_kv.L.keys`` /
     ``.values`` (``[kv_heads, n, head_dim]``), ``suffix_embs.step0``, ``suffix_out.step0``,
-    ``x_t``, ``t``, ``v_t`` (stacked over steps), ``actions_padded``,
-    ``action_chunk_normalized``."""
+    ``x_t``, ``t``, ``v_t`` (stacked over steps; with guidance the guided velocity, the plain
+    one in ``v_t_base``), ``actions_padded``, ``action_chunk_normalized``. ``rtc``: RtcSettings
+    for guided real-time chunking (with ``delay`` / ``prev_actions`` in ``inputs``)."""
     m, c = policy.module, policy.config
     rec = record if record is not None else {}
-    r = check_request(policy, inputs)
+    r = check_request(policy, inputs, rtc)
     embs = []
     for i, image in enumerate(camera_images(policy, inputs.get("images"))):
         px = pixels(policy, image).to(device=m.device, dtype=m.dtype)
@@ -89,19 +92,25 @@ def sample_actions_reference(policy: LeRobotSmolVLA, inputs: Mapping[str, Any],
     cross_positions = torch.arange(h, device=m.device)
     dt = -1.0 / c.num_steps
     x = r.noise
-    xs, ts, vs = [], [], []
+    xs, ts, vs, bases = [], [], [], []
     for step in range(c.num_steps):
-        t = torch.tensor(1.0 + step * dt, dtype=torch.float32, device=m.device)
+        time = 1.0 + step * dt
+        t = torch.tensor(time, dtype=torch.float32, device=m.device)
         suffix = m.suffix_embeds(x, t)
         out = m.expert_forward(suffix, positions, suffix_attn, cross_positions, cross)
         v = m.velocity(out)
         if step == 0:
             rec["suffix_embs.step0"], rec["suffix_out.step0"] = suffix, out
+        bases.append(v)
+        guide = guidance([r], [time], rtc, h, c.max_action_dim, m.device)
+        if guide is not None:
+            v = guided_velocity(v, x, guide)
         xs.append(x)
         ts.append(t)
         vs.append(v)
         x = x + dt * v
     rec["x_t"], rec["t"], rec["v_t"] = torch.stack(xs), torch.stack(ts), torch.stack(vs)
+    rec["v_t_base"] = torch.stack(bases)
     rec["actions_padded"] = x
     rec["action_chunk_normalized"] = x[:, : c.action_dim]
     return policy.unnormalize_actions(x)
