@@ -141,7 +141,9 @@ class Episode:
                 # chunk only loses its stale head, which the buffer drops anyway)
                 d = min(latency.delay_ticks, self.max_delay)
                 count += 1
-                request = client.request(obs, d, plan, seed=seed * 1000 + count)
+                # (--no-rtc-inputs: no d and no plan, so guided RTC has nothing to pull towards)
+                request = client.request(obs, d, plan if self.max_delay else None,
+                                         seed=seed * 1000 + count)
                 start = time.perf_counter()
                 out = runtime.submit(request).result(timeout=5.0)
                 self.infer_ms.append((time.perf_counter() - start) * 1e3)
@@ -242,7 +244,8 @@ def _span(values: list[int]) -> str:
 
 
 def print_table(rows, episodes):
-    head = (f"{'policy':>6} {'delay':>5} {'mode':>5} {'success':>9} {'t_success':>9} "
+    w = max(6, *(len(r["policy"]) for r in rows))
+    head = (f"{'policy':>{w}} {'delay':>5} {'mode':>5} {'success':>9} {'t_success':>9} "
             f"{'starved':>7} {'jump_p50':>8} {'max_jump':>8} {'d_given':>7} {'d_seen':>6} "
             f"{'late_p50':>8} "
             f"{'late_p99':>8} {'missed':>6} {'infer_p95':>9}  sched")
@@ -250,7 +253,7 @@ def print_table(rows, episodes):
     print("-" * len(head))
     for r in rows:
         n_ok = round(r["success"] * episodes)
-        print(f"{r['policy']:>6} {r['delay']:>5} {r['mode']:>5} {n_ok:>3}/{episodes:<2} "
+        print(f"{r['policy']:>{w}} {r['delay']:>5} {r['mode']:>5} {n_ok:>3}/{episodes:<2} "
               f"{r['success']:>3.0%} {r['time_s']:>8.2f}s {r['starved']:>7} "
               f"{r['jump_p50']:>8.4f} {r['jump']:>8.3f} "
               f"{_span(r['d_given']):>7} {_span(r['d_seen']):>6} "
@@ -259,10 +262,10 @@ def print_table(rows, episodes):
     print("delay: injected (ticks); t_success: mean control time to within 2 cm; starved: ticks"
           " with no planned action\njump_p50 / max_jump: median / largest set-point jump (rad) at"
           " the switches to the inference thread's chunks\nd_given: d (ticks) the LatencyTracker"
-          " gave the policy with its requests (pi0 freezes that many leading actions; mlp takes"
-          " no d)\nd_seen: d the buffer measured on merged chunks; late_p50/p99: tick wake-up"
-          " lateness over all ticks; missed: skipped deadlines\ninfer_p95: real Runtime latency"
-          " (submit to result)")
+          " gave the policy with its requests (pi0 freezes that many leading actions;"
+          " pi0-real-arch\nguides them towards the plan; mlp takes no d)\nd_seen: d the buffer"
+          " measured on merged chunks; late_p50/p99: tick wake-up lateness over all ticks;"
+          " missed: skipped deadlines\ninfer_p95: real Runtime latency (submit to result)")
 
 
 def plot(rows, examples, rate_hz, out: pathlib.Path) -> None:

@@ -19,19 +19,20 @@ EXTENT = 0.4  # m: the view spans [-EXTENT, EXTENT] in x and y (the arm reaches 
 _SHIFT = 4  # OpenCV fixed-point bits: centres at 1/16 pixel
 
 
-def _pixel(xy: np.ndarray) -> tuple[int, int]:
+def _pixel(xy: np.ndarray, size: int) -> tuple[int, int]:
     """Workspace xy (m) -> fixed-point pixel (column, row); y points up in the image."""
-    scale = SIZE / (2 * EXTENT)
+    scale = size / (2 * EXTENT)
     col = (float(xy[0]) + EXTENT) * scale - 0.5
     row = (EXTENT - float(xy[1])) * scale - 0.5
     return int(round(col * (1 << _SHIFT))), int(round(row * (1 << _SHIFT)))
 
 
-def topdown_image(obs: np.ndarray) -> np.ndarray:
-    """uint8 [SIZE, SIZE, 3] RGB view for one observation (q, qd, target xy, end-effector xy)."""
+def topdown_image(obs: np.ndarray, size: int = SIZE) -> np.ndarray:
+    """uint8 [size, size, 3] RGB view for one observation (q, qd, target xy, end-effector xy);
+    the dots keep their size in metres (one pixel at SIZE)."""
     o = np.asarray(obs, dtype=np.float64)
-    image = np.zeros((SIZE, SIZE, 3), np.uint8)
-    radius = 1 << _SHIFT  # one pixel
-    cv2.circle(image, _pixel(o[4:6]), radius, (255, 0, 0), -1, cv2.LINE_AA, _SHIFT)
-    cv2.circle(image, _pixel(o[6:8]), radius, (0, 255, 0), -1, cv2.LINE_AA, _SHIFT)
+    image = np.zeros((size, size, 3), np.uint8)
+    radius = round((1 << _SHIFT) * size / SIZE)
+    cv2.circle(image, _pixel(o[4:6], size), radius, (255, 0, 0), -1, cv2.LINE_AA, _SHIFT)
+    cv2.circle(image, _pixel(o[6:8], size), radius, (0, 255, 0), -1, cv2.LINE_AA, _SHIFT)
     return image
