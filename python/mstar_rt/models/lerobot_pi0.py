@@ -210,8 +210,8 @@ class LeRobotPi0Policy(Model):
     @staticmethod
     def from_pretrained(path: Union[str, os.PathLike], tokenizer: Any = None,
                         dtype: Optional[torch.dtype] = None, device: str = "cpu",
-                        sizes: Optional[Mapping[str, int]] = None, **kwargs: Any
-                        ) -> "LeRobotPi0Policy":
+                        sizes: Optional[Mapping[str, int]] = None, verbose: bool = True,
+                        **kwargs: Any) -> "LeRobotPi0Policy":
         """Loads a LeRobot policy directory (:func:`load_lerobot_pi0`) and serves it."""
-        return LeRobotPi0Policy(load_lerobot_pi0(path, tokenizer, dtype, device, sizes),
+        return LeRobotPi0Policy(load_lerobot_pi0(path, tokenizer, dtype, device, sizes, verbose),
                                 **kwargs)
