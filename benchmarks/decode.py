@@ -38,19 +38,13 @@ printed and saved to benchmarks/results/decode_profile.txt.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -58,340 +52,28 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import mstar_rt  # noqa: E402
-import mstar_rt.models.causal_lm as causal_lm  # noqa: E402
-from mstar_rt.engines import KVCacheEngine, SamplingParams  # noqa: E402
-from mstar_rt.models.causal_lm import CausalLM  # noqa: E402
 
 from bench_common import machine  # noqa: E402  (benchmarks/ is on sys.path)
+from decode_profile import PHASES, op_thread_cost, profiled_runs, timed_run  # noqa: E402
+from decode_runs import (MODEL, PROMPT_TOKENS, THREADS, build_models, contention,  # noqa: E402
+                         cpu_counters, divergence, make_prompts, run_hf, run_ours, serve_once)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "decode.json"
 CONCURRENCY = (1, 4, 16)
-PROMPT_TOKENS = (16, 32)  # inclusive range of prompt lengths
-MODEL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
 FULL = dict(max_tokens=64, reps=5, reruns=3)
 QUICK = dict(max_tokens=16, reps=2, reruns=0)
 TARGET_16REQ = 5.0
-THREADS = torch.get_num_threads()  # torch's default for this machine: both sides get it
 # Two torch threads on two vCPUs: while another process holds a core, each parallel op waits for
 # the descheduled OpenMP thread, and HF on the main thread (spinning OpenMP workers) fell to 3-5
 # tokens/s here (and lost a quarter at 10-20 % of a CPU of load). A cell run under such load says
 # more about the neighbours than about the two sides, so it is rerun.
 BUSY_LIMIT_PCT = 15.0  # % of one CPU; a cell is rerun at most cfg["reruns"] times
-TIMEOUT_S = 600.0
 
 try:
     from tqdm import tqdm
 except ImportError:
     tqdm = None
-
-
-# ---- the two models ------------------------------------------------------------------------------
-
-def build_models(path: str) -> tuple[Any, CausalLM, float]:
-    """A random-weight HF Llama saved to ``path`` and ours loaded from it (the same weights)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**MODEL, tie_word_embeddings=False, eos_token_id=None,
-                                   bos_token_id=None, pad_token_id=None, dtype="float32")
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(path)
-    ours = make_ours(CausalLM.from_pretrained(path, progress=False).module)
-    params_m = sum(p.numel() for p in hf.parameters()) / 1e6
-    return hf, ours, params_m
-
-
-def make_ours(module: torch.nn.Module) -> CausalLM:
-    """A fresh CausalLM (and engine) around an already loaded module."""
-    # 16 requests x (32 + 64 tokens) need 96 pages of 16; 256 leaves room without a large cache.
-    # The engine's worker gets every core (the main thread keeps torch at one thread, so the
-    # worker's OpenMP pool is the only one alive while it runs; see main()).
-    return CausalLM(module, engine=KVCacheEngine(page_size=16, num_pages=256, max_batch=64,
-                                                 num_threads=THREADS))
-
-
-def make_prompts(count: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    lo, hi = PROMPT_TOKENS
-    lengths = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-# ---- one run of each -----------------------------------------------------------------------------
-
-def run_ours(rt: mstar_rt.Runtime, prompts: list, max_tokens: int) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    engine = rt.engines["lm"]
-    steps0 = engine.steps
-    submitted, handles = [], []
-    t0 = time.perf_counter()
-    for p in prompts:
-        submitted.append(time.monotonic())  # the Conductor's timeline uses CLOCK_MONOTONIC too
-        handles.append(rt.submit({"prompt": p, "params": params}))
-    tokens = [h.result(timeout=TIMEOUT_S)["token"] for h in handles]
-    t1 = time.perf_counter()
-    ttft = []
-    for h, t_sub in zip(handles, submitted):
-        prefill = [r for r in h.stats() if r["node"] == "prefill"]
-        if len(prefill) != 1:
-            raise AssertionError(f"expected one prefill execution, saw {len(prefill)}")
-        ttft.append(prefill[0]["finished"] - t_sub)
-    check_counts("ours", tokens, max_tokens)
-    return {"tokens": tokens, "wall_s": t1 - t0, "ttft_s": ttft, "steps": engine.steps - steps0,
-            "t0": t0, "t1": t1}
-
-
-def serve_once(module: torch.nn.Module, prompts: list, max_tokens: int) -> dict:
-    """One timed run in a Runtime of its own, warmed up by a short request first. A Runtime
-    left open between runs would keep its worker's OpenMP threads alive, and those slow down
-    torch ops on every other thread, HF's included (see op_thread_cost)."""
-    with mstar_rt.Runtime(make_ours(module)) as rt:
-        run_ours(rt, prompts[:1], 2)
-        r = run_ours(rt, prompts, max_tokens)
-        # torch threads on the worker, where the engine sets them (None: torch's default)
-        r["worker_threads"] = getattr(rt.engines["lm"], "num_threads", None)
-        return r
-
-
-def run_hf(hf: Any, prompts: list, max_tokens: int) -> dict:
-    """HF's requests on a fresh thread with every core; its OpenMP pool ends with the thread."""
-    result: dict = {}
-
-    def body() -> None:
-        torch.set_num_threads(THREADS)
-        try:
-            result.update(_run_hf(hf, prompts, max_tokens))
-        except BaseException as e:  # re-raised on the calling thread
-            result["error"] = e
-
-    t = threading.Thread(target=body, name="hf-generate")
-    t.start()
-    t.join()
-    if "error" in result:
-        raise result["error"]
-    return result
-
-
-def _run_hf(hf: Any, prompts: list, max_tokens: int) -> dict:
-    tokens = []
-    t0 = time.perf_counter()
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                          min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-        tokens.append(out[0, len(p):].tolist())
-    wall = time.perf_counter() - t0
-    check_counts("hf", tokens, max_tokens)
-    return {"tokens": tokens, "wall_s": wall}
-
-
-def cpu_counters() -> tuple[float, float, float, float]:
-    """Machine-wide busy and stolen CPU s, this process's CPU s and the wall clock: other
-    processes on a shared VM (and other VMs on its host) compete for the same cores."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    hz = os.sysconf("SC_CLK_TCK")
-    return (f[0] + f[1] + f[2] + f[5] + f[6]) / hz, f[7] / hz, time.process_time(), time.monotonic()
-
-
-def contention(c0: tuple, c1: tuple) -> tuple[float, float]:
-    """(other processes' CPU, hypervisor steal) between two counter readings, % of one CPU."""
-    busy, steal, own, wall = (b - a for a, b in zip(c0, c1))
-    return max(0.0, 100.0 * (busy - own) / wall), 100.0 * steal / wall
-
-
-def check_counts(kind: str, tokens: list, max_tokens: int) -> None:
-    """A run that produced fewer tokens cannot be allowed to look fast."""
-    bad = [len(t) for t in tokens if len(t) != max_tokens]
-    if bad:
-        raise AssertionError(f"{kind}: requests produced {bad} tokens, expected {max_tokens} each")
-
-
-def divergence(hf: Any, prompt: list, ref: list, ours: list) -> tuple[int, float]:
-    """Index of the first differing token and HF's logit margin there (its pick minus ours)."""
-    i = next(k for k, (a, b) in enumerate(zip(ref, ours)) if a != b)
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
-    return i, float(logits[ref[i]] - logits[ours[i]])
-
-
-# ---- where a step's time goes --------------------------------------------------------------------
-
-PHASES = (  # (key, label) in the order they are stacked in the plot
-    ("model", "model: linear, norms, RoPE, MLP"),
-    ("attention", "model: paged attention"),
-    ("logits", "lm_head (logits)"),
-    ("sample", "sampling"),
-    ("forward_kv", "forward_kv Python (ids, outputs)"),
-    ("plan", "StepPlan build"),
-    ("engine_step", "engine step: grouping, commit, KVStep"),
-    ("check_stop", "check_stop"),
-    ("report", "report: Conductor complete + emits"),
-    ("take_prepare", "take + prepare_inputs"),
-    ("schedule", "schedule (admit pages)"),
-    ("loop_other", "worker loop, rest"),
-)
-
-
-class Timers:
-    """Wraps callables and records every call (name, start, end, enclosing call). Times are
-    exclusive (a wrapped call inside another counts only for itself), so the phases add up
-    however the engine nests them, and are clipped to a window: the idle wait for the first
-    submit must not count."""
-
-    def __init__(self) -> None:
-        self.calls: list[list] = []  # [key, start, end, parent index or -1]
-        self.stack = threading.local()
-        self.undo: list[tuple[Any, str, Any, bool]] = []
-
-    def wrap(self, obj: Any, attr: str, key: str) -> None:
-        fn = getattr(obj, attr)
-        calls, local, clock = self.calls, self.stack, time.perf_counter
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            stack = local.__dict__.setdefault("s", [])
-            rec = [key, clock(), None, stack[-1] if stack else -1]
-            calls.append(rec)
-            stack.append(len(calls) - 1)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                rec[2] = clock()
-                stack.pop()
-
-        self.undo.append((obj, attr, obj.__dict__.get(attr), attr in obj.__dict__))
-        setattr(obj, attr, timed)
-
-    def restore(self) -> None:
-        for obj, attr, old, had in reversed(self.undo):
-            if had:
-                setattr(obj, attr, old)
-            else:
-                delattr(obj, attr)
-        self.undo.clear()
-
-    def exclusive(self, t0: float, t1: float) -> dict[str, float]:
-        """Seconds per name inside [t0, t1], each call less the wrapped calls within it."""
-        def inside(rec: list) -> float:
-            end = rec[2] if rec[2] is not None else t1
-            return max(0.0, min(end, t1) - max(rec[1], t0))
-
-        out: dict[str, float] = defaultdict(float)
-        for rec in self.calls:
-            t = inside(rec)
-            out[rec[0]] += t
-            if rec[3] >= 0:
-                out[self.calls[rec[3]][0]] -= t
-        return out
-
-
-def timed_run(module: torch.nn.Module, prompts: list, max_tokens: int) -> dict:
-    """One run with timers around the engine's phases; returns ms per step by phase."""
-    lm = make_ours(module)
-    engine = lm.engine_specs["lm"]
-    timers = Timers()
-    for attr, key in (("_take", "take_prepare"), ("_prepare", "take_prepare"),
-                      ("_schedule", "schedule"), ("_run_step", "engine_step"),
-                      ("_forward", "engine_step"), ("_report", "report")):
-        timers.wrap(engine, attr, key)
-    timers.wrap(lm.lm, "forward_kv", "forward_kv")
-    timers.wrap(lm.lm, "check_stop", "check_stop")
-    timers.wrap(module, "forward", "model")
-    timers.wrap(module, "logits", "logits")
-    timers.wrap(causal_lm, "sample", "sample")
-    try:
-        with mstar_rt.Runtime(lm) as rt:
-            timers.wrap(engine.backend, "plan", "plan")
-            timers.wrap(engine.backend, "attend", "attention")
-            run_ours(rt, prompts[:1], 2)  # warm-up: its calls fall outside the window
-            run = run_ours(rt, prompts, max_tokens)
-    finally:
-        timers.restore()
-    s, steps = timers.exclusive(run["t0"], run["t1"]), run["steps"]
-    per_step = {key: s[key] * 1e3 / steps for key, _label in PHASES if key != "loop_other"}
-    wall_per_step = run["wall_s"] / steps
-    per_step["loop_other"] = max(0.0, wall_per_step * 1e3 - sum(per_step.values()))
-    return {"ms_per_step": per_step, "wall_ms_per_step": wall_per_step * 1e3, "steps": steps,
-            "tokens_per_s": len(prompts) * max_tokens / run["wall_s"]}
-
-
-def op_thread_cost(batches: int = 5, reps: int = 200) -> dict[str, float]:
-    """µs and voluntary context switches per small linear, on this (main) thread and on a fresh
-    thread, alternating, medians of the batches: where a thread other than the first to use
-    OpenMP runs torch ops, OpenMP's workers may sleep between ops instead of spinning."""
-    import resource
-
-    w, x = torch.randn(1536, 512), torch.randn(1, 512)
-    samples: dict[str, list[float]] = defaultdict(list)
-
-    def measure(where: str) -> None:
-        for _ in range(50):
-            torch.nn.functional.linear(x, w)
-        r0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
-        for _ in range(reps):
-            torch.nn.functional.linear(x, w)
-        t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD)
-        samples[f"linear_1x512x1536_us_{where}"].append((t1 - t0) * 1e6 / reps)
-        samples[f"linear_1x512x1536_ctx_switches_per_op_{where}"].append(
-            (r1.ru_nvcsw - r0.ru_nvcsw) / reps)
-
-    for _ in range(batches):
-        measure("main_thread")
-        worker = threading.Thread(target=measure, args=("worker_thread",))
-        worker.start()
-        worker.join(timeout=TIMEOUT_S)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def profiled_runs(module: torch.nn.Module, prompts: list, max_tokens: int) -> str:
-    """cProfile of the engine worker thread, then a torch-profiler op table; returns the text."""
-    out = io.StringIO()
-    prof = cProfile.Profile()
-
-    def boot(frame: Any, event: str, arg: Any) -> None:
-        # Runs as the first profile event of each new thread: profile only the LM worker.
-        sys.setprofile(None)
-        if threading.current_thread().name == "mstar-engine-lm":
-            prof.enable()
-
-    threading.setprofile(boot)
-    try:
-        rt = mstar_rt.Runtime(make_ours(module))
-    finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
-    with rt:
-        run_ours(rt, prompts[:1], 2)
-        run = run_ours(rt, prompts, max_tokens)
-    # the worker thread has exited, so its hook fires no more
-    out.write(f"== cProfile of the engine worker thread, {len(prompts)} requests x {max_tokens} "
-              f"tokens, {run['steps']} steps, wall {run['wall_s']:.2f} s (slowed by cProfile)\n")
-    stats = pstats.Stats(prof, stream=out)
-    stats.sort_stats("cumulative").print_stats(35)
-    stats.sort_stats("tottime").print_stats(25)
-
-    # The torch profiler records ops of the thread that starts it: start it on the worker.
-    from torch.profiler import ProfilerActivity, profile
-    lm = make_ours(module)
-    engine = lm.engine_specs["lm"]
-    tprof = profile(activities=[ProfilerActivity.CPU])
-    state = {"on": False, "done": False}
-    inner = engine._run_step
-
-    def run_step(chosen: list) -> None:
-        if not state["on"] and not state["done"]:
-            tprof.start()
-            state["on"] = True
-        inner(chosen)
-        if state["on"] and not len(engine.host.requests):  # the last request has ended
-            tprof.stop()
-            state["on"], state["done"] = False, True
-
-    with mstar_rt.Runtime(lm) as rt:
-        run_ours(rt, prompts[:1], 2)  # warm-up, before the wrapper is in place
-        engine._run_step = run_step  # type: ignore[method-assign]
-        run_ours(rt, prompts, max_tokens)
-    out.write("\n== torch profiler, ops on the engine worker thread (self CPU time)\n")
-    out.write(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    return out.getvalue()
 
 
 # ---- main ----------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "reference"
 sys.path.insert(0, str(REFERENCE))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lerobot_fixture_common as common  # noqa: E402
-import make_pi0_fixtures as fx  # noqa: E402
+import _pi0_tiny as fx  # noqa: E402  (make_pi0_fixtures.py's sizes and size patches)
 from vla_observations import CAMERAS, CHUNK, PROMPT, RAW_IMAGE_HW, noise, observation  # noqa: E402
 
 # The benchmark's size: pi0's structure, widths scaled for a CPU (see vla.py).

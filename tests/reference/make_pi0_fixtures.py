@@ -13,7 +13,8 @@ What it does, per family (pi0 -> fixtures/pi0/, pi0.5 -> fixtures/pi05/):
   * builds a TINY random instance through LeRobot's own classes (`PI0Policy` / `PI05Policy`).
     LeRobot accepts only the real variant names (gemma_2b / gemma_300m) and hard-codes the SigLIP
     and vocabulary sizes, so -- sizes only, every code path stays LeRobot's -- three names in the
-    LeRobot modeling module are wrapped while the policy is built:
+    LeRobot modeling module are wrapped while the policy is built (`_pi0_tiny.py` holds the sizes
+    and the wrappers):
       - `get_gemma_config(variant)` returns tiny widths/depths for the two variant names
         (8 heads are kept: LeRobot's joint attention hard-codes `1 * 8 * head_dim`);
       - `PaliGemmaForConditionalGenerationWithPiGemma(config=...)` and
@@ -40,9 +41,9 @@ What it does, per family (pi0 -> fixtures/pi0/, pi0.5 -> fixtures/pi05/):
   * `full_size_keys.json`: the full-size policy built on the meta device (key -> shape, count);
   * `README.md`: call path, preprocessing, sizes, file list;
   * `rtc/`: guided real-time chunking (LeRobot's `RTCProcessor`). `rtc/config.json` is the
-    checkpoint's config with `rtc_config` enabled (written by LeRobot's `PreTrainedConfig`; RTC
-    below); the policy is reloaded from the checkpoint with that config and called as LeRobot's
-    RTC rollout calls it,
+    checkpoint's config with `rtc_config` enabled (written by LeRobot's `PreTrainedConfig`;
+    `_pi0_tiny.RTC`); the policy is reloaded from the checkpoint with that config and called as
+    LeRobot's RTC rollout calls it,
         chunk = policy.predict_action_chunk(batch, noise=noise2, inference_delay=3,
                                             prev_chunk_left_over=chunk_plain[:, 3:])
     (execution horizon from `rtc_config`), recording the Euler trajectory, the plain and guided
@@ -53,7 +54,6 @@ What it does, per family (pi0 -> fixtures/pi0/, pi0.5 -> fixtures/pi05/):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import sys
@@ -64,138 +64,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lerobot_fixture_common as common  # noqa: E402
-
-SEED = 1234
-VOCAB = 512
-REAL_VOCAB = 257152
-PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"
-CAMERAS = ("observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb")
-RAW_IMAGE_HW = (48, 64)  # non-square: exercises LeRobot's resize-with-pad
-IMAGE_RES = 56  # SigLIP patch 14 kept -> 4x4 = 16 tokens per camera
-STATE_DIM = 6
-ACTION_DIM = 6
-CHUNK = 10
-NUM_STEPS = 10
-PROMPT = "pick up the red block and put it in the bowl"
-# the guided real-time-chunking case (fixtures/<family>/rtc/): a schedule each, to cover both ramps
-RTC = {
-    "pi0": {"prefix_attention_schedule": "LINEAR", "max_guidance_weight": 10.0, "execution_horizon": 8},
-    "pi05": {"prefix_attention_schedule": "EXP", "max_guidance_weight": 5.0, "execution_horizon": 8},
-}
-
-# width, depth, mlp_dim, num_heads, num_kv_heads, head_dim (LeRobot's GemmaConfig fields)
-TINY_GEMMA = {
-    "gemma_2b": (64, 2, 128, 8, 1, 16),  # PaliGemma backbone (real: 2048, 18, 16384, 8, 1, 256)
-    "gemma_300m": (32, 2, 64, 8, 1, 16),  # action expert (real: 1024, 18, 4096, 8, 1, 256)
-}
-TINY_SIGLIP = {  # real: 1152, 4304, 27, 16 (patch 14 kept)
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-}
-
-
-def family_modules(family: str):
-    if family == "pi0":
-        from lerobot.policies.pi0 import modeling_pi0 as modeling
-        from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
-        from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors as make_proc
-
-        return modeling, Config, modeling.PI0Policy, make_proc
-    from lerobot.policies.pi05 import modeling_pi05 as modeling
-    from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
-    from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors as make_proc
-
-    return modeling, Config, modeling.PI05Policy, make_proc
-
-
-@contextlib.contextmanager
-def tiny_sizes(modeling, record: dict):
-    """Wrap the size builders of LeRobot's pi0/pi05 modeling module (sizes only)."""
-    real_get = modeling.get_gemma_config
-    real_pali = modeling.PaliGemmaForConditionalGenerationWithPiGemma
-    real_expert = modeling.PiGemmaForCausalLM
-
-    def get_gemma_config(variant):
-        real_get(variant)  # keeps LeRobot's validation of the name
-        return modeling.GemmaConfig(*TINY_GEMMA[variant])
-
-    def shrink_vocab(cfg):
-        for name in ("_vocab_size", "vocab_size", "image_token_index", "image_token_id"):
-            if getattr(cfg, name, None) == REAL_VOCAB:
-                setattr(cfg, name, VOCAB)
-
-    def paligemma(config):
-        shrink_vocab(config)
-        shrink_vocab(config.text_config)
-        shrink_vocab(config.vision_config)
-        for k, v in TINY_SIGLIP.items():
-            setattr(config.vision_config, k, v)
-        config.vision_config.projection_dim = config.text_config.hidden_size  # LeRobot: 2048
-        record["paligemma_hf_config"] = config.to_dict()
-        return real_pali(config=config)
-
-    def expert(config):
-        shrink_vocab(config)
-        record["gemma_expert_hf_config"] = config.to_dict()
-        return real_expert(config=config)
-
-    modeling.get_gemma_config = get_gemma_config
-    modeling.PaliGemmaForConditionalGenerationWithPiGemma = paligemma
-    modeling.PiGemmaForCausalLM = expert
-    try:
-        yield
-    finally:
-        modeling.get_gemma_config = real_get
-        modeling.PaliGemmaForConditionalGenerationWithPiGemma = real_pali
-        modeling.PiGemmaForCausalLM = real_expert
-
-
-@contextlib.contextmanager
-def tokenizer_redirect(local_dir: Path):
-    """LeRobot's pi0/pi05 processors load "google/paligemma-3b-pt-224" from the hub; point that
-    one name at the local tiny tokenizer."""
-    from lerobot.processor import tokenizer_processor as tp
-
-    real = tp.AutoTokenizer
-
-    class _Redirect:
-        @staticmethod
-        def from_pretrained(name, *args, **kwargs):
-            if str(name) == PALIGEMMA_TOKENIZER:
-                name = str(local_dir)
-            return real.from_pretrained(name, *args, **kwargs)
-
-    tp.AutoTokenizer = _Redirect
-    try:
-        yield
-    finally:
-        tp.AutoTokenizer = real
-
-
-def make_config(Config, family: str):
-    from lerobot.configs import FeatureType, PolicyFeature
-
-    inputs = {
-        cam: PolicyFeature(type=FeatureType.VISUAL, shape=(3, *RAW_IMAGE_HW)) for cam in CAMERAS
-    }
-    inputs["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(STATE_DIM,))
-    outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))}
-    return Config(
-        device="cpu",
-        dtype="float32",
-        chunk_size=CHUNK,
-        n_action_steps=CHUNK,
-        num_inference_steps=NUM_STEPS,
-        image_resolution=(IMAGE_RES, IMAGE_RES),
-        input_features=inputs,
-        output_features=outputs,
-    )
+import _pi0_tiny as pi0_tiny  # noqa: E402
+from _pi0_fixture_readme import write_readme  # noqa: E402
 
 
 def full_size(family: str, out_dir: Path) -> dict:
-    modeling, Config, Policy, _ = family_modules(family)
+    modeling, Config, Policy, _ = pi0_tiny.family_modules(family)
     cfg = Config(device="cpu")
     cfg.device = "meta"  # PI0Policy.__init__ ends with self.model.to(config.device)
     t0 = time.time()
@@ -221,7 +95,7 @@ def full_size(family: str, out_dir: Path) -> dict:
 
 
 def run_family(family: str, do_full: bool) -> dict:
-    modeling, Config, Policy, make_proc = family_modules(family)
+    modeling, Config, Policy, make_proc = pi0_tiny.family_modules(family)
     from lerobot.policies.factory import make_pre_post_processors
 
     out = common.FIXTURES / family
@@ -231,25 +105,25 @@ def run_family(family: str, do_full: bool) -> dict:
     ckpt = out / "checkpoint"
     tok_dir = out / "tokenizer"
 
-    common.seed_everything(SEED)
-    tokenizer = common.build_gemma_like_tokenizer(tok_dir, VOCAB)
+    common.seed_everything(pi0_tiny.SEED)
+    tokenizer = common.build_gemma_like_tokenizer(tok_dir, pi0_tiny.VOCAB)
 
     # ---- inputs and statistics (seeded)
-    gen = torch.Generator().manual_seed(SEED + 1)
-    images = {cam: common.smooth_image(gen, *RAW_IMAGE_HW) for cam in CAMERAS}
-    state = torch.randn(STATE_DIM, generator=gen) * 0.7
+    gen = torch.Generator().manual_seed(pi0_tiny.SEED + 1)
+    images = {cam: common.smooth_image(gen, *pi0_tiny.RAW_IMAGE_HW) for cam in pi0_tiny.CAMERAS}
+    state = torch.randn(pi0_tiny.STATE_DIM, generator=gen) * 0.7
     stats = {
-        "observation.state": common.make_stats(gen, STATE_DIM),
-        "action": common.make_stats(gen, ACTION_DIM),
+        "observation.state": common.make_stats(gen, pi0_tiny.STATE_DIM),
+        "action": common.make_stats(gen, pi0_tiny.ACTION_DIM),
     }
-    noise = torch.randn((1, CHUNK, 32), generator=gen, dtype=torch.float32)
+    noise = torch.randn((1, pi0_tiny.CHUNK, 32), generator=gen, dtype=torch.float32)
 
     # ---- build, randomise, save
     sizes: dict = {}
-    with tiny_sizes(modeling, sizes), tokenizer_redirect(tok_dir):
-        cfg = make_config(Config, family)
+    with pi0_tiny.tiny_sizes(modeling, sizes), pi0_tiny.tokenizer_redirect(tok_dir):
+        cfg = pi0_tiny.make_config(Config, family)
         policy = Policy(cfg)
-        common.randomize_parameters(policy, SEED + 2)
+        common.randomize_parameters(policy, pi0_tiny.SEED + 2)
         policy.eval()
         pre, post = make_proc(cfg, dataset_stats=stats)
         policy.save_pretrained(ckpt)
@@ -273,9 +147,9 @@ def run_family(family: str, do_full: bool) -> dict:
                 "the tiny instance was built from (sizes patched, see make_pi0_fixtures.py)",
                 "lerobot_gemma_config": {
                     v: dict(zip(["width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"], t))
-                    for v, t in TINY_GEMMA.items()
+                    for v, t in pi0_tiny.TINY_GEMMA.items()
                 },
-                "vocab_size": VOCAB,
+                "vocab_size": pi0_tiny.VOCAB,
                 **sizes,
             },
             indent=1,
@@ -286,9 +160,9 @@ def run_family(family: str, do_full: bool) -> dict:
     )
 
     model = policy.model
-    raw = {cam: images[cam].clone() for cam in CAMERAS}
+    raw = {cam: images[cam].clone() for cam in pi0_tiny.CAMERAS}
     raw["observation.state"] = state.clone()
-    raw["task"] = PROMPT
+    raw["task"] = pi0_tiny.PROMPT
 
     # pi0.5's preprocessor turns the (normalised, discretised) state into prompt text: record it.
     steps = list(pre.step_through({k: (v.clone() if torch.is_tensor(v) else v) for k, v in raw.items()}))
@@ -324,10 +198,10 @@ def run_family(family: str, do_full: bool) -> dict:
     ts = torch.stack([call[1]["timestep"] for call in c["denoise_step"]])
     v_ts = torch.stack([call[2] for call in c["denoise_step"]])
     suffix0 = c["embed_suffix"][0][2]
-    x_final = x_ts[-1] + (-1.0 / NUM_STEPS) * v_ts[-1]
+    x_final = x_ts[-1] + (-1.0 / pi0_tiny.NUM_STEPS) * v_ts[-1]
 
     tensors: dict[str, torch.Tensor] = {}
-    for i, cam in enumerate(CAMERAS):
+    for i, cam in enumerate(pi0_tiny.CAMERAS):
         tensors[f"input.{cam}"] = images[cam]
         tensors[f"input.{cam}.uint8"] = (images[cam] * 255).round().to(torch.uint8)
         tensors[f"model.images.{i}"] = imgs[i]
@@ -377,21 +251,21 @@ def run_family(family: str, do_full: bool) -> dict:
     v_nocache = captured[0]
     tensors["model.v_t0_nocache"] = v_nocache
     cache_vs_nocache = float((v_nocache - v_ts[0]).abs().max())
-    assert torch.allclose(x_final[:, :, :ACTION_DIM], chunk, atol=1e-6)
+    assert torch.allclose(x_final[:, :, :pi0_tiny.ACTION_DIM], chunk, atol=1e-6)
 
     meta = {
         "family": family,
-        "prompt": PROMPT,
+        "prompt": pi0_tiny.PROMPT,
         "prompt_after_preprocessor": task_after,
-        "cameras_in_order": list(CAMERAS),
-        "raw_image_shape_chw": [3, *RAW_IMAGE_HW],
-        "image_resolution": IMAGE_RES,
-        "state_dim": STATE_DIM,
-        "action_dim": ACTION_DIM,
+        "cameras_in_order": list(pi0_tiny.CAMERAS),
+        "raw_image_shape_chw": [3, *pi0_tiny.RAW_IMAGE_HW],
+        "image_resolution": pi0_tiny.IMAGE_RES,
+        "state_dim": pi0_tiny.STATE_DIM,
+        "action_dim": pi0_tiny.ACTION_DIM,
         "max_state_dim": 32,
         "max_action_dim": 32,
-        "chunk_size": CHUNK,
-        "num_inference_steps": NUM_STEPS,
+        "chunk_size": pi0_tiny.CHUNK,
+        "num_inference_steps": pi0_tiny.NUM_STEPS,
         "tokenizer_max_length": policy.config.tokenizer_max_length,
         "normalization_mapping": {k: str(v.value) for k, v in policy.config.normalization_mapping.items()},
         "call": [
@@ -402,7 +276,7 @@ def run_family(family: str, do_full: bool) -> dict:
             "actions = post(chunk)",
         ],
         "max_abs_diff_cached_vs_nocache_velocity_t1": cache_vs_nocache,
-        "seed": SEED,
+        "seed": pi0_tiny.SEED,
         "versions": common.versions(),
         "tolerance": "float32, 1e-4 absolute",
     }
@@ -428,12 +302,12 @@ def run_rtc(family: str, out: Path, Policy, modeling, batch: dict, post, chunk: 
     (see `_lerobot_fixture_common.record_rtc`). Runs after everything else, with its own noise
     generator: the plain fixture's files do not change."""
     rtc_dir = out / "rtc"
-    noise = torch.randn((1, CHUNK, 32), generator=torch.Generator().manual_seed(SEED + 3))
-    with common.rtc_checkpoint(out / "checkpoint", rtc_dir, RTC[family]) as ckpt:
-        with tiny_sizes(modeling, {}), tokenizer_redirect(out / "tokenizer"):
+    noise = torch.randn((1, pi0_tiny.CHUNK, 32), generator=torch.Generator().manual_seed(pi0_tiny.SEED + 3))
+    with common.rtc_checkpoint(out / "checkpoint", rtc_dir, pi0_tiny.RTC[family]) as ckpt:
+        with pi0_tiny.tiny_sizes(modeling, {}), pi0_tiny.tokenizer_redirect(out / "tokenizer"):
             policy = Policy.from_pretrained(str(ckpt), strict=True)
     policy.eval()
-    tensors, meta = common.record_rtc(policy, post, batch, chunk, noise, NUM_STEPS)
+    tensors, meta = common.record_rtc(policy, post, batch, chunk, noise, pi0_tiny.NUM_STEPS)
     meta.update(
         family=family,
         observation="../io.safetensors (input.* cameras and state; prompt in ../io.json)",
@@ -445,7 +319,7 @@ def run_rtc(family: str, out: Path, Policy, modeling, batch: dict, post, chunk: 
             "prev_chunk_left_over=left_over)",
             "actions = post(chunk)",
         ],
-        seed=SEED + 3,
+        seed=pi0_tiny.SEED + 3,
         versions=common.versions(),
         tolerance="float32, 1e-4 absolute",
     )
@@ -454,158 +328,6 @@ def run_rtc(family: str, out: Path, Policy, modeling, batch: dict, post, chunk: 
     return {"guided_minus_unguided": meta["max_abs_guided_minus_unguided"],
             "bytes": common.dir_size(rtc_dir)}
 
-
-def write_readme(out: Path, family: str, Policy, meta: dict, summary: dict, tensors: dict, sizes: dict) -> None:
-    pi05 = family == "pi05"
-    tiny = summary["tiny"]
-    full = summary.get("full_size")
-    lines = [
-        f"# {family} parity fixture (LeRobot 0.6.1 `{Policy.__name__}`)",
-        "",
-        "Generated by `tests/reference/make_pi0_fixtures.py` in the LeRobot venv "
-        "(`tests/reference/setup_lerobot_venv.sh`). Do not edit by hand; regenerate.",
-        "",
-        "## Files",
-        "",
-        "* `checkpoint/` -- exactly what LeRobot writes: `config.json` + `model.safetensors` "
-        "(`PreTrainedPolicy.save_pretrained`), `policy_preprocessor.json` / "
-        "`policy_postprocessor.json` and their normalizer-state `*.safetensors` "
-        "(`PolicyProcessorPipeline.save_pretrained`).",
-        "* `tokenizer/` -- tiny Gemma-layout tokenizer (`tokenizer.json`, built with the `tokenizers` "
-        "library: Unigram pieces, `<pad>=0 <eos>=1 <bos>=2 <unk>=3`, 256 byte-fallback pieces, "
-        "spaces -> `▁`, `<bos>` prepended, padded with `<unusedN>` to 512 entries). The saved "
-        f"preprocessor names `{PALIGEMMA_TOKENIZER}`; map that name to this folder.",
-        "* `tiny_sizes.json` -- the HF PaliGemma / Gemma-expert configs the tiny model was built from. "
-        "`checkpoint/config.json` says `paligemma_variant=gemma_2b`, `action_expert_variant=gemma_300m` "
-        "(LeRobot accepts nothing else); the real sizes of those names are in `full_size_keys.json`.",
-        "* `io.safetensors` (+ `io.json`: the same metadata) -- inputs, noise, intermediates, outputs.",
-        "* `full_size_keys.json` -- full-size state-dict key -> shape, built on the meta device.",
-        "",
-        "## Tiny instance",
-        "",
-        "| part | real | tiny |",
-        "| --- | --- | --- |",
-        "| PaliGemma backbone (gemma_2b) width/depth/mlp/heads/kv/head_dim | 2048/18/16384/8/1/256 | "
-        + "/".join(map(str, TINY_GEMMA["gemma_2b"]))
-        + " |",
-        "| action expert (gemma_300m) | 1024/18/4096/8/1/256 | " + "/".join(map(str, TINY_GEMMA["gemma_300m"])) + " |",
-        "| SigLIP hidden/mlp/layers/heads/patch | 1152/4304/27/16/14 | "
-        + "/".join(str(TINY_SIGLIP[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"))
-        + "/14 |",
-        f"| image_resolution | 224 | {IMAGE_RES} (config field) |",
-        f"| vocabulary (text embed, lm_heads) | 257152 | {VOCAB} |",
-        "| projector out (`projection_dim`) | 2048 | 64 |",
-        f"| chunk_size / n_action_steps / num_inference_steps | 50/50/10 | {CHUNK}/{CHUNK}/{NUM_STEPS} |",
-        "",
-        f"Tiny checkpoint: {tiny['num_tensors']} tensors, {tiny['num_params']:,} parameters. "
-        "All parameters are re-drawn after construction (matrices N(0, 1/fan_in); vectors = "
-        "init + N(0, 0.1)), so zero-initialised Gemma norms / adaRMS layers are non-trivial.",
-        "",
-        "First keys: " + ", ".join(f"`{k}`" for k in tiny["first_keys"]),
-        "",
-        "Last keys: " + ", ".join(f"`{k}`" for k in tiny["last_keys"]),
-        "",
-    ]
-    if full:
-        lines += [
-            f"Full size (meta device, LeRobot defaults): {full['num_tensors']} tensors, "
-            f"{full['num_params']:,} parameters (`{full['file']}`). Both `paligemma.lm_head.weight` and "
-            "`paligemma.model.language_model.embed_tokens.weight` and the expert's `lm_head.weight` "
-            "are separate tensors in the state dict (counted separately).",
-            "",
-        ]
-    lines += [
-        "## Reference call path (what produced the outputs)",
-        "",
-        "```python",
-        *meta["call"],
-        "```",
-        "",
-        "Inside `predict_action_chunk`: `images, img_masks = policy._preprocess_images(batch)`; "
-        + ("`state = policy.prepare_state(batch)` (zero-pad to 32); " if not pi05 else "")
-        + "`model.sample_actions(images, img_masks, tokens, masks"
-        + (", state" if not pi05 else "")
-        + ", noise=noise)`: `embed_prefix` -> prefix forward through the PaliGemma LM with a 4-D "
-        "additive mask (0 / -2.3819763e38), filling a DynamicCache -> `euler_integrate`: "
-        f"{NUM_STEPS} steps, dt = -1/{NUM_STEPS}, t = 1 + k*dt (1.0, 0.9, ... 0.1), "
-        "`x <- x + dt * v(x, t)` with `v = denoise_step(...)` (expert over the suffix, attending to the "
-        "cached prefix K/V; the cache is cloned per step) -> `[:, :, :action_dim]`.",
-        "",
-        "## Preprocessing (LeRobot's, to match exactly)",
-        "",
-        "1. Raw observation: each camera `float32 [3, H, W]` in [0, 1] (here 48x64, values k/255; "
-        "`input.*.uint8` holds the same pixels as uint8), `observation.state float32 [6]`, `task` string.",
-        "2. Preprocessor pipeline (`checkpoint/policy_preprocessor.json`): rename (no-op) -> add batch dim -> "
-        + (
-            "normalize state (QUANTILES: `2*(x-q01)/(q99-q01) - 1`, eps only when q99==q01) -> "
-            "`Pi05PrepareStateTokenizerProcessorStep`: state (normalised) discretised "
-            "`np.digitize(s, np.linspace(-1, 1, 257)[:-1]) - 1`, prompt becomes "
-            "`f\"Task: {task.strip().replace('_',' ').replace(chr(10),' ')}, State: {' '.join(bins)};\\nAction: \"` -> "
-            f"tokenizer (max_length={meta['tokenizer_max_length']}, padding='max_length', right, truncation) -> device. "
-            "Action stats are QUANTILES too (used by the postprocessor)."
-            if pi05
-            else "`Pi0NewLineProcessor` (append `\\n` to the task) -> tokenizer "
-            f"(max_length={meta['tokenizer_max_length']}, padding='max_length', right, truncation; `<bos>` + "
-            "pieces + `<pad>`...) -> device -> normalize state (MEAN_STD: `(x - mean) / (std + 1e-8)`). "
-            "Images: IDENTITY."
-        ),
-        f"   The exact prompt fed to the tokenizer is `io.json: prompt_after_preprocessor` = "
-        f"`{json.dumps(meta['prompt_after_preprocessor'])}`.",
-        "3. `_preprocess_images`: channels-first -> `[B,H,W,C]`; if `(H,W) != image_resolution`, "
-        "`resize_with_pad_torch`: ratio = max(W/w, H/h), bilinear resize (align_corners=False, no "
-        "antialias) to (int(H/ratio), int(W/ratio)), clamp to [0,1], zero-pad CENTERED (extra row/col at "
-        "bottom/right); then `x*2-1` -> [-1, 1]; back to `[B,3,h,w]`. Missing cameras would be -1 images "
-        "with mask 0 (not used here).",
-        "4. Image tokens: SigLIP `last_hidden_state` (no pooling head) -> `multi_modal_projector.linear` "
-        "(no 1/sqrt(d) scaling in transformers 5.5). Text tokens: `embed_tokens(ids) * sqrt(width)` "
-        "(Gemma scaled embedding, scale cast to the weight dtype).",
-        "   SigLIP: conv patch embed (stride 14) + learned position embedding, pre-LN encoder (LayerNorm "
-        "eps 1e-6, gelu_pytorch_tanh MLP), `post_layernorm` included in `last_hidden_state`. Gemma "
-        "blocks: RMSNorm `x/rms(x) * (1 + w)` (eps 1e-6, computed in float32), GeGLU MLP "
-        "(gelu_pytorch_tanh), RoPE theta 10000 (HF `rotary_emb`; the joint cache-free forward uses the "
-        "PaliGemma LM's for both streams), attention scale head_dim^-0.5, eager attention.",
-        "5. Prefix = [cam0 tokens, cam1 tokens, prompt tokens]; pad mask = image masks + attention_mask; "
-        "all prefix tokens bidirectional (att_mask 0); positions = cumsum(pad_mask) - 1.",
-        "6. Suffix: "
-        + (
-            "`action_in_proj(x_t)`; time: sinusoidal(t, width, min_period=4e-3, max_period=4.0) -> "
-            "`time_mlp_in` -> silu -> `time_mlp_out` -> silu = adaRMS condition of every expert norm "
-            "(`dense` -> scale, shift, gate; `x*(1+scale)+shift`, residual `x + y*gate`). "
-            "Suffix att_masks = [1, 0, 0, ...] (actions attend to the prefix and to each other)."
-            if pi05
-            else "[`state_proj(state)`, `action_time_mlp_out(silu(action_time_mlp_in(cat(action_in_proj(x_t), "
-            "sinusoidal(t)))))`]; att_masks = [1, 1, 0, ...]: the state token starts a block, the action "
-            "tokens another (state does not see actions; actions see state and prefix)."
-        )
-        + " Suffix positions continue after the number of valid prefix tokens.",
-        "7. Output: `[:, :, :6]` of x at t=0 (normalised); postprocessor un-normalises "
-        + ("(QUANTILES inverse: `(y+1)*(q99-q01)/2 + q01`)." if pi05 else "(MEAN_STD inverse: `y*std + mean`, no eps)."),
-        "",
-        "## io.safetensors",
-        "",
-        "| key | shape | dtype |",
-        "| --- | --- | --- |",
-    ]
-    for k, v in tensors.items():
-        lines.append(f"| `{k}` | {list(v.shape)} | {str(v.dtype).replace('torch.', '')} |")
-    lines += [
-        "",
-        "Notes: `model.images.i` = `_preprocess_images` output; `model.image_embs.i` = `embed_image`; "
-        "`model.prefix_out` = final-normed prefix hidden states from the cache-filling forward; "
-        "`model.prefix_kv.L.keys/values` = its DynamicCache (`[B, kv_heads, L, head_dim]`, keys after "
-        "RoPE); `model.x_t[k]`, `model.t[k]`, `model.v_t[k]` = arguments and output of `denoise_step` at "
-        "Euler step k (`model.v_t[0]` is the velocity at t=1); `model.suffix_out.step0` = expert final-norm "
-        "output at step 0; `model.v_t0_nocache` = the same velocity from LeRobot's cache-free joint forward "
-        f"(`model.forward(..., noise, time=1)` read at `action_out_proj`), max |diff| vs cached = "
-        f"{meta['max_abs_diff_cached_vs_nocache_velocity_t1']:.3g}; `model.actions_padded` = final x "
-        "(`[1, chunk, 32]`); `output.action_chunk_normalized` = `predict_action_chunk` output; "
-        "`output.action_chunk` = after the postprocessor; `stats.*` = the dataset stats saved in the "
-        "normalizer files.",
-        "",
-        f"Versions: {json.dumps(meta['versions'])}.",
-        "",
-    ]
-    (out / "README.md").write_text("\n".join(lines))
 
 
 def main() -> None:

@@ -27,12 +27,12 @@ What it writes under tests/reference/fixtures/smolvla/:
   * `io.safetensors` (+ `io.json`): inputs, the fixed noise, preprocessor outputs, intermediates
     recorded from LeRobot's own methods during that call, outputs;
   * `full_size_keys.json`: SmolVLA with SmolVLM2-500M sizes built on the meta device (the hub
-    config cannot be fetched offline: the sizes are written in this script, see FULL_SMOLVLM);
+    config cannot be fetched offline: the sizes are written in `_smolvla_tiny.FULL_SMOLVLM`);
   * `README.md`;
   * `rtc/`: guided real-time chunking, as for pi0 (see make_pi0_fixtures.py and
-    `_lerobot_fixture_common.record_rtc`): `rtc/config.json` enables `rtc_config` (RTC below),
-    `rtc/io.safetensors` holds LeRobot's guided `predict_action_chunk` step by step. It runs
-    last, with its own noise generator, so every other file is unchanged by it.
+    `_lerobot_fixture_common.record_rtc`): `rtc/config.json` enables `rtc_config`
+    (`_smolvla_tiny.RTC`), `rtc/io.safetensors` holds LeRobot's guided `predict_action_chunk` step
+    by step. It runs last, with its own noise generator, so every other file is unchanged by it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,179 +49,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lerobot_fixture_common as common  # noqa: E402
-
-SEED = 4321
-FAMILY = "smolvla"
-CAMERAS = ("observation.images.camera1", "observation.images.camera2")
-RAW_IMAGE_HW = (60, 80)  # resize_with_pad -> 48x64, padded on top to 64x64
-IMAGE_RES = 64
-STATE_DIM = 6
-ACTION_DIM = 6
-CHUNK = 10
-NUM_STEPS = 10
-PROMPT = "pick up the red block and put it in the bowl"
-# the guided real-time-chunking case (fixtures/smolvla/rtc/); the horizon is below the left-over's
-# length here (pi0's and pi0.5's cases clip it)
-RTC = {"prefix_attention_schedule": "LINEAR", "max_guidance_weight": 10.0, "execution_horizon": 6}
-TEXT_VOCAB = 384
-
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<fake_token_around_image>",
-    "<image>",
-    "<global-img>",
-    "<end_of_utterance>",
-]
-EXTRA_SPECIAL = {
-    "fake_image_token": "<fake_token_around_image>",
-    "image_token": "<image>",
-    "global_image_token": "<global-img>",
-    "end_of_utterance_token": "<end_of_utterance>",
-}
-
-TINY_TEXT = dict(  # llama; real SmolVLM2-500M: 960 / 2560 / 15 / 5 / 64 / 32 layers / 49280
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_hidden_layers=6,
-    vocab_size=TEXT_VOCAB,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-)
-TINY_VISION = dict(  # real: 768 / 3072 / 12 / 12 / patch 16 / 512
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    patch_size=8,
-    image_size=IMAGE_RES,
-)
-SCALE_FACTOR = 4  # pixel-shuffle factor: (64/8)^2 = 64 patches -> 4 tokens per camera
-NUM_VLM_LAYERS = 4  # SmolVLA keeps the first N text layers (real: 16 of 32)
-
-# SmolVLM2-500M-Video-Instruct sizes (as published for that checkpoint; not fetchable here).
-FULL_SMOLVLM = dict(
-    text=dict(
-        hidden_size=960,
-        intermediate_size=2560,
-        num_attention_heads=15,
-        num_key_value_heads=5,
-        head_dim=64,
-        num_hidden_layers=32,
-        vocab_size=49280,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    ),
-    vision=dict(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        patch_size=16,
-        image_size=512,
-    ),
-    scale_factor=4,
-    image_token_id=49190,
-)
-
-
-def write_vlm_folder(folder: Path, text: dict, vision: dict, scale_factor: int, image_token_id=None):
-    """A local SmolVLM "model id" folder: config.json + processor (+ tokenizer)."""
-    from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = common.build_smollm_like_tokenizer(folder / "_tok", SPECIAL_TOKENS, EXTRA_SPECIAL)
-    shutil.rmtree(folder / "_tok")
-    img_tok = tok.convert_tokens_to_ids("<image>") if image_token_id is None else image_token_id
-    cfg = SmolVLMConfig(
-        text_config={"model_type": "llama", "pad_token_id": 2, **text},
-        vision_config=vision,
-        scale_factor=scale_factor,
-        image_token_id=img_tok,
-        pad_token_id=2,
-    )
-    cfg.save_pretrained(str(folder))
-    image_seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // scale_factor**2
-    proc = SmolVLMProcessor(
-        image_processor=SmolVLMImageProcessor(
-            max_image_size={"longest_edge": vision["image_size"]},
-            size={"longest_edge": vision["image_size"]},
-        ),
-        tokenizer=tok,
-        video_processor=SmolVLMVideoProcessor(),
-        image_seq_len=image_seq_len,
-    )
-    proc.save_pretrained(str(folder))
-    return cfg, tok
-
-
-def make_config(vlm_name: str):
-    from lerobot.configs import FeatureType, PolicyFeature
-    from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
-
-    inputs = {cam: PolicyFeature(type=FeatureType.VISUAL, shape=(3, *RAW_IMAGE_HW)) for cam in CAMERAS}
-    inputs["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(STATE_DIM,))
-    outputs = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))}
-    return SmolVLAConfig(
-        device="cpu",
-        chunk_size=CHUNK,
-        n_action_steps=CHUNK,
-        num_steps=NUM_STEPS,
-        resize_imgs_with_padding=(IMAGE_RES, IMAGE_RES),
-        vlm_model_name=vlm_name,
-        load_vlm_weights=False,
-        num_vlm_layers=NUM_VLM_LAYERS,
-        input_features=inputs,
-        output_features=outputs,
-    )
-
-
-def full_size(out: Path) -> dict:
-    from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
-    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
-
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "SmolVLM2-500M-Video-Instruct-sizes"
-        write_vlm_folder(
-            folder,
-            FULL_SMOLVLM["text"],
-            FULL_SMOLVLM["vision"],
-            FULL_SMOLVLM["scale_factor"],
-            FULL_SMOLVLM["image_token_id"],
-        )
-        cfg = SmolVLAConfig(device="cpu", vlm_model_name=str(folder))
-        cfg.device = "meta"
-        t0 = time.time()
-        with torch.device("meta"):
-            policy = SmolVLAPolicy(cfg)
-        sd = policy.state_dict()
-        path = common.write_keys_json(
-            out / "full_size_keys.json",
-            sd,
-            {
-                "family": FAMILY,
-                "built": "SmolVLAPolicy(SmolVLAConfig()) on the meta device, LeRobot 0.6.1 defaults "
-                "(num_vlm_layers=16, expert_width_multiplier=0.75, self_attn_every_n_layers=2, "
-                "attention_mode=cross_attn, max_state_dim=max_action_dim=32), VLM = a local folder "
-                "with SmolVLM2-500M-Video-Instruct sizes",
-                "smolvlm_sizes": FULL_SMOLVLM,
-                "caveat": "the hub config of HuggingFaceTB/SmolVLM2-500M-Video-Instruct could not be "
-                "fetched offline; sizes are the published ones written in make_smolvla_fixtures.py",
-            },
-        )
-        summary = common.state_dict_summary(sd)
-        summary["file"] = path.name
-        summary["build_seconds"] = round(time.time() - t0, 2)
-        del policy, sd
-    return summary
+from _smolvla_fixture_readme import write_readme  # noqa: E402
+from _smolvla_tiny import (ACTION_DIM, CAMERAS, CHUNK, FAMILY, IMAGE_RES, NUM_STEPS,  # noqa: E402
+                           NUM_VLM_LAYERS, PROMPT, RAW_IMAGE_HW, RTC, SCALE_FACTOR, SEED,
+                           STATE_DIM, TINY_TEXT, TINY_VISION, full_size, make_config,
+                           write_vlm_folder)
 
 
 def main() -> None:
@@ -450,134 +281,6 @@ def run_rtc(out: Path, post, batch: dict, chunk: torch.Tensor) -> dict:
     return {"guided_minus_unguided": meta["max_abs_guided_minus_unguided"],
             "bytes": common.dir_size(rtc_dir)}
 
-
-def write_readme(out: Path, meta: dict, summary: dict, tensors: dict, vlm_cfg: dict) -> None:
-    tiny, full = summary["tiny"], summary.get("full_size")
-    n_img = (IMAGE_RES // TINY_VISION["patch_size"]) ** 2 // SCALE_FACTOR**2
-    lines = [
-        "# smolvla parity fixture (LeRobot 0.6.1 `SmolVLAPolicy`)",
-        "",
-        "Generated by `tests/reference/make_smolvla_fixtures.py` in the LeRobot venv "
-        "(`tests/reference/setup_lerobot_venv.sh`). Do not edit by hand; regenerate.",
-        "",
-        "## Files",
-        "",
-        "* `checkpoint/` -- exactly what LeRobot writes: `config.json` + `model.safetensors` "
-        "(`PreTrainedPolicy.save_pretrained`), `policy_preprocessor.json` / `policy_postprocessor.json` "
-        "and their normalizer-state `*.safetensors` (`PolicyProcessorPipeline.save_pretrained`).",
-        f"* `smolvlm_tiny/` -- the VLM \"model id\" folder (`config.json` = `SmolVLMConfig`, processor "
-        "configs, tokenizer). `checkpoint/config.json` has `vlm_model_name = "
-        f"\"{meta['vlm_model_name']}\"` (repo-relative: LeRobot resolves it from the working directory; "
-        "the real checkpoint says `HuggingFaceTB/SmolVLM2-500M-Video-Instruct`). LeRobot reads the VLM "
-        "sizes from this folder, and the prompt tokenizer is the processor's tokenizer "
-        "(`tokenizer.json`: SmolLM2 layout, byte-level pre-tokenizer, no BOS, "
-        "`<|endoftext|>=0 <|im_start|>=1 <|im_end|>=2 (= pad) <fake_token_around_image>=3 <image>=4 "
-        "<global-img>=5 <end_of_utterance>=6`, built with the `tokenizers` library as a Unigram model "
-        "over byte-level pieces plus a few whole words -- the real tokenizer cannot be fetched offline).",
-        "* `io.safetensors` (+ `io.json`: the same metadata) -- inputs, noise, intermediates, outputs.",
-        "* `full_size_keys.json` -- full-size state-dict key -> shape (meta device; see caveat inside).",
-        "",
-        "## Tiny instance (no LeRobot patch: sizes come from `smolvlm_tiny/config.json`)",
-        "",
-        "| part | real (SmolVLM2-500M / smolvla_base) | tiny |",
-        "| --- | --- | --- |",
-        "| text (llama) hidden/mlp/heads/kv/head_dim/layers | 960/2560/15/5/64/32 | "
-        + "/".join(str(TINY_TEXT[k]) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers"))
-        + " |",
-        f"| `num_vlm_layers` (layers kept) | 16 | {NUM_VLM_LAYERS} |",
-        f"| expert width (x0.75) / mlp (get_intermediate_size) / layers | 720/2048/16 | {meta['expert_hidden_size']}/256/{NUM_VLM_LAYERS} |",
-        "| vision hidden/mlp/layers/heads/patch/image | 768/3072/12/12/16/512 | "
-        + "/".join(str(TINY_VISION[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "patch_size", "image_size"))
-        + " |",
-        f"| pixel-shuffle scale_factor / image tokens per camera | 4 / 64 | {SCALE_FACTOR} / {n_img} |",
-        f"| vocabulary | 49280 | {TEXT_VOCAB} |",
-        f"| chunk_size / n_action_steps / num_steps | 50/50/10 | {CHUNK}/{CHUNK}/{NUM_STEPS} |",
-        "",
-        f"Tiny checkpoint: {tiny['num_tensors']} tensors, {tiny['num_params']:,} parameters, all re-drawn "
-        "after construction (matrices N(0, 1/fan_in); vectors = init + N(0, 0.1)). Layers 0 and 2 of the "
-        "expert are self-attention layers (`self_attn_every_n_layers=2`), layers 1 and 3 cross-attention "
-        "(their `k_proj`/`v_proj` map the VLM's kv width to the expert's).",
-        "",
-        "First keys: " + ", ".join(f"`{k}`" for k in tiny["first_keys"]),
-        "",
-        "Last keys: " + ", ".join(f"`{k}`" for k in tiny["last_keys"]),
-        "",
-    ]
-    if full:
-        lines += [
-            f"Full size (meta device): {full['num_tensors']} tensors, {full['num_params']:,} parameters "
-            f"(`{full['file']}`), with the SmolVLM2-500M sizes written in the script (not verified against "
-            "the hub config, which is unreachable here).",
-            "",
-        ]
-    lines += [
-        "## Reference call path (what produced the outputs)",
-        "",
-        "```python",
-        *meta["call"],
-        "```",
-        "",
-        "Inside `predict_action_chunk`: `images, img_masks = policy.prepare_images(batch)`; "
-        "`state = policy.prepare_state(batch)` (zero-pad to 32); `model.sample_actions(images, img_masks, "
-        "tokens, masks, state, noise=noise)`: `embed_prefix` -> `vlm_with_expert.forward(inputs_embeds="
-        "[prefix, None], use_cache=True)` fills a DynamicCache with every layer's post-RoPE K/V of the "
-        f"prefix -> `euler_integrate`: {NUM_STEPS} steps, dt = -1/{NUM_STEPS}, t = 1 + k*dt, "
-        "`x <- x + dt * v` with `v = denoise_step(...)` (expert only; self-attention layers append the "
-        "suffix K/V to the cache and the cache is cropped back to the prefix after each step; "
-        "cross-attention layers project the cached VLM K/V with the expert's k_proj/v_proj) -> "
-        "`[:, :, :action_dim]`.",
-        "",
-        "## Preprocessing (LeRobot's, to match exactly)",
-        "",
-        "1. Raw observation: each camera `float32 [3, H, W]` in [0, 1] (here 60x80, values k/255; "
-        "`input.*.uint8` = same pixels), `observation.state float32 [6]`, `task` string.",
-        "2. Preprocessor (`checkpoint/policy_preprocessor.json`): rename (no-op) -> add batch dim -> "
-        "`NewLineTaskProcessorStep` (append `\\n`) -> tokenizer (`vlm_model_name`'s tokenizer, "
-        f"padding='{meta['pad_language_to']}', right, max_length={meta['tokenizer_max_length']}, truncation; "
-        "no BOS) -> device -> normalize state (MEAN_STD: `(x - mean) / (std + 1e-8)`); images IDENTITY. "
-        f"Prompt fed to the tokenizer: `{json.dumps(meta['prompt_after_preprocessor'])}`.",
-        "3. `prepare_images`: `resize_with_pad(img, 64, 64, pad_value=0)`: ratio = max(W/w, H/h), "
-        "bilinear (align_corners=False, no antialias) to (int(H/ratio), int(W/ratio)), zero-pad on the "
-        "LEFT and TOP (not centred, unlike pi0); then `x*2-1`. (`resize_imgs_with_padding` is (width, "
-        "height); square here.)",
-        "4. Image tokens: SmolVLM vision transformer `last_hidden_state` -> connector (pixel shuffle by "
-        "`scale_factor`, then `modality_projection.proj`, no bias) -> `* sqrt(text_hidden)`. Text tokens: "
-        "`embed_tokens(ids) * sqrt(text_hidden)` (LeRobot scales; Llama itself does not). Llama blocks: "
-        "RMSNorm `w * x/rms(x)` (eps 1e-5; not Gemma's 1+w), SwiGLU MLP (silu). State: "
-        "`state_proj(state_padded)`, one token at the end of the prefix.",
-        "5. Prefix = [cam0 tokens, cam1 tokens, prompt tokens, state token]; att_masks 0 for images and "
-        "text, 1 for the state (image/text do not see the state); positions = cumsum(pad_mask) - 1. "
-        "Attention: LeRobot's own eager attention (float32 softmax, masked with finfo.min, scale "
-        "head_dim^-0.5, GQA by repeating kv heads); RoPE = LeRobot's `apply_rope` (max_wavelength 10000, "
-        "NOT the config's rope_theta; halves split, not interleaved).",
-        "6. Suffix: `action_time_mlp_out(silu(action_time_mlp_in(cat(action_in_proj(x_t), "
-        "sinusoidal(t, expert_width, 4e-3, 4.0)))))`, att_masks all 1 (causal among action tokens); "
-        "expert positions restart at 0 in cross-attention layers (`expert_position_id - min`), and "
-        "continue after the valid prefix length in self-attention layers.",
-        "7. Output: `[:, :, :6]` of x at t=0 (normalised); postprocessor: `y*std + mean`.",
-        "",
-        "## io.safetensors",
-        "",
-        "| key | shape | dtype |",
-        "| --- | --- | --- |",
-    ]
-    for k, v in tensors.items():
-        lines.append(f"| `{k}` | {list(v.shape)} | {str(v.dtype).replace('torch.', '')} |")
-    lines += [
-        "",
-        "Notes: `model.images.i` = `prepare_images` output; `model.image_embs.i` = `embed_image` (before "
-        "the sqrt(hidden) scaling done in `embed_prefix`); `model.prefix_out` = final-normed prefix hidden "
-        "states; `model.prefix_kv.L.*` = the prefix DynamicCache (`[B, kv_heads, L, head_dim]`, keys after "
-        "RoPE); `model.x_t[k]`, `model.t[k]`, `model.v_t[k]` = `denoise_step` arguments/output at Euler step "
-        "k; `model.suffix_out.step0` = expert final-norm output at step 0; `model.v_t0_nocache` = LeRobot's "
-        "cache-free joint forward (`model.forward(..., noise, time=1)` at `action_out_proj`), max |diff| vs "
-        f"cached = {meta['max_abs_diff_cached_vs_nocache_velocity_t1']:.3g}; `output.action_chunk_normalized` "
-        "= `predict_action_chunk`; `output.action_chunk` = after the postprocessor.",
-        "",
-        f"Versions: {json.dumps(meta['versions'])}.",
-        "",
-    ]
-    (out / "README.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
