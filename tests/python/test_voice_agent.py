@@ -140,12 +140,12 @@ def _command(tmp_path: Path, agent, text: str, started, timeout: float = 15,
     raise AssertionError(f"the agent never recognized {text!r}: {agent.turns[-attempts:]}")
 
 
-def _spans_after(tap, t0: float):
+def _spans_after(tap, t0: float, gap_s: float = 0.4):
     from mstar_rt.audio.tap import speech_spans
 
     start = max(tap.frame_at(t0), 0)
     return [(tap.time_of(start + a), tap.time_of(start + b))
-            for a, b in speech_spans(tap.audio()[start:], tap.rate)]
+            for a, b in speech_spans(tap.audio()[start:], tap.rate, gap_s=gap_s)]
 
 
 def _speech_fraction(x: np.ndarray, rate: int) -> float:
@@ -207,12 +207,15 @@ def test_speech_during_a_long_reply_stops_it_and_nothing_stale_plays(rig, tmp_pa
     assert len(user) == 2, f"the microphone heard {user}"
     barge_start, barge_end = user[1]
     assert barge_start > t_barge - 0.1
-    played = _spans_after(spk, user[0][1])
+    # Shorter pauses than between words split spans here: with a preemptive reply "Stopping."
+    # may start within 0.4 s of the cut, and one span must not hold both.
+    played = _spans_after(spk, user[0][1], gap_s=0.25)
+    cutting = max(i for i, (a, _) in enumerate(played) if a < barge_start)
     # The long reply is cut: its span ends soon after the interruption began ...
-    assert played[0][0] < barge_start < played[0][1] + 0.05, (played, barge_start)
-    cut = played[0][1] - barge_start
+    assert played[cutting][0] < barge_start < played[cutting][1] + 0.05, (played, barge_start)
+    cut = played[cutting][1] - barge_start
     # ... and afterwards only the reply to "stop" plays, starting after the user stopped.
-    later = played[1:]
+    later = played[cutting + 1:]
     print(f"\nbarge-in: reply silent {1e3 * cut:.0f} ms after the user began speaking "
           f"(agent flushed {long_turn.flushed_frames} frames "
           f"{1e3 * (long_turn.barge_in_at - barge_start):.0f} ms after); then {later}")

@@ -204,9 +204,7 @@ class VoiceAgent:
             self._check_complete()
             if self.preemptive and not self._deaf and not self._stop.is_set():
                 self._drop_preemption()
-                assert self.runtime is not None
-                self._preempt = ReplyStream(self.runtime.submit({"audio": ev.audio}), ev.sample,
-                                            self._on_text)
+                self._preempt = self._submit(ev.audio, ev.sample, self._guess())
         elif ev.kind == "resume":
             self._pause = None
             self._drop_preemption()
@@ -223,6 +221,25 @@ class VoiceAgent:
             turn.wasted_preemptive_s, turn.cancelled_preemptive = self._wasted, self._cancelled
             self.turns.append(turn)
             self._utterances.put((turn, np.asarray(ev.audio, np.float32), stream))
+
+    def _submit(self, audio: np.ndarray, pause: Optional[int] = None,
+                guess: Optional[str] = None) -> ReplyStream:
+        assert self.runtime is not None
+        inputs: dict[str, Any] = {"audio": audio}
+        if guess is not None:
+            inputs["guess"] = guess
+        return ReplyStream(self.runtime.submit(inputs), pause, self._on_text, guess)
+
+    def _guess(self) -> Optional[str]:
+        """The streaming recognizer's hypothesis at this pause when it is a whole command and
+        the reply walk can start from text: the reply then starts without waiting for the batch
+        recognition, which still decides (a different text restarts the reply)."""
+        p, pause = self._partial, self._pause
+        if p is None or pause is None or p.position < pause or self.complete is None \
+                or not p.text or not self.complete(p.text):
+            return None
+        assert self.runtime is not None
+        return p.text if "guess" in self.runtime.model.walks else None
 
     def _drop_preemption(self) -> None:
         """Cancels the reply started at a pause the user spoke through."""
@@ -310,32 +327,51 @@ class VoiceAgent:
         from mstar_rt.runtime import RequestCancelled
 
         if stream is None:
-            stream = ReplyStream(self.runtime.submit({"audio": audio}))
-        turn.submitted = stream.submitted
-        with self._lock:
-            self._handle = stream.handle
-            if self._cancel.is_set():
-                stream.handle.cancel()
-        # A watchdog turns a hung request into a cancelled one instead of a hung thread.
-        timer = threading.Timer(self.reply_timeout, stream.handle.cancel)
-        timer.daemon = True
-        timer.start()
-        try:
-            for name, value in stream:
-                if name == "text":
-                    turn.text, turn.recognized_at = value, stream.recognized_at
-                elif name == "reply":
-                    turn.reply, turn.replied_at = value, stream.replied_at
-                elif name == "audio_out" and len(value):
-                    turn.first_audio = stream.first_audio
-                    yield value
-            stream.join(1.0)
-            turn.trace = stream.handle.chrome_trace()
-        except RequestCancelled:
-            if not self._cancel.is_set():
-                raise TimeoutError(f"reply took over {self.reply_timeout} s")
-        finally:
-            timer.cancel()
+            stream = self._submit(audio)
+        while True:
+            turn.submitted = stream.submitted
+            with self._lock:
+                self._handle = stream.handle
+                if self._cancel.is_set():
+                    stream.handle.cancel()
+            # A watchdog turns a hung request into a cancelled one instead of a hung thread.
+            timer = threading.Timer(self.reply_timeout, stream.handle.cancel)
+            timer.daemon = True
+            timer.start()
+            # A reply started from a guess plays only once the recognition says the same.
+            confirmed, held = stream.guess is None, []
+            try:
+                for name, value in stream:
+                    if name == "text":
+                        turn.text, turn.recognized_at = value, stream.recognized_at
+                        if not confirmed and value != stream.guess:
+                            break
+                        if not confirmed:
+                            confirmed = turn.guessed = True
+                            yield from held
+                    elif name == "reply":
+                        turn.reply, turn.replied_at = value, stream.replied_at
+                    elif name == "audio_out" and len(value):
+                        turn.first_audio = stream.first_audio
+                        if confirmed:
+                            yield value
+                        else:
+                            held.append(value)
+                if confirmed:
+                    stream.join(1.0)
+                    turn.trace = stream.handle.chrome_trace()
+                    return
+            except RequestCancelled:
+                if not self._cancel.is_set():
+                    raise TimeoutError(f"reply took over {self.reply_timeout} s")
+                return
+            finally:
+                timer.cancel()
+            # The guess was wrong: that reply is wasted work; start again from the recognition.
+            turn.wasted_preemptive_s += stream.cancel()
+            turn.cancelled_preemptive += 1
+            turn.reply, turn.replied_at, turn.first_audio = "", float("nan"), float("nan")
+            stream = self._submit(audio)
 
     def _reply(self, turn: Turn, audio: np.ndarray, stream: Optional[ReplyStream]) -> None:
         out = self.output

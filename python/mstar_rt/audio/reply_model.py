@@ -38,9 +38,15 @@ class ReplyModel(Model):
     split, DynamicLoop(tts))``, the decode node streaming tokens (also EMITted as ``token``)
     into the sentence splitter, which feeds the speech loop sentence by sentence and EMITs the
     ``reply`` so far; the KV pages are freed when the request ends, cancelled or not.
-    ``max_sentences`` caps the speech loop's iterations (one a chunk)."""
+    ``max_sentences`` caps the speech loop's iterations (one a chunk).
 
-    inputs = ("audio",)
+    A ``guess`` input (the streaming recognizer's hypothesis; deterministic responders only)
+    starts the walk ``guess = Parallel(asr, respond_guess -> DynamicLoop(tts))``: the reply to
+    the guess is spoken while the batch recognition runs beside it (on its own engine) and
+    EMITs ``text``, which the caller compares with the guess before playing anything."""
+
+    inputs = ("audio", "guess")
+    input_defaults = {"guess": None}
 
     def __init__(self, asr: Any, responder: Callable[[str], str], tts: TTS,
                  max_sentences: int = 2**31 - 1) -> None:
@@ -49,13 +55,18 @@ class ReplyModel(Model):
             self._lm_walks(recognize, responder, tts)
             return
         self.nodes = [
-            GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text")], submodule=recognize),
+            GraphNode("asr", ["audio"], [GraphEdge(EMIT, "text")], submodule=recognize,
+                      engine="asr"),
             GraphNode("respond", ["text"], [GraphEdge(EMIT, "reply")],
                       submodule=_Call(responder, "text", "reply")),
+            GraphNode("respond_guess", ["guess"], [GraphEdge(EMIT, "reply")],
+                      submodule=_Call(responder, "guess", "reply")),
             GraphNode("tts", ["reply"], [GraphEdge(EMIT, "audio_out")],
                       submodule=SpeakNode(tts, loop="speak", text="reply"), engine="tts")]
         self.walks = {"reply": Sequential("asr", "respond",
-                                          DynamicLoop("tts", max_sentences, "speak"))}
+                                          DynamicLoop("tts", max_sentences, "speak")),
+                      "guess": Parallel("asr", Sequential(
+                          "respond_guess", DynamicLoop("tts", max_sentences, "speak")))}
 
     def _lm_walks(self, asr: NodeSubmodule, lm: Any, tts: TTS) -> None:
         from mstar_rt.audio.lm_responder import ChatPrompt, SentenceSplitter
@@ -80,6 +91,10 @@ class ReplyModel(Model):
                       "speak": Parallel(DynamicLoop("decode", lm.max_seq_len, LOOP), "split",
                                         DynamicLoop("tts", 2**31 - 1, "speak"))}
         self.engine_specs = {"lm": lm.engine()}
+
+    def initial_walk(self, request: Any) -> str:
+        return "guess" if request.inputs.get("guess") is not None and "guess" in self.walks \
+            else "reply"
 
     def next_walk(self, request: Any, finished_walk: str, persisted: Any) -> Optional[str]:
         if finished_walk == "reply" and "speak" in self.walks:

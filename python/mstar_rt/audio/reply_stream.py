@@ -16,14 +16,17 @@ _END, _CANCELLED, _ERROR = object(), object(), object()
 
 
 class ReplyStream:
-    """``ReplyStream(handle, pause_sample=None, on_text=None)``: one thread iterates the request
+    """``ReplyStream(handle, pause_sample=None, on_text=None, guess=None)``: one thread iterates
+    the request
     and keeps its events; iterate the stream for ``(name, value)`` in order (it blocks for
     events still to come and raises what the request raised). ``on_text(stream, text)`` runs on
     that thread when the recognition is EMITted."""
 
     def __init__(self, handle: Any, pause_sample: Optional[int] = None,
-                 on_text: Optional[Callable[["ReplyStream", str], None]] = None) -> None:
+                 on_text: Optional[Callable[["ReplyStream", str], None]] = None,
+                 guess: Optional[str] = None) -> None:
         self.handle, self.pause_sample, self.on_text = handle, pause_sample, on_text
+        self.guess = guess  # the text the reply was started from, before recognition confirms
         self.submitted = time.monotonic()
         self.recognized_at = self.replied_at = self.first_audio = self.cancelled_at = NAN
         self.text: Optional[str] = None

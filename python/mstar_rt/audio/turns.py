@@ -47,6 +47,7 @@ class Turn:
     partial: str = ""  # the streaming recognizer's last hypothesis at the endpoint
     submitted: float = NAN  # the reply's request submitted (at the pause when preemptive)
     preemptive: bool = False  # the reply was started at a pause, before the endpoint
+    guessed: bool = False  # ... from the streaming recognizer's text, confirmed by the batch one
     recognized_at: float = NAN
     replied_at: float = NAN  # reply text ready
     first_audio: float = NAN  # first TTS chunk made
@@ -77,14 +78,19 @@ class Turn:
         return self.detected - self.speech_end
 
     def stages(self) -> dict[str, float]:
-        """Seconds per stage (:data:`STAGES`); they sum to :attr:`latency_dac`. NaN where the
-        turn has no such time (no reply, not played)."""
-        ready = max(self.first_audio, self.detected)
+        """Seconds per stage (:data:`STAGES`); they sum to :attr:`latency_dac`. Each stage runs
+        from the end of the one before to its own event, or takes 0 when that event came first
+        (a reply started from the streaming recognizer's guess has its text and audio before
+        the batch recognition; that overlap counts in ``asr``). NaN where the turn has no such
+        time (no reply, not played)."""
         marks = [self.speech_end, self.submitted, self.recognized_at, self.replied_at,
-                 self.first_audio, ready, self.first_write, self.first_dac]
+                 self.first_audio, self.detected, self.first_write, self.first_dac]
         if any(math.isnan(m) for m in marks):
             return {s: NAN for s in STAGES}
-        return {s: b - a for s, a, b in zip(STAGES, marks, marks[1:])}
+        done = [marks[0]]
+        for m in marks[1:]:
+            done.append(max(done[-1], m))
+        return {s: b - a for s, a, b in zip(STAGES, done, done[1:])}
 
 
 def dac_time(output: Any, frame: int) -> float:
