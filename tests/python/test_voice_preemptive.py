@@ -169,6 +169,41 @@ def test_partial_recognizer_follows_the_endpointers_segments():
     assert partials[-2].text.startswith("pick up the cup"), heard
 
 
+def test_a_reply_started_from_a_guess_plays_only_if_the_recognition_agrees():
+    """The guess walk speaks the guess's reply while the batch recognition runs beside it; the
+    agent plays it when the recognition says the same, else restarts from the recognition."""
+    require_tool("espeak-ng")
+    pytest.importorskip("pocketsphinx")
+    from types import SimpleNamespace
+
+    from mstar_rt.audio.agent import VoiceAgent
+    from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
+    from mstar_rt.audio.commands import CommandResponder
+    from mstar_rt.audio.turns import Turn
+    from mstar_rt.audio.tts import EspeakTTS
+    from mstar_rt.audio.vad import Endpointer
+
+    tts = EspeakTTS()
+    agent = VoiceAgent(SimpleNamespace(target_rate=16000),
+                       SimpleNamespace(source_rate=tts.sample_rate), None, Endpointer(),
+                       PocketSphinxASR(ROBOT_COMMANDS_JSGF), CommandResponder(), tts)
+    audio = _espeak16k("open the gripper")
+    try:
+        right, wrong = Turn(0, 0.0, 0.0, 0.0), Turn(1, 0.0, 0.0, 0.0)
+        got = list(agent._chunks(right, audio, agent._submit(audio, guess="open the gripper")))
+        assert right.guessed and right.cancelled_preemptive == 0
+        assert right.text == "open the gripper" and right.reply == "Opening the gripper."
+        assert len(got) == 1 and len(got[0]) > tts.sample_rate // 2
+        got = list(agent._chunks(wrong, audio, agent._submit(audio, guess="close the gripper")))
+        assert not wrong.guessed and wrong.cancelled_preemptive == 1
+        assert wrong.wasted_preemptive_s > 0
+        assert wrong.text == "open the gripper" and wrong.reply == "Opening the gripper.", wrong
+        assert len(got) == 1  # only the reply to what was said
+        _wait(lambda: not any(agent.runtime.live.values()), 10, "the requests to end")
+    finally:
+        agent.runtime.close()
+
+
 # ---- on the virtual devices ------------------------------------------------------------------
 
 def _gapped(tmp_path: Path, first: str, second: str, gap_s: float) -> Path:
