@@ -12,6 +12,7 @@ void bind_records(py::module_& m);
 void bind_ready_queue(py::module_& m);
 void bind_control(py::module_& m);
 void bind_work_context(py::module_& m);
+void bind_node_runner(py::module_& m);
 }  // namespace mstar::py_bind
 
 PYBIND11_MODULE(_core, m) {
@@ -24,6 +25,7 @@ PYBIND11_MODULE(_core, m) {
   mstar::py_bind::bind_work_context(m);
   mstar::py_bind::bind_graph_builder(m);  // before the Conductor, which takes its GraphSpec
   mstar::py_bind::bind_records(m);  // before the Conductor, which makes them
+  mstar::py_bind::bind_node_runner(m);  // before the Conductor, which takes one
   mstar::py_bind::bind_conductor(m);
   mstar::py_bind::bind_ready_queue(m);
   mstar::py_bind::bind_control(m);

@@ -7,8 +7,8 @@
 
 #include "mstar/conductor.hpp"
 #include "core/waiting.hpp"
+#include "scheduler/node_runner.hpp"
 #include "scheduler/records.hpp"
-#include "scheduler/work_context.hpp"
 
 namespace mstar::py_bind {
 
@@ -108,82 +108,44 @@ class PyConductor {
     return batch_tuple(batch);
   }
 
-  /// Tells run_batch how to call the Python nodes itself. specs[node] is None (the caller runs
-  /// that node's batches) or (submodule, calls prepare_inputs, calls check_stop); `requests`
-  /// is the runtime's request id -> handle map (a handle's `context` is what prepare_inputs
-  /// sees), `loop_ids` maps DynamicLoop names to name ids.
+  /// Hands run_batch the node runner (mstar_rt._core.NodeRunner: the batch path of every Python
+  /// node) that runs the batches of the nodes it knows; None: every batch goes to the caller.
   /// With `finish_walks` (a model whose requests end after one walk), run_batch also finishes
   /// the requests whose walk ended, sparing a round trip through Python per request.
-  void bind_nodes(py::list specs, py::dict requests, py::dict loop_ids, bool finish_walks) {
-    specs_ = std::move(specs);
-    requests_ = std::move(requests);
-    loop_ids_ = std::move(loop_ids);
+  void bind_nodes(py::object runner, bool finish_walks) {
+    runner_ = runner.is_none() ? nullptr : &runner.cast<NodeRunner&>();
+    runner_object_ = std::move(runner);  // keeps runner_ alive
     finish_walks_ = finish_walks;
   }
 
-  /// One turn of a stateless worker: (batch, outcome, finished). Waits for a batch; if its node
-  /// is bound (bind_nodes) and no item carries a stream chunk, prepares, runs and completes it
-  /// here: returns (None, outcome | None, finished | None), finished being what finish_walks
-  /// ended. Otherwise returns ((node, walk, items), None, None), as next_batch would, for the
-  /// caller to run; or ((node, walk, items), True, None) when a hook raised or returned
-  /// something malformed, for the caller to isolate the culprit item by item. All None when
-  /// nothing came. The batch crosses into Python once, not once per bookkeeping step.
+  /// One turn of a stateless worker: (batch, outcome, finished). Waits for a batch; if the bound
+  /// runner knows its node, runs it (NodeRunner.run: prepare, forward, check_stop, stream ends)
+  /// and completes it here: returns (None, outcome | None, finished | None), finished being what
+  /// finish_walks ended. Otherwise returns ((node, walk, items), None, None), as next_batch
+  /// would, for the caller to run; or ((node, walk, items), True, None) when a hook raised or
+  /// returned something malformed, for the caller to isolate the culprit item by item. All None
+  /// when nothing came. The batch crosses into Python once, not once per bookkeeping step.
   py::tuple run_batch(EngineId engine, std::size_t max_batch, double timeout_s) {
-    static thread_local std::vector<const WorkItem*> batch;
-    static thread_local std::vector<std::uint64_t> ids;
-    wait_batch(engine, max_batch, timeout_s, &batch);
-    if (batch.empty()) return py::make_tuple(py::none(), py::none(), py::none());
-    const NodeId node = batch.front()->node;
-    py::handle spec = node < specs_.size() ? specs_[node] : py::handle(Py_None);
-    bool plain = !spec.is_none();
-    for (const WorkItem* w : batch) plain = plain && !w->chunked && !w->stream_end;
-    if (!plain) return hand_back(batch, false);
-    // Looked up per batch, not bound once: a submodule's methods may be replaced while it serves.
-    py::handle sub = PyTuple_GET_ITEM(spec.ptr(), 0);
-    py::object forward, prepare = py::none(), check_stop = py::none();
-    try {
-      forward = sub.attr("forward");
-      if (PyObject_IsTrue(PyTuple_GET_ITEM(spec.ptr(), 1))) prepare = sub.attr("prepare_inputs");
-      if (PyObject_IsTrue(PyTuple_GET_ITEM(spec.ptr(), 2))) check_stop = sub.attr("check_stop");
-    } catch (std::exception&) {
-      return hand_back(batch, true);
-    }
-    py::list inputs(batch.size());
-    ids.clear();
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      ids.push_back(batch[i]->id);
-      if (prepare.is_none()) {
-        inputs[i] = input_dict(*batch[i]);
-        continue;
-      }
-      py::object rid = py::int_(batch[i]->request);
-      PyObject* handle = PyDict_GetItemWithError(requests_.ptr(), rid.ptr());
-      if (handle == nullptr) {  // submit queues work before it registers the request: rare, slow path
-        PyErr_Clear();
-        return hand_back(batch, false);
-      }
-      try {
-        py::object ctx = py::handle(handle).attr(context_attr_);
-        py::object work = py::reinterpret_steal<py::object>(
-            new_work_context(ctx.ptr(), static_cast<Py_ssize_t>(batch[i]->iteration)));
-        if (!work) throw py::error_already_set();
-        inputs[i] = prepare(work, input_dict(*batch[i]));
-      } catch (std::exception&) {
-        return hand_back(batch, true);
-      }
-    }
+    Turn& t = turn();  // one thread-local lookup per turn
+    wait_batch(engine, max_batch, timeout_s, &t.batch);
+    if (t.batch.empty()) return py::make_tuple(py::none(), py::none(), py::none());
+    const NodeId node = t.batch.front()->node;
+    if (runner_ == nullptr || !runner_->runs(node)) return hand_back(t.batch, false);
+    struct Drop {
+      Turn& t;
+      ~Drop() { t.drop(); }
+    } drop{t};
     Outcome out;
     try {
-      py::object outputs = forward(inputs);
-      if (!PyList_Check(outputs.ptr())) outputs = py::list(outputs);
-      py::object stops = py::none();
-      if (!check_stop.is_none()) {
-        stops = check_stop(inputs, outputs);
-        if (!PyList_Check(stops.ptr())) stops = py::list(stops);
-      }
-      complete_into(node, ids, py::reinterpret_borrow<py::list>(outputs), stops, true, &out);
+      t.items.clear();
+      for (const WorkItem* w : t.batch) t.items.push_back(batch_item(*w));
+      runner_->run(node, t.items, &t.result);
+      t.ids.clear();
+      for (std::size_t i : t.result.order) t.ids.push_back(t.items[i].id);
+      complete_into(node, t.ids, py::reinterpret_borrow<py::list>(t.result.outputs),
+                    t.result.stops, true, &out);
     } catch (std::exception&) {  // py::error_already_set included; the Python error is cleared
-      return hand_back(batch, true);
+      return hand_back(t.batch, true);
     }
     // Completed: from here on the items are gone, and their outcome must reach the caller.
     py::object finished = finish_walks(&out);
@@ -201,13 +163,16 @@ class PyConductor {
   }
 
   /// complete() up to the Conductor's Outcome. With stop_names, stops[i] holds loop names
-  /// (mapped through bind_nodes' loop_ids).
+  /// (mapped by the bound runner).
   void complete_into(NodeId node, const std::vector<std::uint64_t>& ids, const py::list& outputs,
                      const py::object& stops, bool stop_names, Outcome* out) {
     if (node >= outputs_.size()) throw py::value_error("complete: unknown node id");
     if (outputs.size() != ids.size())
       throw py::value_error("complete: " + std::to_string(outputs.size()) + " results for " +
                             std::to_string(ids.size()) + " items");
+    if (stop_names && !stops.is_none() &&
+        static_cast<std::size_t>(PyList_GET_SIZE(stops.ptr())) != ids.size())
+      throw py::value_error("complete: stops for another number of items than the batch has");
     const auto& names = outputs_[node];
     // Reused per thread: completing a batch allocates nothing here once warm.
     static thread_local std::vector<Completion> done;
@@ -241,7 +206,9 @@ class PyConductor {
                                 py::str(py::reinterpret_borrow<py::dict>(out).attr("keys")()).cast<std::string>() +
                                 " but declares " + py::str(py::cast(names)).cast<std::string>());
         if (stop_names) {
-          if (!stops.is_none()) stop_loops_by_name(stops, i, &done[i].stop_loops);
+          if (!stops.is_none())
+            runner_->stop_ids(PyList_GET_ITEM(stops.ptr(), static_cast<Py_ssize_t>(i)),
+                              &done[i].stop_loops);
         } else if (!stops.is_none()) {
           done[i].stop_loops = stops.cast<py::list>()[i].cast<std::vector<NameId>>();
         }
@@ -360,17 +327,38 @@ class PyConductor {
     }
   }
 
-  void stop_loops_by_name(const py::object& stops, std::size_t i, std::vector<NameId>* out) const {
-    if (i >= static_cast<std::size_t>(PyList_GET_SIZE(stops.ptr())))
-      throw py::value_error("check_stop returned fewer entries than the batch has items");
-    for (py::handle name : py::reinterpret_borrow<py::object>(PyList_GET_ITEM(stops.ptr(), i))) {
-      PyObject* id = PyDict_GetItemWithError(loop_ids_.ptr(), name.ptr());
-      if (id == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        throw py::value_error("check_stop named an unknown loop");  // the retry names it
-      }
-      out->push_back(py::handle(id).cast<NameId>());
+  /// What a worker thread reuses from one run_batch turn to the next, so that a turn allocates
+  /// nothing once warm. items and result hold Python values only during a turn (dropped on
+  /// every way out, with the GIL held): a thread_local's destructor runs at thread exit, without.
+  struct Turn {
+    std::vector<const WorkItem*> batch;
+    std::vector<std::uint64_t> ids;
+    std::vector<BatchItem> items;
+    BatchResult result;
+    void drop() {
+      items.clear();
+      result.outputs = py::object();
+      result.stops = py::object();
     }
+  };
+  static Turn& turn() {
+    static thread_local Turn t;
+    return t;
+  }
+
+  /// A Conductor WorkItem as the node runner reads it; a stream end is an empty chunk.
+  BatchItem batch_item(const WorkItem& w) const {
+    BatchItem b;
+    b.id = w.id;
+    b.request = w.request;
+    b.iteration = w.iteration;
+    b.inputs = input_dict(w);
+    b.chunked = w.chunked || w.stream_end;
+    b.begin = w.chunk.begin;
+    b.new_begin = w.chunk.new_begin;
+    b.end = w.chunk.end;
+    b.last = w.chunk.last;
+    return b;
   }
 
   py::dict input_dict(const WorkItem& w) const {
@@ -393,7 +381,7 @@ class PyConductor {
     py::list items;
     for (const WorkItem* w : batch) {
       py::object chunk = py::none();
-      if (w->chunked || w->stream_end)  // a stream end: an empty chunk (Runtime._run)
+      if (w->chunked || w->stream_end)  // a stream end: an empty chunk (BatchItem)
         chunk = py::make_tuple(w->chunk.begin, w->chunk.new_begin, w->chunk.end, w->chunk.last);
       items.append(new_work_item(w->id, w->request, w->iteration, input_dict(*w), chunk));
     }
@@ -401,10 +389,8 @@ class PyConductor {
   }
 
   ConductorPtr c_;
-  py::list specs_;  // bind_nodes
-  py::dict requests_;
-  py::str context_attr_ = py::str("context");  // made once: attr("...") would build it per item
-  py::dict loop_ids_;
+  const NodeRunner* runner_ = nullptr;  // bind_nodes
+  py::object runner_object_ = py::none();
   bool finish_walks_ = false;
   py::tuple empty_outcome_ = py::reinterpret_borrow<py::tuple>(
       new_outcome(py::tuple(), py::tuple(), py::tuple(), py::tuple()));
@@ -437,8 +423,7 @@ waiting) and report complete(); each call that changes state returns its outcome
       .def("fail", &PyConductor::fail)
       .def("next_batch", &PyConductor::next_batch, py::arg("engine"), py::arg("max_batch"),
            py::arg("timeout"))
-      .def("bind_nodes", &PyConductor::bind_nodes, py::arg("specs"), py::arg("requests"),
-           py::arg("loop_ids"), py::arg("finish_walks"))
+      .def("bind_nodes", &PyConductor::bind_nodes, py::arg("runner"), py::arg("finish_walks"))
       .def("run_batch", &PyConductor::run_batch, py::arg("engine"), py::arg("max_batch"),
            py::arg("timeout"))
       .def("complete", [](PyConductor& c, NodeId node, const std::vector<std::uint64_t>& ids,

@@ -281,6 +281,24 @@ class GraphBuilder:
     def walk(self, name: str, root: Section | str) -> Self: ...
     def compile(self) -> GraphSpec: ...
 
+class NodeRunner:
+    """The one batch path for Python nodes: prepare (stream chunks made into StreamChunk values,
+    prepare_inputs with a WorkContext) -> forward (in split_batch's groups) -> check_stop, and
+    end_stream for a stream's end. The Conductor's run_batch runs every node with it; a placement
+    worker and the KV engine's prepare call it here."""
+
+    def __init__(
+        self, nodes: Sequence[Any], requests: Any, loop_ids: dict[str, int] | None = None
+    ) -> None: ...
+    def run(
+        self, node: int, items: Sequence[WorkItem]
+    ) -> tuple[list[int], list[Any], list[list[Any]] | None]:
+        """(item ids, outputs per item, loop ids (or names) to stop per item, or None), in one order: the chunks, then the stream ends."""
+    def prepare(self, node: int, items: Sequence[WorkItem], call_prepare: bool = True) -> list[Any]:
+        """Each item's inputs as forward() takes them: stream chunks made, prepare_inputs run."""
+    def loop_id(self, name: Any) -> Any:
+        """The DynamicLoop's name id (without loop_ids: the name); RuntimeError if unknown."""
+
 class Conductor:
     """Runs requests through a compiled walk graph (see mstar_rt.compile_model) and holds the values
     its handles stand for. Engine workers pull batches with next_batch() (GIL released while
@@ -304,13 +322,7 @@ class Conductor:
     def cancel(self, request: int, /) -> tuple[bool, _Outcome]: ...
     def fail(self, request: int, message: str, /) -> _Outcome: ...
     def next_batch(self, engine: int, max_batch: int, timeout: float) -> _Batch | None: ...
-    def bind_nodes(
-        self,
-        specs: list[tuple[Any, bool, bool] | None],
-        requests: dict[int, Any],
-        loop_ids: dict[str, int],
-        finish_walks: bool,
-    ) -> None: ...
+    def bind_nodes(self, runner: NodeRunner | None, finish_walks: bool) -> None: ...
     def run_batch(
         self, engine: int, max_batch: int, timeout: float
     ) -> tuple[_Batch | None, _Outcome | bool | None, list[tuple[int, bytes, int]] | None]: ...

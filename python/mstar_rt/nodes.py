@@ -1,20 +1,24 @@
-"""The nodes a host runs, each declared once, and the one Python path that runs a batch of them:
+"""The nodes a host runs, each declared once, and the one path that runs a batch of them:
 prepare_inputs -> forward -> check_stop (and end_stream for a stream's end).
 
 A :class:`NodeTable` is built from a model and its compiled graph; the in-process Runtime, a
-placement worker and the parent of placed workers all hold one. A :class:`BatchRunner` turns a
-batch of work items into per-item outputs and DynamicLoop stops; the host reports them."""
+placement worker and the parent of placed workers all hold one. A :class:`NodeRunner` (C++,
+``mstar_rt._core``) built over the table turns a batch of work items into per-item outputs and
+DynamicLoop stops: the Conductor's ``run_batch`` calls it without leaving C++, a placement
+worker and the KV engine through Python; the host reports what it made."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
+from mstar_rt._core import NodeRunner
 from mstar_rt.compiler import CompiledGraph
 from mstar_rt.graph import StreamingGraphEdge
-from mstar_rt._core import WorkItem
-from mstar_rt.model import (Model, NodeSubmodule, RequestContext, StreamChunk, WorkContext,
-                            hears_stream_end, node_engines, node_submodules)
+from mstar_rt.model import (Model, NodeSubmodule, hears_stream_end, node_engines,
+                            node_submodules)
+
+__all__ = ["NodeEntry", "NodeRunner", "NodeTable", "overrides"]
 
 
 def overrides(obj: object, name: str, base: type) -> bool:
@@ -23,17 +27,12 @@ def overrides(obj: object, name: str, base: type) -> bool:
     return getattr(method, "__func__", method) is not getattr(base, name)
 
 
-def is_stream_end(chunk: Optional[tuple]) -> bool:
-    """An empty chunk is the Conductor's end-of-stream item (NodeSubmodule.end_stream): a
-    chunk always holds at least one new item."""
-    return chunk is not None and chunk[0] == chunk[2]
-
-
 @dataclass(frozen=True)
 class NodeEntry:
     """One node as the runtime runs it: its submodule, its engine, its batch limit, the input its
     stream chunks arrive under (if it consumes a stream), and which optional hooks it has (the
-    defaults are skipped)."""
+    defaults are skipped). :class:`NodeRunner` reads submodule, stream_input, prepares, splits
+    and stops."""
 
     name: str
     submodule: NodeSubmodule
@@ -81,76 +80,3 @@ class NodeTable:
         ids = range(len(self.entries)) if nodes is None else nodes
         return list({id(self.entries[i].submodule): self.entries[i].submodule
                      for i in ids}.values())
-
-
-class BatchRunner:
-    """Runs batches of work items (:class:`_core.WorkItem`: id, request, iteration, inputs,
-    chunk).
-
-    ``contexts(items)`` gives each item's :class:`RequestContext`; ``loop_id(name)`` maps a
-    DynamicLoop name from check_stop to what the host's queue takes."""
-
-    def __init__(self, nodes: NodeTable,
-                 contexts: Callable[[Sequence[WorkItem]], list[RequestContext]],
-                 loop_id: Callable[[str], Any]) -> None:
-        self.nodes, self.contexts, self.loop_id = nodes, contexts, loop_id
-
-    def run(self, node: int, items: Sequence[WorkItem]) -> tuple[list, list, Optional[list]]:
-        """(item ids, outputs per item, stops per item or None), in one order."""
-        if any(is_stream_end(item.chunk) for item in items):
-            return self._run_with_ends(node, items)
-        outputs, stops = self.forward(node, items)
-        return [item.id for item in items], outputs, stops
-
-    def forward(self, node: int, items: Sequence[WorkItem]) -> tuple[list, Optional[list]]:
-        """prepare -> forward -> check_stop for a batch: (outputs, loop ids to stop | None)."""
-        entry = self.nodes[node]
-        sub = entry.submodule
-        if entry.prepares or any(item.chunk is not None for item in items):
-            prepared = self.prepare(node, items, entry.prepares)
-        else:
-            prepared = [item.inputs for item in items]
-        if entry.splits:
-            outputs: list = [None] * len(items)
-            for group in sub.split_batch(prepared):
-                result = sub.forward([prepared[i] for i in group])
-                if len(result) != len(group):
-                    raise RuntimeError(f"{type(sub).__name__}.forward returned {len(result)} "
-                                       f"results for a batch of {len(group)}")
-                for i, r in zip(group, result):
-                    outputs[i] = r
-        else:
-            outputs = list(sub.forward(prepared))
-            if len(outputs) != len(items):
-                raise RuntimeError(f"{type(sub).__name__}.forward returned {len(outputs)} results "
-                                   f"for a batch of {len(items)}")
-        stops = None
-        if entry.stops:
-            stops = [[self.loop_id(s) for s in stop] for stop in sub.check_stop(prepared, outputs)]
-        return outputs, stops
-
-    def prepare(self, node: int, items: Sequence[WorkItem], call_prepare: bool) -> list:
-        """Each item's inputs as forward() takes them: stream chunks made, prepare_inputs run."""
-        entry = self.nodes[node]
-        stream_input = entry.stream_input
-        contexts = self.contexts(items) if call_prepare else ()
-        prepared = []
-        for n, (_id, _rid, iteration, values, chunk) in enumerate(items):
-            if chunk is not None:
-                values = {**values, stream_input: StreamChunk(values[stream_input], *chunk)}
-            if call_prepare:
-                values = entry.submodule.prepare_inputs(WorkContext(contexts[n], iteration), values)
-            prepared.append(values)
-        return prepared
-
-    def _run_with_ends(self, node: int, items: Sequence[WorkItem]) -> tuple[list, list, Optional[list]]:
-        """A batch holding stream ends: those go to end_stream, the chunks to forward."""
-        sub = self.nodes[node].submodule
-        chunks = [item for item in items if not is_stream_end(item.chunk)]
-        ends = [item for item in items if is_stream_end(item.chunk)]
-        outputs, stops = self.forward(node, chunks) if chunks else ([], None)
-        for item, ctx in zip(ends, self.contexts(ends)):
-            outputs.append(sub.end_stream(WorkContext(ctx, item.iteration)))
-        if stops is not None:
-            stops += [[] for _ in ends]
-        return [item.id for item in chunks] + [item.id for item in ends], outputs, stops

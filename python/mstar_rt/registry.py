@@ -4,9 +4,8 @@ what a placement worker keeps (the request's context until the parent says it en
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
-from mstar_rt._core import WorkItem
 from mstar_rt.model import RequestContext
 
 
@@ -39,15 +38,13 @@ class RequestRegistry:
         with self.lock:
             return rid in self.by_id
 
-    def contexts(self, items: Sequence[WorkItem]) -> list[RequestContext]:
-        """The context of each work item's request (a blank one for a request already gone)."""
-        get = self.by_id.get
-        entries = [get(item.request) for item in items]
-        if None in entries:
-            with self.lock:
-                entries = [get(item.request) for item in items]
-        return [e.context if e is not None else RequestContext(item.request, {})
-                for e, item in zip(entries, items)]
+    def context(self, rid: int) -> RequestContext:
+        """The request's context when ``by_id`` missed it (the batch path reads ``by_id``
+        itself): submit queues work before it registers the request (under the lock), so it is
+        looked for again under the lock; a request already gone gets a blank one."""
+        with self.lock:
+            entry = self.by_id.get(rid)
+        return entry.context if entry is not None else RequestContext(rid, {})
 
     def ids(self) -> list[int]:
         with self.lock:

@@ -18,7 +18,7 @@ from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.graph import GraphError, GraphNode
 from mstar_rt.model import (NO_DEADLINE, Model, NodeSubmodule, RequestContext, hears_stream_end,
                             node_engines, node_submodules)
-from mstar_rt.nodes import BatchRunner, NodeTable, overrides
+from mstar_rt.nodes import NodeRunner, NodeTable, overrides
 from mstar_rt.registry import RequestRegistry
 
 _TIMELINE_RECORD = "<IIIIqqq"
@@ -224,14 +224,12 @@ class Runtime:
         # Signalled after outputs are delivered: a request's end waits until every output it
         # made has reached its handle (another engine thread may still be delivering one).
         self._delivered = threading.Condition(self.requests.lock)
-        self.runner = BatchRunner(self.nodes, self.requests.contexts, self.loop_id)
+        self._loop_ids = g.name_ids
+        # The one batch path of every node: the Conductor's run_batch runs it without leaving
+        # C++; run() (an engine's own batches, the item-by-item retry) calls it from Python.
+        self.runner = NodeRunner(self.nodes.entries, self.requests, self._loop_ids)
         self.node_names = self.nodes.names
         self.walk_names = list(g.walk_ids)
-        self._loop_ids = g.name_ids
-        # Nodes whose batches the Conductor's run_batch prepares, runs and completes itself:
-        # all but those that split batches or consume a stream (those go through run()).
-        bound = [None if (e.splits or e.stream_input) else (e.submodule, e.prepares, e.stops)
-                 for e in self.nodes.entries]
         self._input_names = frozenset(model.inputs)
         self._input_defaults = dict(model.input_defaults)
         # Skip the calls a model does not override: submit and walk ends pay per request.
@@ -239,8 +237,7 @@ class Runtime:
         self._has_next_walk = overrides(model, "next_walk", Model)
         # Without a next_walk, run_batch also finishes the requests whose walk ended
         # (requests_ended).
-        self.conductor.bind_nodes(bound, self.requests.by_id, self._loop_ids,
-                                  not self._has_next_walk)
+        self.conductor.bind_nodes(self.runner, not self._has_next_walk)
         self._closed = False
         specs = {**model.engine_specs, **(engines or {})}
         unknown = set(specs) - set(g.engines)
@@ -355,11 +352,8 @@ class Runtime:
             self._end(rid, None, timeline, emitted)
 
     def loop_id(self, name: str) -> int:
-        try:
-            return self._loop_ids[name]
-        except KeyError:
-            raise RuntimeError(f"check_stop named loop '{name}', which is not a DynamicLoop of "
-                               "the model") from None
+        """The name id of a DynamicLoop; RuntimeError (naming it) for what is not one."""
+        return self.runner.loop_id(name)
 
     def report(self, outcome: tuple) -> None:
         """Acts on a Conductor outcome. Never raises: one request's trouble stays its own."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from mstar_rt._core import WorkItem
-    from mstar_rt.nodes import BatchRunner, NodeTable
+    from mstar_rt._core import NodeRunner, WorkItem
+    from mstar_rt.nodes import NodeTable
     from mstar_rt.registry import RequestRegistry
 
 
@@ -18,7 +18,7 @@ class EngineHost(Protocol):
 
     nodes: "NodeTable"
     requests: "RequestRegistry"
-    runner: "BatchRunner"
+    runner: "NodeRunner"
     poll_s: float
 
     @property

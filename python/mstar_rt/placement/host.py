@@ -2,7 +2,7 @@
 Runtime would, fed by a :class:`LocalQueue` that stands in for the Conductor.
 
 :class:`WorkerHost` is an engine host (:class:`~mstar_rt.engines.host.EngineHost`) made of the
-same parts as the Runtime -- a node table, a request registry and the batch runner -- so a node
+same parts as the Runtime -- a node table, a request registry and the node runner -- so a node
 behaves bit for bit as it does in one process; it holds the per-request contexts (and, through
 its engines, KV pages) until the parent says the request ended. Results leave through ``reply``
 (the worker's sender)."""
@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 from mstar_rt import _core
 from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.model import NO_DEADLINE, Model, RequestContext
-from mstar_rt.nodes import BatchRunner, NodeTable
+from mstar_rt.nodes import NodeRunner, NodeTable
 from mstar_rt.placement.codec import scalar_items
 from mstar_rt.registry import RequestRegistry
 from mstar_rt.runtime import compile_model
@@ -135,8 +135,9 @@ class WorkerHost:
         self.poll_s = poll_s
         self.nodes = NodeTable(model, g)
         self.requests = RequestRegistry()
-        # check_stop's loop names go back to the parent as names; it maps them to its own ids.
-        self.runner = BatchRunner(self.nodes, self.requests.contexts, self.loop_id)
+        # The Runtime's batch path; check_stop's loop names go back to the parent as names (no
+        # loop_ids), and it maps them to its own ids.
+        self.runner = NodeRunner(self.nodes.entries, self.requests)
         self.node_names, self.walk_names = self.nodes.names, list(g.walk_ids)
         self._closed = False
         self.node_ids = [g.node_ids[n] for n in nodes]

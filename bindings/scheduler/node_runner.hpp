@@ -1,0 +1,99 @@
+// mstar_rt._core.NodeRunner: the one batch path for Python nodes: prepare (stream chunks made,
+// prepare_inputs) -> forward (split_batch's groups) -> check_stop, and end_stream for a stream's
+// end. The Conductor's run_batch calls it from C++ (the in-process Runtime); a placement worker,
+// the KV engine's prepare and the Runtime's item-by-item retry call it through Python.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "mstar/graph.hpp"
+
+namespace mstar::py_bind {
+
+namespace py = pybind11;
+
+/// One work item as the runner reads it, from the Conductor's WorkItem or a Python WorkItem.
+struct BatchItem {
+  std::uint64_t id = 0;
+  std::uint64_t request = 0;
+  std::uint32_t iteration = 0;
+  py::object inputs;     ///< {input name: value}; a stream consumer's streamed input: its items
+  bool chunked = false;  ///< a stream chunk (begin..end, new items from new_begin) or its end
+  std::uint64_t begin = 0, new_begin = 0, end = 0;
+  bool last = false;
+  /// The Conductor's stream-end item is an empty chunk: a chunk always holds a new item.
+  bool stream_end() const { return chunked && begin == end; }
+};
+
+/// What one batch made: outputs[k] (and stops[k], when the node has a check_stop) belong to
+/// items[order[k]]: the chunks in batch order, then the stream ends.
+struct BatchResult {
+  std::vector<std::size_t> order;
+  py::object outputs;  ///< a list: per item, its {output name: value}
+  py::object stops;    ///< None, or a list: per item, the names of the DynamicLoops to stop
+};
+
+class NodeRunner {
+ public:
+  /// `nodes[i]`: node i as the host runs it (mstar_rt.nodes.NodeEntry: submodule, stream_input,
+  /// prepares, splits, stops); `requests`: the host's RequestRegistry (by_id, context(rid));
+  /// `loop_ids`: DynamicLoop name -> name id, or None for a host that passes names on.
+  NodeRunner(const py::sequence& nodes, py::object requests, py::object loop_ids);
+
+  [[nodiscard]] bool runs(NodeId node) const noexcept { return node < nodes_.size(); }
+
+  /// prepare -> forward -> check_stop for the chunks, end_stream for the stream ends. Raises
+  /// (a Python error, or std::runtime_error with the node's type named) when a hook does, or
+  /// answers for another number of items than it was given.
+  void run(NodeId node, const std::vector<BatchItem>& items, BatchResult* out) const;
+
+  /// Each item's inputs as forward() takes them: stream chunks made, prepare_inputs run (with
+  /// `call_prepare`).
+  py::list prepare(NodeId node, const std::vector<BatchItem>& items,
+                   const std::vector<std::size_t>& order, std::size_t count,
+                   bool call_prepare) const;
+
+  /// Appends the name ids of the DynamicLoops one item's check_stop answer names.
+  void stop_ids(py::handle stop, std::vector<NameId>* out) const;
+
+  /// The loop's name id (a host without loop_ids: the name itself); RuntimeError naming an
+  /// unknown loop.
+  [[nodiscard]] py::object loop_id(py::handle name) const;
+
+  /// stops as Python takes them: per item, a list of loop ids (or names); None stays None.
+  [[nodiscard]] py::object stop_lists(const py::object& stops) const;
+
+ private:
+  struct Node {
+    py::object submodule;
+    py::object stream_input;  // the input a stream's chunks arrive under; None if none
+    bool prepares, splits, stops;
+  };
+
+  const Node& node(NodeId id) const;
+  py::object work_context(const BatchItem& item) const;
+  py::list forward(const Node& n, const py::list& prepared) const;
+
+  std::vector<Node> nodes_;
+  py::dict by_id_;         // the registry's request id -> entry (entry.context)
+  py::object requests_;    // the registry: context(rid) when by_id_ misses
+  py::object loop_ids_;    // dict, or None
+  py::object stream_chunk_;  // mstar_rt.model.StreamChunk
+  // Interned once: attr("...") would build the string per call, and an interned name finds a
+  // method by identity in the type's dict.
+  static py::str interned(const char* name) {
+    return py::reinterpret_steal<py::str>(PyUnicode_InternFromString(name));
+  }
+  struct Names {
+    py::str forward = interned("forward"), prepare_inputs = interned("prepare_inputs"),
+            check_stop = interned("check_stop"), split_batch = interned("split_batch"),
+            end_stream = interned("end_stream"), context = interned("context");
+  } names_;
+};
+
+void bind_node_runner(py::module_& m);
+
+}  // namespace mstar::py_bind
