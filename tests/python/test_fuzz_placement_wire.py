@@ -22,7 +22,7 @@ from mstar_rt.placement import NodeGroup, PlacedRuntime
 from mstar_rt.placement.protocol import PARENT_ID, TO_WORKER_HEADER
 
 import placement_models as pm
-from test_placement import our_segments, pipeline_inputs, same
+from placement_support import our_segments, pipeline_inputs, same
 from walk_models import settled
 from wire_frames import SETTINGS, STRANGER_CASES, T, Ids, clear, frames
 

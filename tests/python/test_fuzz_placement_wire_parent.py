@@ -35,7 +35,7 @@ from mstar_rt.placement.protocol import (PARENT_ID, TO_PARENT, TO_PARENT_HEADER,
                                          TO_WORKER_HEADER)
 
 import placement_models as pm
-from test_placement import our_segments, pipeline_inputs, same
+from placement_support import our_segments, pipeline_inputs, same
 from wire_frames import (LEAVES, PARENT_CASES, PIPELINE_NODES, SETTINGS, VALUES, T, Ids, clear,
                          frames, messages)
 

@@ -1,0 +1,233 @@
+"""Placement without processes (issue 9): the codec carries values across the boundary exactly
+and refuses, with the fix, what it cannot carry or what is forged; the shared-memory arena
+wraps, reports a stuck receiver and is never read half-written; leftovers of dead parents are
+swept; node groups and placement configs that cannot work are refused; the public surface."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+import mstar_rt
+from mstar_rt.engines import SamplingParams, StatelessEngine
+from mstar_rt.placement import CodecError, ModelSpec, NodeGroup, PlacedRuntime, read_config
+from mstar_rt.placement.arena import ArenaFull, ShmArena, sweep_stale
+from mstar_rt.placement.codec import Decoder, Encoder
+from mstar_rt.placement.config import make_plan
+
+import placement_models as pm
+from placement_support import LM_GROUPS, same
+
+
+# ---- values across the boundary (no processes) ---------------------------------------------------
+
+@pytest.fixture
+def arena():
+    a = ShmArena.create(f"mstar_{os.getpid()}_test_{os.urandom(3).hex()}", 1 << 16)
+    yield a
+    a.close()
+    a.unlink()
+
+
+def test_codec_carries_every_kind_exactly_and_frees_the_arena(arena):
+    value = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16),
+             "i64": torch.arange(6).reshape(2, 3), "bool": torch.tensor([True, False]),
+             "scalar_t": torch.tensor(2.5), "empty": torch.zeros(0, 7),
+             "strided": torch.arange(12.0).reshape(3, 4).T, "np": np.arange(5, dtype=np.uint16),
+             "np_f64": np.linspace(0, 1, 4), "np_scalar": np.float32(1.25),
+             "tuple": (1, "a", (2.0, None)), "list": [1, [2, 3]], "bytes": b"\x00\xff",
+             "size": torch.Size([2, 3]), "params": SamplingParams(max_tokens=3, top_k=2),
+             7: "int key", "big": 2**63 - 1, "neg": -2**63,
+             "param": torch.nn.Parameter(torch.ones(2))}
+    payload = Encoder(arena).pack(value)
+    span = arena.publish()
+    assert arena.in_use > 0
+    got = Decoder(arena).unpack(payload)
+    arena.free_to(span)
+    assert arena.in_use == 0
+    expect = dict(value, size=(2, 3), strided=value["strided"].contiguous(),
+                  param=torch.ones(2))  # a Parameter arrives as a plain tensor
+    assert same(got, expect)
+    assert len(payload) < 1000  # only headers travel in the message
+
+
+def test_codec_refuses_what_it_cannot_carry_and_says_what_to_send(arena):
+    class Opaque:
+        pass
+
+    from dataclasses import dataclass
+
+    @dataclass
+    class Unregistered:
+        a: int
+
+    for bad, words in [(Opaque(), "cannot send a value of type"), (lambda: 0, "cannot send"),
+                       (Unregistered(1), "register_type"), (2**64, "64-bit range"),
+                       (np.array(["a"], dtype=object), "dtype"),
+                       (torch.randn(2).to_sparse(), "dense")]:
+        with pytest.raises(CodecError, match=words):
+            Encoder(arena).pack({"v": bad})
+
+
+def test_decoder_rejects_forged_tensor_headers(arena):
+    def ext(header) -> bytes:
+        return msgpack.packb({"t": msgpack.ExtType(1, msgpack.packb(header))})
+
+    cases = [([0, "float32", [4], arena.capacity - 8, 16], "outside"),
+             ([0, "float32", [4], 0, 12], "needs 16 bytes"),
+             ([0, "object", [1], 0, 8], "not allowed"),
+             ([1, "float32", [-1], 0, 4], "malformed"),
+             ([5, "float32", [1], 0, 4], "malformed")]
+    for header, words in cases:
+        with pytest.raises(CodecError, match=words):
+            Decoder(arena).unpack(ext(header))
+    with pytest.raises(CodecError, match="unknown msgpack extension"):
+        Decoder(arena).unpack(msgpack.packb(msgpack.ExtType(99, b"")))
+    with pytest.raises(CodecError, match="not registered"):
+        Decoder(arena).unpack(msgpack.packb(msgpack.ExtType(3, msgpack.packb(["os:system", {}]))))
+    with pytest.raises(CodecError, match="not a valid msgpack"):
+        Decoder(arena).unpack(b"\xc1garbage")
+
+
+def test_arena_wraps_around_and_reports_a_stuck_receiver(arena):
+    cap = arena.capacity
+    for _ in range(5):  # more than the capacity in total: allocations wrap
+        off = arena.alloc(cap // 3, timeout_s=0.1)
+        assert 0 <= off and off + cap // 3 <= cap
+        arena.free_to(arena.publish())
+    arena.alloc(cap // 2, timeout_s=0.1)
+    arena.publish()
+    t0 = time.monotonic()
+    with pytest.raises(ArenaFull, match="stayed full"):
+        arena.alloc(cap // 2 + 128, timeout_s=0.2)
+    assert time.monotonic() - t0 >= 0.2
+    with pytest.raises(ArenaFull, match="raise shm_bytes"):
+        arena.alloc(cap + 1, timeout_s=0.1)
+    with pytest.raises(ValueError, match="outside"):
+        arena.free_to(arena.published_head + 64)
+
+
+def test_arena_counters_are_never_seen_half_written(arena):
+    """Issue 16: another process allocates, publishes and frees as fast as it can while this one
+    reads the head and the tail, as the two sides do. Each counter only grows and the head is
+    never behind the tail, in every read: struct.pack_into zeroed the word before writing it, so
+    a reader now and then saw a head (or tail) of 0 -- a message's span end then looked beyond
+    the published head, and the message was refused."""
+    import mstar_rt.placement.arena as arena_module
+
+    script = textwrap.dedent(f"""
+        import importlib.util, time
+        spec = importlib.util.spec_from_file_location("arena", {arena_module.__file__!r})
+        arena_module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(arena_module)
+        arena = arena_module.ShmArena.attach({arena.name!r})
+        print("go", flush=True)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            for _ in range(500):
+                arena.alloc(arena.capacity // 3 + 8, timeout_s=1.0)
+                arena.free_to(arena.publish())
+        arena.close()
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "go\n"
+        reads = backwards = 0
+        last_tail = last_head = 0
+        while writer.poll() is None:
+            for _ in range(1000):
+                tail = arena.tail  # first: a head read later is never behind it
+                head = arena.published_head
+                reads += 1
+                if tail < last_tail or head < last_head or head < tail:
+                    backwards += 1
+                last_tail, last_head = tail, head
+    finally:
+        writer.kill()
+        writer.wait()
+    assert last_head > 0 and reads > 1000
+    assert backwards == 0, f"{backwards} of {reads} reads saw a counter go back"
+
+
+def test_leftovers_of_dead_parents_are_swept_and_live_ones_kept(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    stale = ShmArena.create(f"mstar_{gone.pid}_abc123_r1_g0_p2w", 4096)
+    mine = ShmArena.create(f"mstar_{os.getpid()}_abc123_r1_g0_p2w", 4096)
+    try:
+        stale_dir = tmp_path / f"mstar-placement-{gone.pid}-x1"
+        live_dir = tmp_path / f"mstar-placement-{os.getpid()}-x2"
+        for d in (stale_dir, live_dir):
+            d.mkdir()
+            (d / "parent.sock").write_text("")
+        removed = sweep_stale(str(tmp_path))
+        assert f"/dev/shm/{stale.name}" in removed and str(stale_dir) in removed
+        assert not os.path.exists(f"/dev/shm/{stale.name}") and not stale_dir.exists()
+        assert os.path.exists(f"/dev/shm/{mine.name}") and live_dir.exists()
+    finally:
+        for a in (stale, mine):
+            a.close()
+            a.unlink()
+
+
+def test_node_groups_that_cannot_work_are_refused_with_the_fix():
+    model = pm.tiny_llama(num_pages=8)
+    with pytest.raises(ValueError, match="share engine 'lm'.*one node group"):
+        make_plan(model, [NodeGroup(["prefill"], rank=1)])
+    with pytest.raises(ValueError, match="does not have"):
+        make_plan(model, [NodeGroup(["prefil"], rank=1)])
+    walk = pm.pipeline()
+    with pytest.raises(ValueError, match="two node groups"):
+        make_plan(walk, [NodeGroup(["encoder"], rank=1), NodeGroup(["encoder"], rank=2)])
+    with pytest.raises(ValueError, match="rank 0 is the parent"):
+        NodeGroup(["encoder"], rank=0)
+    with pytest.raises(ValueError, match="only a KVCacheEngine's settings"):
+        PlacedRuntime("placement_models:tiny_llama", LM_GROUPS, engines={"lm": StatelessEngine()})
+    with pytest.raises(ValueError, match="JSON"):
+        ModelSpec("placement_models:pipeline", {"seed": object()})
+    plan = make_plan(walk, [NodeGroup(["encoder"], rank=1), NodeGroup(["head"], rank=3,
+                                                                       process=False)])
+    assert plan.parent_engines == {"encoder": "default@rank1", "embed": "default",
+                                   "backbone": "default", "collect": "default",
+                                   "head": "default@rank3"}
+
+
+def test_placement_config_is_read_from_yaml_and_checked(tmp_path):
+    path = tmp_path / "placement.yaml"
+    path.write_text(textwrap.dedent("""
+        model:
+          factory: placement_models:tiny_llama
+          kwargs: {num_pages: 64, page_size: 8}
+        node_groups:
+          - {nodes: [prefill, decode], rank: 1, device: cpu}
+        restart: auto
+        shm_bytes: 1048576
+    """))
+    kw = read_config(str(path))
+    assert kw["model"] == ModelSpec("placement_models:tiny_llama",
+                                    {"num_pages": 64, "page_size": 8})
+    assert kw["node_groups"] == [NodeGroup(["prefill", "decode"], rank=1)]
+    assert (kw["restart"], kw["shm_bytes"]) == ("auto", 1 << 20)
+    for bad, words in [({"model": "m:f", "node_groups": [], "workers": 2}, "unknown keys"),
+                       ({"node_groups": []}, "factory"),
+                       ({"model": "m:f", "node_groups": [{"nodes": ["a"], "rank": 1, "gpu": 0}]},
+                        "unknown node group keys"),
+                       ({"model": {"factory": "m:f", "kw": {}}}, "unknown model keys")]:
+        with pytest.raises(ValueError, match=words):
+            read_config(bad)
+
+
+def test_the_public_surface_is_small():
+    import mstar_rt.placement as placement
+
+    assert set(placement.__all__) == {"CodecError", "ModelSpec", "NodeGroup", "PlacedRuntime",
+                                      "WorkerStartError", "read_config", "register_type"}
+    assert issubclass(PlacedRuntime, mstar_rt.Runtime)
