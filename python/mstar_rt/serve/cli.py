@@ -2,9 +2,10 @@
 HTTP + the openpi policy websocket until interrupted (Ctrl-C / SIGTERM close everything).
 
     mstar-rt serve examples/serve/robot_policy.yaml [--host 127.0.0.1] [--port 8000]
-                   [--api-key KEY]
+                   [--api-key KEY] [--no-warm-up]
 
-Prints a line per loading step, then one line ``mstar-rt: serving <model> on <url>``.
+Prints a line per loading step and one for the warm-up (the policy run once at every batch size,
+mstar_rt.serve.warmup), then one line ``mstar-rt: serving <model> on <url>``.
 """
 
 from __future__ import annotations
@@ -27,25 +28,47 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="port (default: server.port; 0 = any free port)")
     s.add_argument("--api-key", help="require this API key (overrides server.api_key)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="skip running the policy once at every batch size before serving")
     return p
 
 
-def _limit_malloc_arenas(arenas: int = 2) -> None:
-    """glibc gives each thread that allocates under contention its own malloc arena, up to eight
-    per core; a server with a thread per streaming request then grows for minutes as the arenas
-    fill (the soak benchmark saw +4-6 MB over the first minutes). Two arenas, as gunicorn
-    recommends for threaded Python servers, unless MALLOC_ARENA_MAX says otherwise."""
-    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
+# mallopt parameters, each set unless its environment variable (glibc reads it) is set.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_MALLOC_SETTINGS = (
+    # glibc gives each thread that allocates under contention its own arena, up to eight per
+    # core; a server with a thread per streaming request then grows for minutes as the arenas
+    # fill (the soak benchmark saw +4-6 MB over the first minutes). Two, as gunicorn recommends
+    # for threaded Python servers.
+    (_M_ARENA_MAX, 2, "MALLOC_ARENA_MAX"),
+    # By default glibc raises its mmap threshold to the largest block freed and then trims the
+    # heap's top whenever twice that is free: a server whose batches allocate a few MB returns
+    # and refaults them every few batches, its RSS swinging by +-3 MB from second to second
+    # with nothing in use growing (the soak's 60 s RSS slope read up to 4.5 MB/min from the
+    # swings alone), at three times the page faults. Fixed: blocks under 4 MB come from the heap,
+    # which keeps up to 64 MB free at its top; larger ones are mapped and unmapped.
+    (_M_MMAP_THRESHOLD, 4 << 20, "MALLOC_MMAP_THRESHOLD_"),
+    (_M_TRIM_THRESHOLD, 64 << 20, "MALLOC_TRIM_THRESHOLD_"),
+)
+
+
+def _tune_malloc() -> None:
+    """glibc's allocator set for a threaded server that allocates batch tensors
+    (_MALLOC_SETTINGS)."""
+    if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)  # M_ARENA_MAX
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (musl): nothing to tune
-        pass
+        return
+    for param, value, env in _MALLOC_SETTINGS:
+        if not os.environ.get(env):
+            mallopt(param, value)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    _limit_malloc_arenas()
+    _tune_malloc()
     from mstar_rt.serve.config import ConfigError, build_model, build_runtime, load_config
 
     t0 = time.monotonic()
@@ -81,6 +104,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if runtime is not None:
             runtime.close()
         return 2
+    if args.warm_up:
+        from mstar_rt.serve.warmup import warm_up
+
+        print(f"mstar-rt: {warm_up(deployment).describe()}", file=sys.stderr, flush=True)
     key = " (API key required)" if server_spec.api_key else ""
     print(f"mstar-rt: serving {deployment.name} on {server.url} (policy websocket "
           f"{server.ws_url}/){key}; loaded in {time.monotonic() - t0:.1f} s", flush=True)
