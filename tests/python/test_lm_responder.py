@@ -7,11 +7,9 @@ bad checkpoints and over-long prompts fail with errors that say what to fix; the
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 import threading
-import wave
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ pytest.importorskip("transformers")
 import mstar_rt  # noqa: E402
 from mstar_rt.audio.lm_responder import LMResponder  # noqa: E402
 from tiny_checkpoints import CHAT_TEMPLATE, llama_dir, tokenizer_dir  # noqa: E402
+from virtual_audio import espeak16k as _espeak16k  # noqa: E402
 from virtual_audio import require_tool  # noqa: E402
 from walk_models import wait_until  # noqa: E402
 
@@ -106,16 +105,6 @@ def test_missing_checkpoint_files_name_what_to_fix(tmp_path):
 
 
 # ---- in the agent's reply walk ------------------------------------------------------------
-
-def _espeak16k(text: str) -> np.ndarray:
-    from mstar_rt.audio.resample import Resampler
-
-    raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True,
-                         timeout=30, stdin=subprocess.DEVNULL).stdout
-    with wave.open(io.BytesIO(raw)) as w:
-        x = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768
-        return Resampler(w.getframerate(), 16000).process(x)
-
 
 class _Heard:
     """espeak-ng, recording each sentence it is asked to speak."""

@@ -12,23 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from virtual_audio import ROOT, require_tool
+from virtual_audio import espeak16k as _espeak16k
 
 LONG_REPLY = ("It is time to work. I am the robot assistant of this workshop. I can move the "
               "arm, open and close the gripper, and pick up the cup or the box. Tell me what to "
               "do, and I will do it carefully. I will also report what I see while I work.")
-
-
-def _espeak16k(text: str) -> np.ndarray:
-    import io
-    import wave
-
-    from mstar_rt.audio.resample import Resampler
-
-    raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True,
-                         timeout=30, stdin=subprocess.DEVNULL).stdout
-    with wave.open(io.BytesIO(raw)) as w:
-        x = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768
-        return Resampler(w.getframerate(), 16000).process(x)
 
 
 def test_reply_walk_streams_one_chunk_per_sentence_and_cancel_stops_it():

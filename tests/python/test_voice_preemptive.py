@@ -5,7 +5,6 @@ stays quiet and cancelled (nothing played, KV pages back) when they go on speaki
 
 from __future__ import annotations
 
-import io
 import math
 import subprocess
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from virtual_audio import espeak16k as _espeak16k
 from virtual_audio import require_tool
 
 W = 512
@@ -128,16 +128,6 @@ def test_stages_add_up_to_the_voice_to_voice_latency():
     s = VoiceStats([t, u]).summary()
     assert s["v2v_p50_ms"] == pytest.approx(625.0) and s["preemptive_share"] == 0.5
     assert "endpoint_wait" in VoiceStats([t, u]).table()
-
-
-def _espeak16k(text: str) -> np.ndarray:
-    from mstar_rt.audio.resample import Resampler
-
-    raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True,
-                         timeout=30, stdin=subprocess.DEVNULL).stdout
-    with wave.open(io.BytesIO(raw)) as w:
-        x = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768
-        return Resampler(w.getframerate(), 16000).process(x)
 
 
 def test_partial_recognizer_follows_the_endpointers_segments():

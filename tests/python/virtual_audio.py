@@ -46,3 +46,19 @@ def start_devices() -> ModuleType:
     except (ImportError, OSError) as e:  # sounddevice missing, or libportaudio2 missing
         unavailable(f"cannot import mstar_rt.audio.devices: {e}")
     return audio
+
+
+def espeak16k(text: str) -> "object":
+    """espeak-ng's speech of ``text`` as 16 kHz float32 samples (what the recognizer takes)."""
+    import io
+    import wave
+
+    import numpy as np
+
+    from mstar_rt.audio.resample import Resampler
+
+    raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True,
+                         timeout=30, stdin=subprocess.DEVNULL).stdout
+    with wave.open(io.BytesIO(raw)) as w:
+        x = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768
+        return Resampler(w.getframerate(), 16000).process(x)
