@@ -42,7 +42,7 @@ from pi0_policy import (HORIZON, MAX_DELAY, WEIGHTS_DIR, MiniPi0, NormStats,  # 
                         batched_velocity, encode_prefix, frozen_mask, frozen_rows,
                         mini_pi0_config, pixels_for)
 from mstar_rt.models.pi0_layers import Pi0Module  # noqa: E402
-from training import add_common_args, print_held_out, seeded  # noqa: E402
+from training import add_common_args, fit, print_held_out, seeded  # noqa: E402
 
 TRAIN_SEED0 = 200_000  # training episodes; the demo uses seeds 0, 1, 2, ...
 EVAL_SEED0 = 50_000
@@ -120,24 +120,8 @@ class Trainer:
     def train(self, data: Data, steps: int, lr: float, batch: int, desc: str) -> float:
         t = self.tensors(data)
         module = self.policy.module
-        opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=1e-4)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.05)
-        module.train()
-        avg = None
-        bar = tqdm(range(steps), desc=desc, leave=False)
-        for step in bar:
-            idx = torch.randint(0, len(t["state"]), (batch,), generator=self.gen)
-            loss = self.loss(t, idx)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            avg = loss.item() if avg is None else 0.98 * avg + 0.02 * loss.item()
-            if step % 100 == 0:
-                bar.set_postfix(loss=f"{avg:.3e}")
-        module.eval()
-        return float(avg)
+        return fit(module, lambda idx: self.loss(t, idx), len(t["state"]), steps, lr, batch,
+                   self.gen, desc)
 
 
 def policy_fn(policy: MiniPi0):
