@@ -354,10 +354,8 @@ class PyConductor {
     b.iteration = w.iteration;
     b.inputs = input_dict(w);
     b.chunked = w.chunked || w.stream_end;
-    b.begin = w.chunk.begin;
-    b.new_begin = w.chunk.new_begin;
-    b.end = w.chunk.end;
-    b.last = w.chunk.last;
+    b.end = w.stream_end;
+    for (const Chunk& c : w.chunks) b.windows.push_back({c.begin, c.new_begin, c.end, c.last});
     return b;
   }
 
@@ -381,8 +379,17 @@ class PyConductor {
     py::list items;
     for (const WorkItem* w : batch) {
       py::object chunk = py::none();
-      if (w->chunked || w->stream_end)  // a stream end: an empty chunk (BatchItem)
+      if (w->chunks.size() == 1 && (w->stream_end || w->chunk.end > w->chunk.begin)) {
+        // one stream: its window, or the stream-end item as an empty one (BatchItem)
         chunk = py::make_tuple(w->chunk.begin, w->chunk.new_begin, w->chunk.end, w->chunk.last);
+      } else if (w->chunked || w->stream_end) {
+        py::tuple windows(w->chunks.size());
+        for (std::size_t k = 0; k < w->chunks.size(); ++k) {
+          const Chunk& c = w->chunks[k];
+          windows[k] = py::make_tuple(c.begin, c.new_begin, c.end, c.last);
+        }
+        chunk = py::make_tuple(windows, w->stream_end);
+      }
       items.append(new_work_item(w->id, w->request, w->iteration, input_dict(*w), chunk));
     }
     return py::make_tuple(batch.front()->node, batch.front()->walk, items);

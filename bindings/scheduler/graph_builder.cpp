@@ -32,7 +32,8 @@ void bind_graph_builder(py::module_& m) {
            }),
            py::arg("to"), py::arg("name"), py::arg("persist") = false)
       .def_static("output", &Edge::output, py::arg("name"), "A plain output, read by name.")
-      .def_static("stream", &Edge::stream, py::arg("to"), py::arg("name"), py::arg("policy"))
+      .def_static("stream", &Edge::stream, py::arg("to"), py::arg("name"), py::arg("policy"),
+                  py::arg("continue_after_done") = false)
       .def_readonly("to", &Edge::to)
       .def_readonly("name", &Edge::name)
       .def_readonly("persist", &Edge::persist)

@@ -45,7 +45,18 @@ py::object call_method(const py::handle& obj, const py::str& name, const Args&..
   return py::reinterpret_steal<py::object>(result);
 }
 
-/// A Python WorkItem (id, request, iteration, inputs, chunk | None) as the runner reads it.
+BatchItem::Window window(const py::handle& w) {
+  py::sequence c = py::reinterpret_borrow<py::sequence>(w);
+  if (c.size() != 4)
+    throw py::value_error("a stream window is (begin, new_begin, end, last), got " +
+                          py::repr(w).cast<std::string>());
+  return {c[0].cast<std::uint64_t>(), c[1].cast<std::uint64_t>(), c[2].cast<std::uint64_t>(),
+          static_cast<bool>(py::bool_(c[3]))};
+}
+
+/// A Python WorkItem (id, request, iteration, inputs, chunk | None) as the runner reads it. The
+/// chunk is one stream's window (begin, new_begin, end, last), empty for the stream-end item,
+/// or (windows, stream_end) for a node reading several streams or an empty window.
 BatchItem from_python(const py::handle& item) {
   py::sequence s = py::reinterpret_borrow<py::sequence>(item);
   BatchItem b;
@@ -57,10 +68,13 @@ BatchItem from_python(const py::handle& item) {
   if (!chunk.is_none()) {
     py::sequence c = py::reinterpret_borrow<py::sequence>(chunk);
     b.chunked = true;
-    b.begin = c[0].cast<std::uint64_t>();
-    b.new_begin = c[1].cast<std::uint64_t>();
-    b.end = c[2].cast<std::uint64_t>();
-    b.last = py::bool_(c[3]);
+    if (c.size() == 2) {
+      for (py::handle w : py::reinterpret_borrow<py::sequence>(c[0])) b.windows.push_back(window(w));
+      b.end = static_cast<bool>(py::bool_(c[1]));
+    } else {
+      b.windows.push_back(window(chunk));
+      b.end = b.windows[0].begin == b.windows[0].end;  // a window always holds a new item
+    }
   }
   return b;
 }
@@ -82,9 +96,18 @@ NodeRunner::NodeRunner(const py::sequence& nodes, py::object requests, py::objec
       stream_chunk_(py::module_::import("mstar_rt.model").attr("StreamChunk")) {
   if (!loop_ids_.is_none() && !PyDict_Check(loop_ids_.ptr()))
     throw py::type_error("NodeRunner: loop_ids must be a dict of loop name -> name id, or None");
-  for (py::handle e : nodes)
-    nodes_.push_back({e.attr("submodule"), e.attr("stream_input"), e.attr("prepares").cast<bool>(),
+  for (py::handle e : nodes) {
+    // stream_input: None, one input name, or a tuple of them (a node reading several streams)
+    py::object names = e.attr("stream_input");
+    std::vector<py::object> inputs;
+    if (PyTuple_Check(names.ptr()) || PyList_Check(names.ptr())) {
+      for (py::handle x : names) inputs.push_back(py::reinterpret_borrow<py::object>(x));
+    } else if (!names.is_none()) {
+      inputs.push_back(names);
+    }
+    nodes_.push_back({e.attr("submodule"), std::move(inputs), e.attr("prepares").cast<bool>(),
                       e.attr("splits").cast<bool>(), e.attr("stops").cast<bool>()});
+  }
 }
 
 const NodeRunner::Node& NodeRunner::node(NodeId id) const {
@@ -121,10 +144,17 @@ py::list NodeRunner::prepare(NodeId id, const std::vector<BatchItem>& items,
     const BatchItem& item = items[order[k]];
     py::object values = item.inputs;
     if (item.chunked) {
+      if (item.windows.size() != n.stream_inputs.size())
+        throw py::value_error("a work item of node " + std::to_string(id) + " carries " +
+                              std::to_string(item.windows.size()) + " stream windows; the node "
+                              "reads " + std::to_string(n.stream_inputs.size()) + " streams");
       py::dict copy = py::reinterpret_steal<py::dict>(PyDict_Copy(values.ptr()));
       if (!copy) throw py::error_already_set();
-      copy[n.stream_input] = stream_chunk_(values[n.stream_input], item.begin, item.new_begin,
-                                           item.end, item.last);
+      for (std::size_t s = 0; s < item.windows.size(); ++s) {
+        const BatchItem::Window& w = item.windows[s];
+        const py::object& name = n.stream_inputs[s];
+        copy[name] = stream_chunk_(values[name], w.begin, w.new_begin, w.end, w.last);
+      }
       values = std::move(copy);
     }
     if (call_prepare)

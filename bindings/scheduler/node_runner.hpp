@@ -21,11 +21,15 @@ struct BatchItem {
   std::uint64_t request = 0;
   std::uint32_t iteration = 0;
   py::object inputs;     ///< {input name: value}; a stream consumer's streamed input: its items
-  bool chunked = false;  ///< a stream chunk (begin..end, new items from new_begin) or its end
-  std::uint64_t begin = 0, new_begin = 0, end = 0;
-  bool last = false;
-  /// The Conductor's stream-end item is an empty chunk: a chunk always holds a new item.
-  bool stream_end() const { return chunked && begin == end; }
+  /// One window of a stream the node consumes: items begin..end, new ones from new_begin.
+  struct Window {
+    std::uint64_t begin = 0, new_begin = 0, end = 0;
+    bool last = false;
+  };
+  bool chunked = false;  ///< windows of the node's streams (one per stream), or its stream end
+  bool end = false;      ///< the stream-end item (NodeSubmodule.end_stream), not windows
+  std::vector<Window> windows;
+  bool stream_end() const { return chunked && end; }
 };
 
 /// What one batch made: outputs[k] (and stops[k], when the node has a check_stop) belong to
@@ -69,7 +73,7 @@ class NodeRunner {
  private:
   struct Node {
     py::object submodule;
-    py::object stream_input;  // the input a stream's chunks arrive under; None if none
+    std::vector<py::object> stream_inputs;  // the inputs streams' windows arrive under, in order
     bool prepares, splits, stops;
   };
 

@@ -71,7 +71,10 @@ def _edge(out: Output, node: str) -> _core.Edge:
         if not isinstance(out.chunk_policy, ChunkPolicy):
             raise GraphError(f"streaming edge '{out.name}' from '{node}' has chunk_policy "
                              f"{out.chunk_policy!r}; use Fixed, SlidingWindow, LeftContext or Ramp")
-        return _core.Edge.stream(out.to, out.name, out.chunk_policy)
+        if type(out.continue_after_done) is not bool:
+            raise GraphError(f"streaming edge '{out.name}' from '{node}' has continue_after_done "
+                             f"{out.continue_after_done!r}; use True or False")
+        return _core.Edge.stream(out.to, out.name, out.chunk_policy, out.continue_after_done)
     if isinstance(out, GraphEdge):
         return _core.Edge(out.to, out.name, out.persist)
     return _core.Edge.output(out)

@@ -47,11 +47,20 @@ class GraphEdge:
 @dataclass(frozen=True)
 class StreamingGraphEdge:
     """Every execution of the producer appends output ``name`` as one item of a stream; node
-    ``to`` runs on each window ``chunk_policy`` makes of it (and on the flushed tail)."""
+    ``to`` runs on each window ``chunk_policy`` makes of it (and on the flushed tail).
+
+    Where ``to`` sits says how it reads: outside any loop its producer is not in, one run of
+    ``to`` takes every window of the stream as it comes; inside a loop its producer is not in
+    (a decode loop fed by another loop), each run (each iteration) reads the next window,
+    waiting for it. Such a consumer reading past the end of the stream fails the request,
+    unless ``continue_after_done``: it then goes on with empty windows (marked ``last``), as
+    Qwen3-Omni's talker goes on speaking after the thinker is done. A node may read several
+    streams, each with its own policy: it runs when each has a window ready or is over."""
 
     to: str
     name: str
     chunk_policy: ChunkPolicy
+    continue_after_done: bool = False
 
 
 Output = Union[str, GraphEdge, StreamingGraphEdge]

@@ -10,7 +10,7 @@ worker and the KV engine through Python; the host reports what it made."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 from mstar_rt._core import NodeRunner
 from mstar_rt.compiler import CompiledGraph
@@ -38,7 +38,7 @@ class NodeEntry:
     submodule: NodeSubmodule
     engine: str
     max_batch: int
-    stream_input: Optional[str]
+    stream_input: Optional[Union[str, tuple[str, ...]]]  # several: a node reading several streams
     prepares: bool
     splits: bool
     stops: bool
@@ -49,11 +49,17 @@ class NodeTable:
     """Node id -> :class:`NodeEntry`, in the compiled graph's node order."""
 
     def __init__(self, model: Model, graph: CompiledGraph) -> None:
-        stream_input: dict[str, str] = {}
+        streams: dict[str, set[str]] = {}
         for n in model.nodes:
             for out in n.outputs:
                 if isinstance(out, StreamingGraphEdge):
-                    stream_input[out.to] = out.name
+                    streams.setdefault(out.to, set()).add(out.name)
+        # In the order of the node's inputs, as the Conductor sends one window per stream.
+        stream_input: dict[str, Union[str, tuple[str, ...]]] = {}
+        for n in model.nodes:
+            mine = tuple(x for x in n.inputs if x in streams.get(n.name, ()))
+            if mine:
+                stream_input[n.name] = mine[0] if len(mine) == 1 else mine
         self.entries: list[NodeEntry] = []
         subs, engines = node_submodules(model), node_engines(model)
         for name in graph.node_ids:

@@ -33,6 +33,7 @@ Item* Conductor::Impl::new_item() {
   item->list_input.clear();
   item->chunked = item->stream_end = false;
   item->chunk = Chunk{};
+  item->chunks.clear();
   item->act = nullptr;
   item->stream = -1;
   item->batch_size = 0;
@@ -104,12 +105,12 @@ void Conductor::Impl::start(Request& r, Activation* a, Outcome* out) {
   restart_streams(r, a->section, out);
   switch (s.kind) {
     case SectionKind::node: {
-      const int st = index[r.walk].consumes_stream[s.node];
-      if (st >= 0) {  // a stream consumer: its chunks run as they come; it ends with the stream
-        r.streams[static_cast<std::size_t>(st)].consumer = a;
-        pump(r, static_cast<std::size_t>(st), out);
+      const auto& mine = index[r.walk].consumes_streams[s.node];
+      if (!mine.empty()) {  // a stream consumer: its chunks run as they come
+        for (int st : mine) r.streams[static_cast<std::size_t>(st)].consumer = a;
+        pump(r, static_cast<std::size_t>(mine.front()), out);
       } else {
-        dispatch(r, s.node, a, -1, nullptr, out);
+        dispatch_chunks(r, s.node, a, nullptr, nullptr, false, out);
       }
       return;
     }
@@ -203,8 +204,14 @@ std::uint32_t Conductor::Impl::innermost_iteration(const Request& r, const Activ
   return 0;
 }
 
-void Conductor::Impl::dispatch(Request& r, NodeId node, Activation* act, int stream, const Chunk* chunk,
-              Outcome* out) {
+Chunk* Conductor::Impl::chunk_scratch(std::size_t n) {
+  if (chunk_buf.size() < n) chunk_buf.resize(n);
+  return chunk_buf.data();
+}
+
+void Conductor::Impl::dispatch_chunks(Request& r, NodeId node, Activation* act,
+                                      const std::vector<int>* streams, const Chunk* chunks,
+                                      bool stream_end, Outcome* out) {
   const NodeSpec& n = g.nodes[node];
   Item* item = new_item();
   item->request = r.id;
@@ -212,16 +219,20 @@ void Conductor::Impl::dispatch(Request& r, NodeId node, Activation* act, int str
   item->walk = r.walk;
   item->req = &r;
   item->act = act;
-  item->stream = stream;
+  item->stream = streams != nullptr ? streams->front() : -1;
+  const std::size_t n_streams = streams != nullptr ? streams->size() : 0;
+  if (n_streams > 0) item->chunks.assign(chunks, chunks + n_streams);
   item->iteration = innermost_iteration(
-      r, act != nullptr ? act : r.streams[static_cast<std::size_t>(stream)].consumer);
+      r, act != nullptr ? act : r.streams[static_cast<std::size_t>(item->stream)].consumer);
   item->offsets.reserve(n.inputs.size() + 1);
   item->offsets.push_back(0);
-  const StreamState* ss = stream >= 0 ? &r.streams[static_cast<std::size_t>(stream)] : nullptr;
   for (NameId in : n.inputs) {
-    if (ss != nullptr && in == ss->spec->name) {
-      for (std::uint64_t p = chunk->begin; p < chunk->end; ++p)
-        item->handles.push_back(ss->items[static_cast<std::size_t>(p - ss->base)]);
+    std::size_t k = 0;
+    while (k < n_streams && r.streams[static_cast<std::size_t>((*streams)[k])].spec->name != in) ++k;
+    if (k < n_streams) {
+      const StreamState& ss = r.streams[static_cast<std::size_t>((*streams)[k])];
+      for (std::uint64_t p = chunks[k].begin; p < chunks[k].end; ++p)
+        item->handles.push_back(ss.items[static_cast<std::size_t>(p - ss.base)]);
       item->list_input.push_back(1);
     } else {
       const Slot& s = r.env[in];
@@ -241,10 +252,11 @@ void Conductor::Impl::dispatch(Request& r, NodeId node, Activation* act, int str
     }
     item->offsets.push_back(static_cast<std::uint32_t>(item->handles.size()));
   }
-  if (chunk != nullptr) {
-    item->stream_end = chunk->begin == chunk->end;  // a chunk always holds a new item
-    item->chunked = !item->stream_end;
-    item->chunk = *chunk;
+  if (n_streams > 0) {
+    for (int st : *streams) r.streams[static_cast<std::size_t>(st)].inflight = true;
+    item->stream_end = stream_end;
+    item->chunked = !stream_end;
+    item->chunk = chunks[0];
   }
   for (Handle h : item->handles) retain(h);
   item->queued_ns = now_ns();

@@ -111,7 +111,13 @@ struct Conductor::Impl {
   void done(Request& r, Activation* a, Outcome* out);
   void end_loop(Request& r, Activation* loop, const SectionSpec& p, Outcome* out);
   std::uint32_t innermost_iteration(const Request& r, const Activation* a) const;
-  void dispatch(Request& r, NodeId node, Activation* act, int stream, const Chunk* chunk, Outcome* out);
+  /// Queues a work item of `node`: a plain execution (`streams` null), or one window per stream
+  /// the node consumes (`chunks`, aligned with `streams`), or its stream-end item.
+  void dispatch_chunks(Request& r, NodeId node, Activation* act, const std::vector<int>* streams,
+                       const Chunk* chunks, bool stream_end, Outcome* out);
+  /// A reused buffer for one window per stream of a consumer (no allocation once warm).
+  Chunk* chunk_scratch(std::size_t n);
+  std::vector<Chunk> chunk_buf;
 
   // ---- streams (streams.cpp) -----------------------------------------------------------------------
 

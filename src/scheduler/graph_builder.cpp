@@ -165,12 +165,13 @@ class WalkCompiler {
         if (!members_.count(e.to))
           throw GraphError("streaming edge '" + e.name + "' from '" + n + "' goes to '" + e.to +
                            "', which walk '" + walk + "' does not run; add '" + e.to + "' to the walk");
-        if (stream_input_.count(e.to))
-          throw GraphError("node '" + e.to + "' consumes two streams in walk '" + walk +
-                           "'; a node reads at most one stream");
-        stream_input_[e.to] = e.name;
+        auto& reads = stream_input_[e.to];
+        if (std::find(reads.begin(), reads.end(), e.name) != reads.end())
+          throw GraphError("node '" + e.to + "' receives two streams named '" + e.name +
+                           "' in walk '" + walk + "'; rename one of them");
+        reads.push_back(e.name);
         streams_.push_back({n, &e});
-        check_stream_placement(n, e.to, path);
+        per_execution_[&e] = check_stream_placement(n, e.to, path);
       }
     std::set<std::string> available(inputs.begin(), inputs.end());
     available.insert(persisted.begin(), persisted.end());
@@ -196,6 +197,8 @@ class WalkCompiler {
       s.consumer = node_ids_.at(edge->to);
       s.policy = edge->policy;
       s.producer_scope = scope_of_.at(producer);
+      s.per_execution = per_execution_.at(edge);
+      s.continue_after_done = edge->continue_after_done;
       w.streams.push_back(s);
     }
     return w;
@@ -203,8 +206,10 @@ class WalkCompiler {
 
  private:
   // A consumer's windows can only run once the walk reaches it, and it ends with the stream: it
-  // must not come before its producer, nor sit inside the loop that feeds it.
-  void check_stream_placement(const std::string& producer, const std::string& consumer,
+  // must not come before its producer, nor sit inside the loop that feeds it. Returns whether
+  // the consumer runs per execution: it sits in a loop its producer is not in, so each run of it
+  // (each iteration) reads one window, rather than one run reading the whole stream.
+  bool check_stream_placement(const std::string& producer, const std::string& consumer,
                               std::map<std::string, std::vector<Step>>& path) {
     const auto& a = path[producer];
     const auto& b = path[consumer];
@@ -224,6 +229,9 @@ class WalkCompiler {
       throw GraphError("node '" + consumer + "' consumes the stream of '" + producer + "' but runs "
                        "before it in walk '" + walk_ + "' and would wait forever; move it after '" +
                        producer + "' or put both in a Parallel");
+    for (std::size_t k = common; k < b.size(); ++k)
+      if (std::get<1>(b[k]) == SectionKind::loop) return true;
+    return false;
   }
 
   std::uint32_t add(SectionSpec s) {
@@ -341,7 +349,10 @@ class WalkCompiler {
     const Node& n = *graph_.at(name);
     auto stream = stream_input_.find(name);
     for (const auto& x : n.inputs) {
-      if ((stream != stream_input_.end() && stream->second == x) || available.count(x)) continue;
+      if ((stream != stream_input_.end() &&
+           std::find(stream->second.begin(), stream->second.end(), x) != stream->second.end()) ||
+          available.count(x))
+        continue;
       if (kept_inside_.count(x))
         throw GraphError("node '" + name + "' in walk '" + walk_ + "' reads '" + x + "', which is "
                          "made inside a " + kept_inside_[x] + " and stays there; list '" + x +
@@ -370,7 +381,8 @@ class WalkCompiler {
   const std::map<std::string, NodeId>& node_ids_;
   std::set<std::string> members_;
   std::map<std::string, std::string> producer_;
-  std::map<std::string, std::string> stream_input_;  // consumer -> the name it reads as windows
+  std::map<std::string, std::vector<std::string>> stream_input_;  // consumer -> names read as windows
+  std::map<const Edge*, bool> per_execution_;
   std::vector<std::pair<std::string, const Edge*>> streams_;
   std::map<std::string, std::uint32_t> scope_of_;  // producer -> section that ends its stream
   std::set<std::string> accumulated_;  // names the loops compiled so far accumulate

@@ -170,18 +170,24 @@ void Conductor::Impl::apply_outputs(Request& r, const Item& item, const Completi
   for (int st : ix.produces_streams[item.node]) pump(r, static_cast<std::size_t>(st), out);
   if (r.state != Request::State::running) return;
   if (item.stream >= 0) {
-    StreamState& s = r.streams[static_cast<std::size_t>(item.stream)];
-    const std::uint64_t keep = s.cursor.advance(item.chunk);
-    while (s.base < keep && !s.items.empty()) {
-      release(s.items.front(), out);
-      s.items.pop_front();
-      ++s.base;
+    const auto& mine = ix.consumes_streams[item.node];
+    for (std::size_t k = 0; k < mine.size(); ++k) {
+      StreamState& s = r.streams[static_cast<std::size_t>(mine[k])];
+      s.inflight = false;
+      if (item.chunks[k].end == item.chunks[k].begin) continue;  // an empty window: nothing read
+      const std::uint64_t keep = s.cursor.advance(item.chunks[k]);
+      while (s.base < keep && !s.items.empty()) {
+        release(s.items.front(), out);
+        s.items.pop_front();
+        ++s.base;
+      }
     }
-    s.inflight = false;
-    pump(r, static_cast<std::size_t>(item.stream), out);
-  } else {
-    done(r, item.act, out);
+    if (item.act == nullptr) return pump(r, static_cast<std::size_t>(item.stream), out);
+    // A per-execution consumer: this run read its windows; the next run (the next iteration)
+    // waits for the next ones.
+    for (int st : mine) r.streams[static_cast<std::size_t>(st)].consumer = nullptr;
   }
+  done(r, item.act, out);
 }
 
 }  // namespace mstar

@@ -32,7 +32,7 @@ void Conductor::Impl::validate_and_index() {
     ix.node_section.assign(g.nodes.size(), -1);
     ix.emit_names.resize(g.nodes.size());
     ix.produces_streams.resize(g.nodes.size());
-    ix.consumes_stream.assign(g.nodes.size(), -1);
+    ix.consumes_streams.assign(g.nodes.size(), {});
     ix.ends_streams.resize(w.sections.size());
     ix.persist.assign(n_names, 0);
     if (w.root >= w.sections.size()) bad("walk '" + w.name + "' has no root section");
@@ -78,11 +78,28 @@ void Conductor::Impl::validate_and_index() {
           ix.node_section[st.producer] < 0 || ix.node_section[st.consumer] < 0)
         bad("walk '" + w.name + "' has a malformed streaming edge (unknown ids, or a producer or "
             "consumer the walk does not run)");
-      if (ix.consumes_stream[st.consumer] != -1)
-        bad("node '" + g.nodes[st.consumer].name + "' consumes two streams in one walk");
+      const auto& inputs = g.nodes[st.consumer].inputs;
+      if (std::find(inputs.begin(), inputs.end(), st.name) == inputs.end())
+        bad("node '" + g.nodes[st.consumer].name + "' consumes a stream it does not read");
+      for (int other : ix.consumes_streams[st.consumer])
+        if (w.streams[static_cast<std::size_t>(other)].name == st.name)
+          bad("node '" + g.nodes[st.consumer].name + "' consumes two streams of one name");
       ix.produces_streams[st.producer].push_back(static_cast<int>(k));
-      ix.consumes_stream[st.consumer] = static_cast<int>(k);
+      ix.consumes_streams[st.consumer].push_back(static_cast<int>(k));
       ix.ends_streams[st.producer_scope].push_back(static_cast<int>(k));
+    }
+    for (NodeId n = 0; n < g.nodes.size(); ++n) {
+      auto& mine = ix.consumes_streams[n];
+      const auto& inputs = g.nodes[n].inputs;
+      const auto position = [&](int st) {
+        return std::find(inputs.begin(), inputs.end(), w.streams[static_cast<std::size_t>(st)].name) -
+               inputs.begin();
+      };
+      std::sort(mine.begin(), mine.end(), [&](int a, int b) { return position(a) < position(b); });
+      for (int st : mine)  // one consumer runs all its windows together, in one mode
+        if (w.streams[static_cast<std::size_t>(st)].per_execution !=
+            w.streams[static_cast<std::size_t>(mine.front())].per_execution)
+          bad("node '" + g.nodes[n].name + "' consumes streams in two modes");
     }
     index.push_back(std::move(ix));
   }

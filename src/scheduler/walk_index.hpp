@@ -13,7 +13,8 @@ struct WalkIndex {
   std::vector<int> node_section;                  // node -> its section, -1 if not in the walk
   std::vector<std::vector<NameId>> emit_names;    // node -> names it emits
   std::vector<std::vector<int>> produces_streams; // node -> streams it feeds
-  std::vector<int> consumes_stream;               // node -> stream it consumes, -1 if none
+  // node -> the streams it consumes, in the order of its inputs (empty if none)
+  std::vector<std::vector<int>> consumes_streams;
   std::vector<std::vector<int>> ends_streams;     // section -> streams its end closes
   std::vector<std::uint8_t> persist;              // name -> kept across walks
 };

@@ -107,13 +107,13 @@ CASES = {
         lambda b: b.node("gen", ["x"], [E.stream("snac", "tok", mstar_rt.Fixed(2))])
                    .node("snac", ["tok"], _out("audio"))
                    .walk("decode", S.loop("gen", 4)).walk("vocode", "snac")),
-    "node consuming two streams": (
-        _dsl([N("a", ["x"], [StreamingGraphEdge("c", "t1", mstar_rt.Fixed(1))]),
-              N("b", ["x"], [StreamingGraphEdge("c", "t2", mstar_rt.Fixed(1))]),
-              N("c", ["t1", "t2"], ["o"])], {"w": Parallel("a", "b", "c")}),
-        lambda b: b.node("a", ["x"], [E.stream("c", "t1", mstar_rt.Fixed(1))])
-                   .node("b", ["x"], [E.stream("c", "t2", mstar_rt.Fixed(1))])
-                   .node("c", ["t1", "t2"], _out("o")).walk("w", S.par(["a", "b", "c"]))),
+    "two producers streaming one name to a node": (
+        _dsl([N("a", ["x"], [StreamingGraphEdge("c", "t", mstar_rt.Fixed(1))]),
+              N("b", ["x"], [StreamingGraphEdge("c", "t", mstar_rt.Fixed(1))]),
+              N("c", ["t"], ["o"])], {"w": Parallel("a", "b", "c")}),
+        lambda b: b.node("a", ["x"], [E.stream("c", "t", mstar_rt.Fixed(1))])
+                   .node("b", ["x"], [E.stream("c", "t", mstar_rt.Fixed(1))])
+                   .node("c", ["t"], _out("o")).walk("w", S.par(["a", "b", "c"]))),
     "stream consumer before its producer": (
         _dsl([N("gen", ["x"], [StreamingGraphEdge("snac", "tok", mstar_rt.Fixed(2))]),
               N("snac", ["tok"], [GraphEdge(EMIT, "audio")])],

@@ -58,7 +58,11 @@ struct WorkItem {
   /// Not a chunk: the consumed stream ended and no chunk marked `last` went out
   /// (NodeSpec::on_stream_end). `chunk` is then empty at the stream's end, marked `last`.
   bool stream_end = false;
-  Chunk chunk;
+  Chunk chunk;  ///< the window of the node's first stream (chunks[0])
+  /// One window per stream the node consumes, in the order of its inputs: a node may read
+  /// several streams, each cut by its own policy. A stream that is over gives an empty window
+  /// (begin == end, marked `last`).
+  std::vector<Chunk> chunks;
 };
 
 /// What an engine reports for one work item.

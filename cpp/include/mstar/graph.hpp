@@ -59,6 +59,11 @@ struct StreamSpec {
   NodeId consumer = 0;
   ChunkPolicy policy = ChunkPolicy::fixed(1);
   std::uint32_t producer_scope = 0;  ///< section whose end ends the stream (innermost loop or node)
+  /// The consumer sits in a loop the producer is not in: each of its executions reads the next
+  /// window (waiting for it), instead of one activation running every window of the stream.
+  bool per_execution = false;
+  /// A per-execution consumer goes on after the stream is over, reading empty windows.
+  bool continue_after_done = false;
 };
 
 struct WalkSpec {

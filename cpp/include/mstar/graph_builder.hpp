@@ -44,6 +44,10 @@ struct Edge {
   bool persist = false;
   bool streaming = false;
   ChunkPolicy policy = ChunkPolicy::fixed(1);
+  /// Streaming only: a consumer that runs once per loop iteration (it sits in a loop its
+  /// producer is not in) keeps running after the producer's stream is over, with empty windows
+  /// (M*'s `continue_after_done`). Without it, reading past the end fails the request.
+  bool continue_after_done = false;
 
   static Edge output(std::string name) { return {"", std::move(name)}; }
   static Edge to_node(std::string to, std::string name) { return {std::move(to), std::move(name)}; }
@@ -51,8 +55,9 @@ struct Edge {
     return {std::move(to), std::move(name), true};
   }
   static Edge emit(std::string name) { return {kEmit, std::move(name)}; }
-  static Edge stream(std::string to, std::string name, ChunkPolicy policy) {
-    return {std::move(to), std::move(name), false, true, policy};
+  static Edge stream(std::string to, std::string name, ChunkPolicy policy,
+                     bool continue_after_done = false) {
+    return {std::move(to), std::move(name), false, true, policy, continue_after_done};
   }
 };
 

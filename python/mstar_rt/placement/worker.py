@@ -324,21 +324,32 @@ def _item_ids(items: Any) -> list[int]:
     return [it[0] for it in items if isinstance(it, list) and it and type(it[0]) is int]
 
 
-def _chunk(value: Any, stream_input: Optional[str], node: str) -> Optional[tuple]:
-    """A batch item's stream chunk, checked: (begin, new_begin, end, last) for the node's
-    stream, as the Conductor makes them."""
+def _window(value: Any) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == 4
+            and all(type(v) is int for v in value[:3]) and type(value[3]) is bool
+            and 0 <= value[0] <= value[1] <= value[2])
+
+
+def _chunk(value: Any, stream_input: Any, node: str) -> Optional[tuple]:
+    """A batch item's stream chunk, checked, as the Conductor makes them: one stream's window
+    (begin, new_begin, end, last), or (windows, stream_end) with one window per stream the node
+    reads."""
     if value is None:
         return None
     if stream_input is None:
         raise ProtocolError(f"a batch item for node '{node}' carries a stream chunk, but the "
                             "node reads no stream; send chunk None")
-    if not (isinstance(value, (list, tuple)) and len(value) == 4
-            and all(type(v) is int for v in value[:3]) and type(value[3]) is bool
-            and 0 <= value[0] <= value[1] <= value[2]):
-        raise ProtocolError(f"the stream chunk of a batch item for node '{node}' must be "
-                            "(begin, new_begin, end, last) with 0 <= begin <= new_begin <= end "
-                            "and last a bool")
-    return tuple(value)
+    streams = len(stream_input) if isinstance(stream_input, tuple) else 1
+    if streams == 1 and _window(value):
+        return tuple(value)
+    if (isinstance(value, (list, tuple)) and len(value) == 2 and type(value[1]) is bool
+            and isinstance(value[0], (list, tuple)) and len(value[0]) == streams
+            and all(_window(w) for w in value[0])):
+        return (tuple(tuple(w) for w in value[0]), value[1])
+    raise ProtocolError(f"the stream chunk of a batch item for node '{node}' must be "
+                        "(begin, new_begin, end, last) with 0 <= begin <= new_begin <= end "
+                        f"and last a bool, or (windows, stream_end) with {streams} such "
+                        "windows")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
