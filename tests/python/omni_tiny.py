@@ -8,6 +8,7 @@ range but ``codec_eos``). The vision encoder is built (the class needs it) but n
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional, Sequence
 
@@ -88,6 +89,17 @@ def model(seed: int = 0, **kw: Any) -> Any:
             if p.dim() == 1 and ("norm" in name or "scale" in name or "alpha" in name
                                  or "beta" in name):
                 p.add_(torch.randn_like(p) * 0.1)
+        # transformers starts the talker's routers at zero: every expert ties, and which two
+        # win is then up to each implementation's topk; random routers route for real
+        for name, p in m.talker.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+        # At init code2wav's waveform peaks near 5e-5, where a tolerance of 1e-5 would prove
+        # nothing; made loud, it peaks near 1 (a few samples clamp).
+        for name, p in m.code2wav.named_parameters():
+            if p.dim() >= 2 and "code_embedding" not in name:
+                p.normal_(0, 0.6 / math.sqrt(p[0].numel()))
+        m.code2wav.decoder[-1].conv.weight.mul_(4)
     return m
 
 

@@ -222,6 +222,10 @@ class ConfigFields:
             raise ValueError(f"{self.source} lacks the field '{name}'")
         return default
 
+    def bad(self, name: str, value: Any, want: str) -> ValueError:
+        """The ValueError for field ``name`` holding ``value`` where ``want`` was needed."""
+        return self._bad(name, value, want)
+
     def _bad(self, name: str, value: Any, want: str) -> ValueError:
         shown = repr(value) if len(repr(value)) < 60 else repr(value)[:57] + "..."
         return ValueError(f"field '{name}' of {self.source} is {shown}; it must be {want}")
@@ -319,3 +323,30 @@ def _field(fields: ConfigFields, name: str, hint: Any) -> Any:
             return value
         return dataclass_config(hint, value, f"field '{name}' of {fields.source}")
     return value
+
+
+# ---- raw access, for loaders that map keys themselves -------------------------------------------
+
+def checkpoint_headers(path: Union[str, os.PathLike]
+                       ) -> Iterator[tuple[str, str, tuple[int, ...], str]]:
+    """``(file, key, shape, dtype)`` of every tensor of the checkpoint at ``path``, read from
+    the safetensors headers alone (nothing is loaded); unreadable files are ValueErrors naming
+    them. For loaders whose modules' names differ from the checkpoint's (fused experts)."""
+    for shard in _shards(path):
+        for key in shard.keys:
+            shape, dtype = shard.header(key)
+            yield shard.file, key, shape, dtype
+
+
+def checkpoint_tensors(path: Union[str, os.PathLike], progress: bool = True
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` for every tensor of the checkpoint at ``path``, one shard open at a
+    time (with a progress bar over the shards unless ``progress`` is False)."""
+    from tqdm.auto import tqdm
+
+    files = checkpoint_files(path)
+    for shard in tqdm(_shards(path), total=len(files),
+                      desc=f"loading {os.path.basename(os.fspath(path))}", unit="shard",
+                      disable=not progress):
+        for key in shard.keys:
+            yield key, shard.tensor(key)

@@ -1,0 +1,174 @@
+"""Qwen3-Omni as walk graphs: hears text and audio, answers in text and speech.
+
+Walk ``speak`` (``return_audio``, the default) runs the thinker and the talker side by side,
+each an independent loop with its own stop, joined by streams::
+
+    Parallel(
+      Sequential("audio_encoder", "thinker_prefill", DynamicLoop("thinker_decode", "think")),
+      DynamicLoop(Sequential("talker", Loop("code_predictor", G - 1)), "talk"),
+      "code2wav")
+
+* ``thinker_prefill`` --prompt_states--> ``talker`` and ``thinker_decode`` --reply--> ``talker``:
+  ``Fixed(1)`` streams read one window per talker iteration, ``continue_after_done`` (the
+  talker goes on speaking after the thinker is done);
+* ``talker`` --frame_codes--> ``code2wav``: a stream of ``G``-code frames under a ``Ramp``
+  policy (small first windows: the first audio comes after 2 frames), decoded sample-exact.
+
+Walk ``text`` (``return_audio=False``) runs the thinker alone. Every thinker token is EMITted as
+``token`` while it is made, and ``audio`` (float32, 24 kHz) as code2wav decodes it.
+
+Sampling is per part: ``thinker_sampling``, ``talker_sampling`` (default: transformers'
+temperature 0.9, top-k 50, repetition penalty 1.05) and ``code_predictor_sampling`` (default:
+greedy when the talker is, else top-k 50 / top-p 0.8), each a SamplingParams or a dict.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from mstar_rt.engines.kv_engine import KVCacheEngine
+from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Parallel, Sequential,
+                            StreamingGraphEdge)
+from mstar_rt.model import Model, RequestContext
+from mstar_rt.models.causal_lm import as_params
+from mstar_rt.models.qwen3_omni.checkpoint import Qwen3OmniWeights, load_qwen3_omni
+from mstar_rt.models.qwen3_omni.code2wav_stream import Code2WavStreamNode
+from mstar_rt.models.qwen3_omni.talker_node import TALK, PredictorNode, TalkerNode
+from mstar_rt.models.qwen3_omni.thinker_node import THINK, AudioEncoderNode, ThinkerNode
+from mstar_rt.streaming import Fixed, Ramp
+
+SAMPLE_RATE = 24000
+
+
+class Qwen3Omni(Model):
+    """Serves loaded Qwen3-Omni modules (:func:`load_qwen3_omni` or :meth:`from_pretrained`).
+
+    Inputs: ``prompt`` (chat-formatted token ids ending with the assistant header;
+    :func:`~mstar_rt.models.qwen3_omni.chat.format_chat` makes them), ``audio_features`` (one
+    ``[128, frames]`` log-mel array per audio placeholder run), ``speaker``, ``return_audio``,
+    ``max_tokens``, ``max_audio_frames`` and the three sampling settings.
+    ``audio_policy``: how code2wav cuts the frame stream (default ``Ramp([2, 4], 12)``)."""
+
+    inputs = ("prompt", "audio_features", "speaker", "return_audio", "max_tokens",
+              "max_audio_frames", "thinker_sampling", "talker_sampling",
+              "code_predictor_sampling", "frame")
+    input_defaults = {"audio_features": (), "speaker": None, "return_audio": True,
+                      "max_tokens": None, "max_audio_frames": None, "thinker_sampling": None,
+                      "talker_sampling": None, "code_predictor_sampling": None, "frame": None}
+    sample_rate = SAMPLE_RATE
+
+    def __init__(self, weights: Qwen3OmniWeights, max_seq_len: int = 4096, max_batch: int = 32,
+                 audio_policy: Any = None, page_size: int = 16, num_pages: int = 2048,
+                 tokenizer: Any = None) -> None:
+        w, c = weights, weights.config
+        self.weights, self.config, self.tokenizer = w, c, tokenizer
+        self.thinker = ThinkerNode(w.thinker, c.audio, [c.im_end], c.accept_hidden_layer,
+                                   max_seq_len, max_batch)
+        text = ThinkerNode(w.thinker, c.audio, [c.im_end], c.accept_hidden_layer, max_seq_len,
+                           max_batch, for_talker=False)
+        audio = AudioEncoderNode(w.audio_encoder)
+        self.nodes: list[GraphNode] = [
+            GraphNode("text_audio_encoder", ["audio_features"], ["audio_embeds"],
+                      submodule=audio, engine="audio"),
+            GraphNode("text_prefill", ["prompt", "audio_embeds", "thinker_sampling",
+                                       "max_tokens"],
+                      [GraphEdge(EMIT, "token"), "token"], submodule=text, engine="thinker"),
+            GraphNode("text_decode", ["token"], [GraphEdge(EMIT, "token"), "token"],
+                      submodule=text, engine="thinker")]
+        self.walks: dict[str, Any] = {"text": Sequential(
+            "text_audio_encoder", "text_prefill",
+            DynamicLoop("text_decode", max_seq_len, THINK))}
+        self.engine_specs = {"thinker": KVCacheEngine(page_size, num_pages, max_batch)}
+        self.speakers: list[str] = list(c.speaker_id)
+        if w.talker is not None and w.code_predictor is not None and w.code2wav is not None:
+            self._add_speech(w, max_seq_len, max_batch, audio, page_size, num_pages,
+                             audio_policy or Ramp([2, 4], 12))
+
+    def _add_speech(self, w: Qwen3OmniWeights, max_seq_len: int, max_batch: int,
+                    audio: AudioEncoderNode, page_size: int, num_pages: int,
+                    audio_policy: Any) -> None:
+        c = self.config
+        self.talker = TalkerNode(w.talker, w.thinker.model.embed_tokens, c, max_seq_len,
+                                 max_batch)
+        self.code2wav = Code2WavStreamNode(w.code2wav, max_batch=8, input_name="frame_codes")
+        to_talker = [StreamingGraphEdge("talker", "prompt_states", Fixed(1),
+                                        continue_after_done=True)]
+        self.nodes += [
+            GraphNode("audio_encoder", ["audio_features"], ["audio_embeds"], submodule=audio,
+                      engine="audio"),
+            GraphNode("thinker_prefill", ["prompt", "audio_embeds", "thinker_sampling",
+                                          "max_tokens"],
+                      [GraphEdge(EMIT, "token"), "token"] + to_talker,
+                      submodule=self.thinker, engine="thinker"),
+            GraphNode("thinker_decode", ["token"],
+                      [GraphEdge(EMIT, "token"), "token",
+                       StreamingGraphEdge("talker", "reply", Fixed(1), continue_after_done=True)],
+                      submodule=self.thinker, engine="thinker"),
+            GraphNode("talker", ["prompt_states", "reply", "frame", "speaker", "talker_sampling",
+                                 "code_predictor_sampling", "max_audio_frames"],
+                      ["talk_out", StreamingGraphEdge("code2wav", "frame_codes", audio_policy)],
+                      submodule=self.talker, engine="talker"),
+            GraphNode("code_predictor", ["talk_out"], ["frame"],
+                      submodule=PredictorNode(w.code_predictor), engine="predictor"),
+            GraphNode("code2wav", ["frame_codes"], [GraphEdge(EMIT, "audio")],
+                      submodule=self.code2wav, engine="code2wav")]
+        groups = c.num_code_groups
+        self.walks["speak"] = Parallel(
+            Sequential("audio_encoder", "thinker_prefill",
+                       DynamicLoop("thinker_decode", max_seq_len, THINK)),
+            DynamicLoop(Sequential("talker", Loop("code_predictor", groups - 1,
+                                                  outputs=("frame",))),
+                        max_seq_len, TALK),
+            "code2wav")
+        self.engine_specs["talker"] = KVCacheEngine(page_size, num_pages, max_batch)
+
+    # ---- the request ----------------------------------------------------------------------------
+
+    @property
+    def speaks(self) -> bool:
+        return "speak" in self.walks
+
+    def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
+        if inputs.get("prompt") is None:
+            raise ValueError("give 'prompt': chat-formatted token ids (see format_chat)")
+        for name in ("thinker_sampling", "talker_sampling", "code_predictor_sampling"):
+            try:
+                as_params(inputs.get(name))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"'{name}': {e}") from e
+        if inputs.get("return_audio", True) and self.speaks:
+            self.talker.speaker_id(inputs.get("speaker"))
+        for name in ("max_tokens", "max_audio_frames"):
+            v = inputs.get(name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ValueError(f"'{name}' must be a positive integer, not {v!r}")
+
+    def initial_walk(self, request: RequestContext) -> str:
+        if request.inputs.get("return_audio", True) and self.speaks:
+            return "speak"
+        return "text"
+
+    # ---- helpers for callers -------------------------------------------------------------------
+
+    def audio_output_length(self, frames: int) -> int:
+        """How many audio placeholders ``frames`` mel frames take in the prompt."""
+        enc = self.weights.audio_encoder
+        if enc is None:
+            raise ValueError("this Qwen3-Omni has no audio encoder")
+        return int(enc.output_length(frames))
+
+    @staticmethod
+    def from_pretrained(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
+                        device: str = "cpu", progress: bool = True, **kwargs: Any) -> "Qwen3Omni":
+        """Loads a Qwen3-Omni checkpoint directory (``config.json``, safetensors in the hub
+        layout, and ``tokenizer.json`` when present)."""
+        weights = load_qwen3_omni(path, dtype=dtype, device=device, progress=progress)
+        tok = os.path.join(os.fspath(path), "tokenizer.json")
+        tokenizer = None
+        if os.path.exists(tok):
+            from tokenizers import Tokenizer
+            tokenizer = Tokenizer.from_file(tok)
+        return Qwen3Omni(weights, tokenizer=tokenizer, **kwargs)
