@@ -29,8 +29,11 @@ GROUPS = 4
 N_MELS = 128
 
 
-def config(groups: int = GROUPS, thinker_layers: int = 3, accept_hidden_layer: int = 2) -> Any:
-    """The tiny ``Qwen3OmniMoeConfig`` (float32, eager attention)."""
+def config(groups: int = GROUPS, thinker_layers: int = 3, accept_hidden_layer: int = 2,
+           upsample: Sequence[Sequence[int]] = ((4, 3), (2,))) -> Any:
+    """The tiny ``Qwen3OmniMoeConfig`` (float32, eager attention). ``upsample``: code2wav's
+    (upsample_rates, upsampling_ratios); the released model's ((8, 5, 4, 3), (2, 2)) make
+    1920 samples (80 ms) per frame, the default 24."""
     from transformers import Qwen3OmniMoeConfig
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
@@ -65,8 +68,9 @@ def config(groups: int = GROUPS, thinker_layers: int = 3, accept_hidden_layer: i
                   spatial_merge_size=2, **CODEC)
     code2wav = dict(codebook_size=CODEBOOK, hidden_size=16, num_attention_heads=2,
                     num_key_value_heads=2, intermediate_size=32, num_hidden_layers=2,
-                    num_quantizers=groups, sliding_window=8, upsample_rates=[4, 3],
-                    upsampling_ratios=[2], decoder_dim=16, max_position_embeddings=512)
+                    num_quantizers=groups, sliding_window=8, upsample_rates=list(upsample[0]),
+                    upsampling_ratios=list(upsample[1]), decoder_dim=16,
+                    max_position_embeddings=512)
     cfg = Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker,
                              code2wav_config=code2wav, im_start_token_id=IM_START,
                              im_end_token_id=IM_END, tts_pad_token_id=TTS_PAD,
@@ -140,9 +144,14 @@ def mel(frames: int, seed: int = 1) -> torch.Tensor:
 
 def generate(m: Any, prompt: Sequence[int], features: Optional[torch.Tensor] = None,
              speaker: str = "ethan", thinker_max_new_tokens: int = 12,
-             talker_max_new_tokens: int = 40) -> tuple[torch.Tensor, Any]:
-    """transformers' own greedy ``generate`` (no repetition penalty): (sequences, waveform)."""
+             talker_max_new_tokens: int = 40, fixed_length: bool = False
+             ) -> tuple[torch.Tensor, Any]:
+    """transformers' own greedy ``generate`` (no repetition penalty): (sequences, waveform).
+    ``fixed_length``: no end of speech before the maximum (min_new_tokens; the same as
+    ``ignore_eos`` in our talker sampling)."""
     kw: dict[str, Any] = {}
+    if fixed_length:
+        kw.update(talker_min_new_tokens=talker_max_new_tokens)
     if features is not None:
         kw["input_features"] = features[None]
         kw["feature_attention_mask"] = torch.ones(1, features.shape[1], dtype=torch.long)

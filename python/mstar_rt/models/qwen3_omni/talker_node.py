@@ -145,6 +145,9 @@ class TalkerNode(KVNodeSubmodule):
         live = [i for i, w in enumerate(works) if w.payload[0] != "skip"]
         states = [works[i].payload[2] for i in live]
         params = [s["talker_params"] for s in states]
+        for i, p in zip(live, params):
+            if p.ignore_eos:  # a fixed length (benchmarks): speak until max_audio_frames
+                logits[i, self.eos] = float("-inf")
         histories = [torch.tensor(s["talker_history"], dtype=torch.long) for s in states]
         codes0 = sample(logits[live], params, [s["talker_gen"] for s in states],
                         histories).tolist() if live else []

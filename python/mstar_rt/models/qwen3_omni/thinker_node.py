@@ -155,7 +155,8 @@ class ThinkerNode(KVNodeSubmodule):
             s, tok = states[j], tokens[j]
             s["thinker_history"].append(tok)
             s["thinker_made"] += 1
-            s["thinker_done"] = (tok in self.eos or s["thinker_made"] >= s["thinker_max"]
+            eos = tok in self.eos and not s["thinker_params"].ignore_eos
+            s["thinker_done"] = (eos or s["thinker_made"] >= s["thinker_max"]
                                  or len(s["thinker_history"]) >= self.max_seq_len)
             out[i] = {**out[i], "token": tok}
         return out
