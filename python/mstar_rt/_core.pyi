@@ -213,7 +213,10 @@ class Edge:
     def output(name: str) -> Edge:
         """A plain output, read by name."""
     @staticmethod
-    def stream(to: str, name: str, policy: ChunkPolicy) -> Edge: ...
+    def stream(to: str, name: str, policy: ChunkPolicy,
+               continue_after_done: bool = False) -> Edge:
+        """A stream to node ``to``; ``continue_after_done``: a consumer in its own loop goes
+        on with empty windows after the stream is over."""
     @property
     def to(self) -> str: ...
     @property

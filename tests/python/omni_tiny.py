@@ -93,11 +93,14 @@ def model(seed: int = 0, **kw: Any) -> Any:
             if p.dim() == 1 and ("norm" in name or "scale" in name or "alpha" in name
                                  or "beta" in name):
                 p.add_(torch.randn_like(p) * 0.1)
-        # transformers starts the talker's routers at zero: every expert ties, and which two
-        # win is then up to each implementation's topk; random routers route for real
+        # transformers starts the talker's routers at zero (every expert ties, and which two
+        # win is up to each implementation's topk) and leaves its fused experts uninitialised
+        # (torch.empty: mostly ~1e-43, now and then NaN): give both real random values
         for name, p in m.talker.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, 0.02)
         # At init code2wav's waveform peaks near 5e-5, where a tolerance of 1e-5 would prove
         # nothing; made loud, it peaks near 1 (a few samples clamp).
         for name, p in m.code2wav.named_parameters():

@@ -34,7 +34,8 @@ class ModelSpec(Section):
     """The model: ``factory`` (YAML ``class``, or its other spelling ``factory``) called with
     ``args`` (YAML ``args`` or ``kwargs``; JSON data, so every process can get them), or
     ``checkpoint``: a LeRobot policy directory (pi0, pi0.5, SmolVLA: served as that policy) or
-    a Llama checkpoint directory (served as a CausalLM). ``parent_kwargs``
+    a Qwen3-Omni directory (``model_type: qwen3_omni_moe``, served as Qwen3Omni) or a Llama
+    checkpoint directory (served as a CausalLM). ``parent_kwargs``
     override ``args`` in a placement parent that needs only the graph (e.g. ``{"device":
     "meta"}``). ``path``: folders put on sys.path first (relative to the config's folder).
     ``name``: the id clients see (default: the factory's name).
@@ -107,6 +108,10 @@ class ModelSpec(Section):
 
             if lerobot_family(ckpt) is not None:  # a LeRobot pi0 / pi0.5 / SmolVLA policy
                 return load_lerobot_policy(ckpt, **kwargs)
+            if _model_type(ckpt) == "qwen3_omni_moe":  # speech in, speech out
+                from mstar_rt.models.qwen3_omni.omni import Qwen3Omni
+
+                return Qwen3Omni.from_pretrained(str(ckpt), **kwargs)
             from mstar_rt.models.causal_lm import CausalLM
 
             return CausalLM.from_pretrained(str(ckpt), **kwargs)
@@ -170,3 +175,15 @@ def _import(module: str, base_dir: str) -> Any:
         sys.modules.pop(name, None)
         raise
     return mod
+
+
+def _model_type(checkpoint: Path) -> Optional[str]:
+    """``model_type`` of the checkpoint's config.json (None if it has none or cannot be read:
+    the loader that follows says what is wrong)."""
+    import json
+
+    try:
+        value = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

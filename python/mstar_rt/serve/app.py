@@ -9,7 +9,7 @@ import contextlib
 import hmac
 import json
 import time
-from typing import Any, AsyncIterator, Mapping, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, TypeVar, Union
 
 import anyio
 import numpy as np
@@ -120,7 +120,7 @@ class ServeState:
         """Records a finished request by the kind of its end; returns that kind."""
         from mstar_rt.runtime import RequestCancelled
 
-        cancelled = (RequestCancelled, _ClientGone, anyio.get_cancelled_exc_class())
+        cancelled = (RequestCancelled, ClientGone, anyio.get_cancelled_exc_class())
         status = ("ok" if error is None else "timeout" if isinstance(error, RequestTimeout)
                   else "deadline" if isinstance(error, DeadlineExceeded)
                   else "cancelled" if isinstance(error, cancelled) else "failed")
@@ -131,6 +131,7 @@ class ServeState:
 def create_app(deployment: Deployment) -> FastAPI:
     """The ASGI app serving ``deployment`` (``app.state.serve`` holds the shared state; call
     ``app.state.serve.close()`` after the server stops)."""
+    from mstar_rt.serve.chat_completions import add_chat_routes
     from mstar_rt.serve.openpi import add_policy_routes, check_input
 
     app = FastAPI(title=f"mstar_rt: {deployment.name}", docs_url=None, redoc_url=None)
@@ -153,7 +154,7 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     keyed = (401,) if d.api_key is not None else ()
 
-    @app.get("/v1/models", responses=_errors(*keyed))
+    @app.get("/v1/models", responses=error_responses(*keyed))
     async def models() -> dict:
         info = {"id": d.name, "object": "model", "created": d.created, "owned_by": "mstar_rt",
                 "capabilities": d.capabilities, "inputs": list(d.inputs)}
@@ -161,7 +162,7 @@ def create_app(deployment: Deployment) -> FastAPI:
             info["voices"] = list(d.speech.voices or ())
         return {"object": "list", "data": [info]}
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=_errors(*keyed))
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(*keyed))
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(state.metrics.render(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -170,33 +171,36 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     @app.post("/v1/audio/speech", response_class=Response,
               openapi_extra=request_body(SpeechBody.schema_for(d.name, voices)),
-              responses={200: _SPEECH_200, **_errors(400, *keyed, 404, 429, 500, 503, 504)})
+              responses={200: _SPEECH_200,
+                         **error_responses(400, *keyed, 404, 429, 500, 503, 504)})
     async def speech(request: Request) -> Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         inputs, fmt = _speech_inputs(d, body)
-        return await _start_stream(state, request, "/v1/audio/speech", inputs, 0, None,
-                                   lambda first, rest, t0: _audio(state, fmt, first, rest, t0),
-                                   "audio/wav" if fmt == "wav" else "audio/pcm",
-                                   {"X-Sample-Rate": str(d.speech.output_rate)})  # type: ignore
+        return await start_stream(state, request, "/v1/audio/speech", inputs, 0, None,
+                                  lambda first, rest, t0: _audio(state, fmt, first, rest, t0),
+                                  "audio/wav" if fmt == "wav" else "audio/pcm",
+                                  {"X-Sample-Rate": str(d.speech.output_rate)})  # type: ignore
 
     @app.post("/generate", response_class=Response,
               openapi_extra=request_body(GenerateBody.schema_for(
                   _input_schemas(d), [k for k in d.inputs if k not in d.optional_inputs])),
-              responses={200: _GENERATE_200, **_errors(400, *keyed, 429, 500, 503, 504)})
+              responses={200: _GENERATE_200,
+                         **error_responses(400, *keyed, 429, 500, 503, 504)})
     async def generate(request: Request) -> Response:
-        body = _parse(GenerateBody, await _json_body(request), inputs=d.inputs)
+        body = parse_body(GenerateBody, await json_body(request), inputs=d.inputs)
         try:
             inputs = {k: check_input(d.policy, k, decode_input(v, f"inputs.{k}"), f"inputs.{k}")
                       for k, v in body.inputs.items()}
         except ValueError as e:
             raise ApiError(400, str(e), param="inputs") from None
-        return await _start_stream(state, request, "/generate", inputs, body.priority,
-                                   body.deadline_s,
-                                   lambda first, rest, t0: _ndjson(first, rest, body.arrays),
-                                   "application/x-ndjson", {}, errors_inline=True,
-                                   fail_late=body.fail_late)
+        return await start_stream(state, request, "/generate", inputs, body.priority,
+                                  body.deadline_s,
+                                  lambda first, rest, t0: _ndjson(first, rest, body.arrays),
+                                  "application/x-ndjson", {}, errors_inline=True,
+                                  fail_late=body.fail_late)
 
     add_policy_routes(app, state)
+    add_chat_routes(app, state)
     return app
 
 
@@ -208,10 +212,14 @@ def _speech_inputs(d: Deployment, body: dict) -> tuple[dict, str]:
     if spec is None:
         raise ApiError(404, f"model {d.name!r} does not serve speech; its endpoints are "
                        "/generate and the policy websocket", code="not_speech_model")
-    req = _parse(SpeechBody, body)
+    req = parse_body(SpeechBody, body)
     if req.model is not None and req.model != d.name:
         raise ApiError(404, f"model {req.model!r} is not served here; use {d.name!r}",
                        param="model", code="model_not_found")
+    if d.chat is not None:  # an omni chat model: asked to read the text aloud
+        from mstar_rt.serve.chat_completions import speech_inputs
+
+        return speech_inputs(d.chat, req.input, req.voice), req.response_format
     if spec.voices and req.voice is not None and req.voice not in spec.voices:
         raise ApiError(400, f"unknown voice {req.voice!r}; this model speaks "
                        f"{list(spec.voices)}", param="voice")
@@ -278,12 +286,14 @@ async def _ndjson(first: Optional[tuple], rest: AsyncIterator, arrays: str
 # ---- the shared streaming path -----------------------------------------------------------------
 
 
-async def _start_stream(state: ServeState, request: Request, endpoint: str, inputs: dict,
-                        priority: int, deadline: Optional[float], render: Any, media_type: str,
-                        headers: dict, errors_inline: bool = False,
-                        fail_late: bool = False) -> Response:
+async def start_stream(state: ServeState, request: Request, endpoint: str, inputs: dict,
+                       priority: int, deadline: Optional[float], render: Any, media_type: str,
+                       headers: dict,
+                       errors_inline: Union[bool, Callable[[BaseException], bytes]] = False,
+                       fail_late: bool = False) -> Response:
     """Admits and submits the request, waits for its first output (so a request that fails
-    before producing anything gets a plain HTTP error), then streams the rest."""
+    before producing anything gets a plain HTTP error), then streams the rest. A failure
+    mid-stream breaks it off, or ends it with an error line (``errors_inline(error)``'s)."""
     started = time.monotonic()
     bridge = state.bridge
     try:
@@ -298,22 +308,22 @@ async def _start_stream(state: ServeState, request: Request, endpoint: str, inpu
             raise ApiError(400, f"{type(e).__name__}: {e}") from None
         except DeadlineExceeded as e:  # refused at submit: the queue ahead is too long
             state.metrics.requests.inc(endpoint, "deadline")
-            raise _error_of(e) from None
+            raise error_of(e) from None
         outputs = bridge.outputs(handle, started)
         try:
             first: Optional[tuple] = await _first(outputs, request)
         except StopAsyncIteration:
             first = None
-        except _ClientGone:
+        except ClientGone:
             raise
         except Exception as e:
-            raise _error_of(e) from None
+            raise error_of(e) from None
     except BaseException as e:
         bridge.admission.leave()
         if outputs is not None:
             with anyio.CancelScope(shield=True):
                 await outputs.aclose()
-        if isinstance(e, _ClientGone):
+        if isinstance(e, ClientGone):
             state.metrics.requests.inc(endpoint, "cancelled")
             return Response(status_code=499)  # nobody reads it
         raise
@@ -342,30 +352,39 @@ async def _start_stream(state: ServeState, request: Request, endpoint: str, inpu
             await close(e)
             if not errors_inline:
                 raise  # raw audio has no error frame: the client sees a broken stream
+            if callable(errors_inline):
+                yield errors_inline(e)
+                return
             yield (json.dumps({"error": {"type": type(e).__name__, "message": str(e)}})
                    + "\n").encode()
             return
         except BaseException:  # closed or cancelled mid-stream: the client left
-            await close(_ClientGone())
+            await close(ClientGone())
             raise
         await close(None)
 
     response = _Stream(body(), media_type=media_type, headers=headers)
-    response.on_close = lambda: close(_ClientGone())
+    response.on_close = lambda: close(ClientGone())
     return response
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client disconnected (its request is cancelled)."""
 
 
 async def _first(outputs: AsyncIterator, request: Request) -> tuple:
     """The first output, unless the client leaves first (then the request is cancelled)."""
+    return await unless_gone(outputs.__anext__(), request)
+
+
+async def unless_gone(work: Awaitable[Any], request: Request) -> Any:
+    """``work``'s result, unless the client leaves first: then ``work`` is cancelled and
+    :class:`ClientGone` raised."""
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    nxt = asyncio.ensure_future(outputs.__anext__())
+    nxt = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(gone())
     try:
         await asyncio.wait({nxt, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -378,11 +397,11 @@ async def _first(outputs: AsyncIterator, request: Request) -> tuple:
         nxt.cancel()
         with contextlib.suppress(BaseException):
             await nxt
-        raise _ClientGone()
+        raise ClientGone()
     return nxt.result()
 
 
-def _error_of(e: BaseException) -> ApiError:
+def error_of(e: BaseException) -> ApiError:
     from mstar_rt.runtime import RequestCancelled, RequestFailed
 
     if isinstance(e, DeadlineExceeded):  # 503: come back later; 504: it ran out of time
@@ -401,7 +420,7 @@ def _error_of(e: BaseException) -> ApiError:
 # ---- small checks ------------------------------------------------------------------------------
 
 
-async def _json_body(request: Request) -> dict:
+async def json_body(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
@@ -414,7 +433,7 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-def _parse(cls: type[_B], body: dict, **context: Any) -> _B:
+def parse_body(cls: type[_B], body: dict, **context: Any) -> _B:
     try:
         return parse(cls, body, **context)
     except BadBody as e:
@@ -470,7 +489,7 @@ def _nested_arrays(shape: tuple, dtype: Optional[str]) -> dict[str, Any]:
     return item
 
 
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` for these error statuses, each an :class:`ErrorBody`."""
     return {s: {"model": ErrorBody, "description": _ERRORS[s]} for s in statuses}
 

@@ -1,5 +1,6 @@
 """A deployment: one served model behind one runtime, with what the front-end needs to know about
-it (its name, how speech and policy requests map onto its inputs and EMITs, the limits)."""
+it (its name, how speech, chat and policy requests map onto its inputs and EMITs, the
+limits)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from mstar_rt.serve.config import PolicySpec, ServeConfig, SpeechSpec
 class Deployment:
     """``runtime`` is anything with ``submit(inputs, deadline=, priority=) -> handle``,
     ``close()`` and ``live`` (the in-process :class:`~mstar_rt.Runtime`, or a multi-process
-    one); ``inputs`` are the model's input names, ``optional_inputs`` those with a default."""
+    one); ``inputs`` are the model's input names, ``optional_inputs`` those with a default;
+    ``chat`` is set for a speech-in, speech-out chat model (an
+    :class:`~mstar_rt.models.qwen3_omni.chat.OmniChat`), which serves /v1/chat/completions."""
 
     runtime: Any
     name: str
@@ -25,6 +28,7 @@ class Deployment:
     max_concurrent_requests: int = 64
     request_timeout_s: Optional[float] = None
     api_key: Optional[str] = None
+    chat: Optional[Any] = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @staticmethod
@@ -32,9 +36,17 @@ class Deployment:
                   speech: Optional[SpeechSpec] = None, policy: Optional[PolicySpec] = None,
                   **kw: Any) -> "Deployment":
         """Fills what the config leaves out from the model: a model with a ``sample_rate``
-        serves speech (its ``voices``, if it has them, are the voices accepted); a model with
-        ``openpi_defaults()`` (a LeRobot policy) gives the policy mapping."""
-        if speech is None and hasattr(model, "sample_rate"):
+        serves speech (its ``voices``, if it has them, are the voices accepted); an omni chat
+        model (Qwen3-Omni: inputs ``prompt`` and ``audio_features``, see
+        :meth:`OmniChat.of`) serves chat, and speech from a chat prompt with its ``speakers``
+        as voices; a model with ``openpi_defaults()`` (a LeRobot policy) gives the policy
+        mapping."""
+        omni = {"prompt", "audio_features"} <= set(getattr(model, "inputs", ()) or ())
+        chat = _omni_chat(model) if omni else None  # None without a tokenizer
+        if speech is None and chat is not None:
+            speech = SpeechSpec(text_input="prompt", voice_input="speaker", audio_output="audio",
+                                voices=list(chat.speakers))
+        if speech is None and hasattr(model, "sample_rate") and not omni:
             speech = SpeechSpec()
         if speech is not None:
             missing = [k for k in (speech.text_input, speech.voice_input)
@@ -55,7 +67,7 @@ class Deployment:
         return Deployment(runtime=runtime, name=name or type(model).__name__,
                           inputs=tuple(model.inputs), speech=speech,
                           optional_inputs=tuple(getattr(model, "input_defaults", None) or ()),
-                          policy=policy or PolicySpec(), **kw)
+                          policy=policy or PolicySpec(), chat=chat, **kw)
 
     @staticmethod
     def from_config(config: ServeConfig, model: Any, runtime: Any) -> "Deployment":
@@ -66,4 +78,12 @@ class Deployment:
 
     @property
     def capabilities(self) -> list[str]:
-        return ["generate", "policy"] + (["speech"] if self.speech is not None else [])
+        return (["generate", "policy"] + (["speech"] if self.speech is not None else [])
+                + (["chat"] if self.chat is not None else []))
+
+
+def _omni_chat(model: Any) -> Optional[Any]:
+    """The chat view of a model taking ``prompt`` and ``audio_features``, if it has one."""
+    from mstar_rt.models.qwen3_omni.chat import OmniChat
+
+    return OmniChat.of(model)

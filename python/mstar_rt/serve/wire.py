@@ -83,10 +83,14 @@ def pcm16(audio: np.ndarray) -> bytes:
     return (x * 32767.0).round().astype("<i2").tobytes()
 
 
-def wav_header(sample_rate: int, channels: int = 1, bits: int = 16) -> bytes:
-    """A 44-byte PCM WAV header for a stream: RIFF and data sizes are 0xFFFFFFFF (unknown)."""
+def wav_header(sample_rate: int, channels: int = 1, bits: int = 16,
+               data_size: Optional[int] = None) -> bytes:
+    """A 44-byte PCM WAV header: for ``data_size`` bytes of samples, or for a stream (RIFF and
+    data sizes 0xFFFFFFFF, unknown)."""
     block = channels * bits // 8
-    return (b"RIFF" + struct.pack("<I", STREAMING_SIZE) + b"WAVE"
+    riff = STREAMING_SIZE if data_size is None else 36 + data_size
+    data = STREAMING_SIZE if data_size is None else data_size
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE"
             + b"fmt " + struct.pack("<IHHIIHH", 16, 1, channels, sample_rate,
                                     sample_rate * block, block, bits)
-            + b"data" + struct.pack("<I", STREAMING_SIZE))
+            + b"data" + struct.pack("<I", data))

@@ -28,6 +28,8 @@ from torch.nn import functional as F
 
 from mstar_rt.engines.sampling import SamplingParams, make_generator, sample
 from mstar_rt.models.llama import RMSNorm
+from mstar_rt.models.qwen3_omni.moe import SwiGLU
+from mstar_rt.models.qwen3_omni.text_lm import QKNormAttention
 from mstar_rt.models.rope import RopeConfig, Rotary
 
 #: What transformers uses when the talker samples: ``top_k=50, top_p=0.8`` at temperature 1.
@@ -150,29 +152,17 @@ class PredictorState:
         return out
 
 
-class PredictorAttention(nn.Module):
-    """GQA with per-head RMSNorm on q and k (Qwen3), over the state's dense cache."""
+class PredictorAttention(QKNormAttention):
+    """Qwen3 attention over the state's dense cache (rows ``start ..`` of this frame)."""
 
     def __init__(self, c: CodePredictorConfig, layer: int) -> None:
-        super().__init__()
-        self.layer, self.heads, self.kv_heads, self.head_dim = (
-            layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        bias = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        super().__init__(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim, c.attention_bias, c.rms_norm_eps, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 state: PredictorState, start: int) -> torch.Tensor:
         b, t, _ = x.shape
-        q = Rotary.apply(self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)),
-                         cos, sin)
-        k = Rotary.apply(self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)),
-                         cos, sin)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k, v = self.project(x, cos, sin)
         end = start + t
         state.keys[self.layer, :, :, start:end] = k.transpose(1, 2)
         state.values[self.layer, :, :, start:end] = v.transpose(1, 2)
@@ -182,22 +172,11 @@ class PredictorAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class PredictorMLP(nn.Module):
-    def __init__(self, c: CodePredictorConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class PredictorLayer(nn.Module):
     def __init__(self, c: CodePredictorConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = PredictorAttention(c, layer)
-        self.mlp = PredictorMLP(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

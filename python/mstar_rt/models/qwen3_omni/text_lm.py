@@ -126,29 +126,45 @@ def _rope(config: Mapping[str, Any], source: str) -> RopeConfig:
     return RopeConfig.from_hf(config, source)
 
 
-class Attention(nn.Module):
-    """GQA with per-head q/k RMSNorm (applied before RoPE), attending through the KV step."""
+class QKNormAttention(nn.Module):
+    """GQA projections with per-head RMSNorm on q and k (applied before RoPE), as Qwen3 has
+    them: the part of attention that is the same whatever cache it attends over (the paged KV
+    step here, the code predictor's dense per-frame cache)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool,
+                 eps: float, layer: int) -> None:
+        super().__init__()
+        self.layer, self.heads, self.kv_heads, self.head_dim = layer, heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [..., hidden]`` -> rotated q ``[..., heads, d]``, rotated k and v
+        ``[..., kv_heads, d]``."""
+        lead = x.shape[:-1]
+        q = self.q_norm(self.q_proj(x).view(*lead, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(*lead, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v
+
+
+class Attention(QKNormAttention):
+    """Attends through the paged KV step."""
 
     def __init__(self, c: TextLMConfig, layer: int) -> None:
-        super().__init__()
-        self.layer, self.heads, self.kv_heads, self.head_dim = (
-            layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        bias = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        super().__init__(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim, c.attention_bias, c.rms_norm_eps, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: KVStep) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        out = step.attend(self.layer, Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v)
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        q, k, v = self.project(x, cos, sin)
+        out = step.attend(self.layer, q, k, v)
+        return self.o_proj(out.reshape(x.shape[0], self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
