@@ -1,9 +1,9 @@
 """Real-time audio: PortAudio streams over C++ rings, a streaming resampler, voice activity
 detection with endpointing, speech recognition (PocketSphinx, or Whisper from a local
 checkpoint), text to speech (Piper, espeak-ng, or Orpheus), the voice agent, whose response node
-is a command responder or an LM walk, and per-request speech streaming metrics. Device and model
-modules load on first use (sounddevice loads libportaudio; the VAD and recognizer load their
-bundled models)."""
+is a command responder or an LM walk (or, speech to speech, an omni model), and per-request
+speech streaming metrics. Device and model modules load on first use (sounddevice loads
+libportaudio; the VAD and recognizer load their bundled models)."""
 
 import importlib
 from typing import Any
@@ -17,7 +17,7 @@ _LAZY = {
     "ROBOT_COMMANDS_JSGF": "asr",
     "PiperTTS": "tts", "EspeakTTS": "tts", "default_tts": "tts",
     "VoiceAgent": "agent", "ReplyModel": "agent", "CommandResponder": "commands",
-    "open_agent": "agent",
+    "open_agent": "agent", "OmniVoiceAgent": "omni_reply", "open_omni_agent": "omni_reply",
     "LMResponder": "lm_responder", "WhisperASR": "whisper", "OrpheusSpeech": "tts",
     "SpeechMetrics": "speech_metrics", "SpeechMeter": "speech_metrics",
     "Turn": "turns", "VoiceStats": "turns", "CommandGrammar": "grammar",

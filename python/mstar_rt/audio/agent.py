@@ -46,6 +46,11 @@ __all__ = ["RATE", "WINDOW", "CommandResponder", "ListenModel", "ReplyModel", "T
 
 # ---- the agent -----------------------------------------------------------------------------
 
+def check_input(input: Any) -> None:
+    if getattr(input, "target_rate", RATE) != RATE:
+        raise ValueError(f"the input must deliver {RATE} Hz (AudioInput(target_rate={RATE}))")
+
+
 class VoiceAgent:
     """``VoiceAgent(input, output, vad, endpointer, asr, responder, tts)``; ``start()``,
     ``stop()``, or use it as a context manager. ``turns`` lists :class:`Turn` records.
@@ -64,23 +69,39 @@ class VoiceAgent:
                  responder: Callable[[str], str], tts: TTS, barge_in: bool = True,
                  use_runtime: bool = True, reply_timeout: float = 30.0, preemptive: bool = True,
                  complete: Optional[Callable[[str], bool]] = None, partial: Any = None) -> None:
-        if getattr(input, "target_rate", RATE) != RATE:
-            raise ValueError(f"the input must deliver {RATE} Hz (AudioInput(target_rate={RATE}))")
+        check_input(input)
         if getattr(output, "source_rate", tts.sample_rate) != tts.sample_rate:
             raise ValueError(f"the output must take the TTS rate {tts.sample_rate} Hz "
                              f"(AudioOutput(source_rate={tts.sample_rate}))")
+        self.asr, self.responder, self.tts = asr, responder, tts
+        runtime = None
+        if use_runtime:
+            from mstar_rt.runtime import Runtime
+            runtime = Runtime(ReplyModel(asr, responder, tts), poll_s=0.01)
+        self.listen(input, output, vad, endpointer, runtime, barge_in, reply_timeout,
+                     preemptive and use_runtime, complete, partial)
+
+    @staticmethod
+    def omni(model: Any, input: Any, output: Any, vad: Any, endpointer: Any,
+             **options: Any) -> "VoiceAgent":
+        """A speech-to-speech agent: the utterance's audio goes into an omni model (e.g.
+        Qwen3-Omni), whose speech streams to the output; see
+        :class:`~mstar_rt.audio.omni_reply.OmniVoiceAgent` for the ``options``."""
+        from mstar_rt.audio.omni_reply import OmniVoiceAgent
+        return OmniVoiceAgent(model, input, output, vad, endpointer, **options)
+
+    def listen(self, input: Any, output: Any, vad: Any, endpointer: Any, runtime: Any,
+               barge_in: bool, reply_timeout: float, preemptive: bool,
+               complete: Optional[Callable[[str], bool]] = None, partial: Any = None) -> None:
+        """The state every kind of reply shares (streams, listening, turns, barge-in); a
+        constructor calls it once."""
         self.input, self.output = input, output
-        self.vad, self.endpointer, self.asr = vad, endpointer, asr
-        self.responder, self.tts = responder, tts
+        self.vad, self.endpointer, self.runtime = vad, endpointer, runtime
         self.barge_in, self.reply_timeout = barge_in, reply_timeout
-        self.preemptive = preemptive and use_runtime
+        self.preemptive = preemptive
         self.complete, self.partial = complete, partial
         if self.preemptive or partial is not None:
             endpointer.pauses = True
-        self.runtime = None
-        if use_runtime:
-            from mstar_rt.runtime import Runtime
-            self.runtime = Runtime(ReplyModel(asr, responder, tts), poll_s=0.01)
         self._preempt: Optional[ReplyStream] = None  # the reply started at the current pause
         self._wasted, self._cancelled = 0.0, 0  # preemptive work dropped in this utterance
         self._utt = -1  # the utterance the endpointer is in (counting its starts)
@@ -146,6 +167,19 @@ class VoiceAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def track_reply(self, handle: Any) -> None:
+        """Makes ``handle`` the request a barge-in cancels; cancels it at once if the user
+        already spoke over this turn."""
+        with self._lock:
+            self._handle = handle
+            if self._cancel.is_set():
+                handle.cancel()
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a barge-in cut the reply being played."""
+        return self._cancel.is_set()
 
     def stats(self) -> VoiceStats:
         """Per-stage latency over the turns so far."""
@@ -330,10 +364,7 @@ class VoiceAgent:
             stream = self._submit(audio)
         while True:
             turn.submitted = stream.submitted
-            with self._lock:
-                self._handle = stream.handle
-                if self._cancel.is_set():
-                    stream.handle.cancel()
+            self.track_reply(stream.handle)
             # A watchdog turns a hung request into a cancelled one instead of a hung thread.
             timer = threading.Timer(self.reply_timeout, stream.handle.cancel)
             timer.daemon = True
