@@ -135,7 +135,7 @@ def main() -> int:
     print(f"{'one request, whole (s)':34}{result['ours_request_s']:12.2f}"
           f"{result['hf_generate_s']:14.2f}")
     for n, v in rows.items():
-        theirs = f"{hf_rate:14.2f}" if n == 1 else f"{'(one at a time)':>14}"
+        theirs = f"{hf_rate:14.2f}" if n == 1 else f"{'one at a time':>16}"
         print(f"{f'audio s / wall s, {n} concurrent':34}{v:12.2f}{theirs}")
     for k, v in result["ratios"].items():
         print(f"{k:34}{v:12.2f}")
