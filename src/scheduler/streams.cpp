@@ -14,10 +14,11 @@ using detail::Slot;
 using detail::StreamState;
 using detail::now_ns;
 
-/// A stream's producer scope starting again (an outer loop's next iteration) starts a fresh
-/// stream: positions, chunks and the end-of-stream flag begin anew.
+/// A stream's producer scope, or the section holding it and the consumer, starting again (an
+/// outer loop's next iteration) starts a fresh stream: positions, chunks and the end-of-stream
+/// flag begin anew -- before the consumer can look at it, whichever of the two starts first.
 void Conductor::Impl::restart_streams(Request& r, std::uint32_t section, Outcome* out) {
-  for (int st : index[r.walk].ends_streams[section]) {
+  for (int st : index[r.walk].restarts_streams[section]) {
     StreamState& s = r.streams[static_cast<std::size_t>(st)];
     if (s.written == 0 && !s.ended) continue;  // first use: nothing to reset
     for (Handle h : s.items) release(h, out);

@@ -34,9 +34,11 @@ void Conductor::Impl::validate_and_index() {
     ix.produces_streams.resize(g.nodes.size());
     ix.consumes_streams.assign(g.nodes.size(), {});
     ix.ends_streams.resize(w.sections.size());
+    ix.restarts_streams.resize(w.sections.size());
     ix.persist.assign(n_names, 0);
     if (w.root >= w.sections.size()) bad("walk '" + w.name + "' has no root section");
     std::vector<std::uint8_t> has_parent(w.sections.size(), 0);
+    std::vector<int> parent(w.sections.size(), -1);
     for (std::uint32_t s = 0; s < w.sections.size(); ++s) {
       const SectionSpec& sec = w.sections[s];
       for (std::uint32_t c : sec.children) {
@@ -45,6 +47,7 @@ void Conductor::Impl::validate_and_index() {
         if (c >= w.sections.size() || c == w.root || has_parent[c])
           bad("walk '" + w.name + "' sections do not form a tree");
         has_parent[c] = 1;
+        parent[c] = static_cast<int>(s);
       }
       if (sec.kind == SectionKind::loop) {
         if (sec.dynamic && sec.loop_name >= n_names) bad("walk '" + w.name + "' has a loop with an unknown name id");
@@ -87,6 +90,19 @@ void Conductor::Impl::validate_and_index() {
       ix.produces_streams[st.producer].push_back(static_cast<int>(k));
       ix.consumes_streams[st.consumer].push_back(static_cast<int>(k));
       ix.ends_streams[st.producer_scope].push_back(static_cast<int>(k));
+      ix.restarts_streams[st.producer_scope].push_back(static_cast<int>(k));
+      // The innermost section holding the producer scope and the consumer (at most
+      // sections.size() steps up: a cycle the root never reaches is not walked forever).
+      const auto at = [](int x) { return static_cast<std::size_t>(x); };
+      std::vector<std::uint8_t> above_scope(w.sections.size(), 0);
+      for (int x = static_cast<int>(st.producer_scope); x >= 0 && !above_scope[at(x)];
+           x = parent[at(x)])
+        above_scope[at(x)] = 1;
+      int common = ix.node_section[st.consumer];
+      for (std::size_t up = 0; common >= 0 && !above_scope[at(common)]; ++up)
+        common = up < w.sections.size() ? parent[at(common)] : -1;
+      if (common >= 0 && common != static_cast<int>(st.producer_scope))
+        ix.restarts_streams[at(common)].push_back(static_cast<int>(k));
     }
     for (NodeId n = 0; n < g.nodes.size(); ++n) {
       auto& mine = ix.consumes_streams[n];

@@ -16,6 +16,11 @@ struct WalkIndex {
   // node -> the streams it consumes, in the order of its inputs (empty if none)
   std::vector<std::vector<int>> consumes_streams;
   std::vector<std::vector<int>> ends_streams;     // section -> streams its end closes
+  // section -> streams that start afresh when it starts: each stream's producer scope, and the
+  // innermost section holding both that scope and the consumer (so that a consumer that starts
+  // before the producer scope, e.g. first in a Parallel inside an outer loop, never sees the
+  // previous iteration's stream)
+  std::vector<std::vector<int>> restarts_streams;
   std::vector<std::uint8_t> persist;              // name -> kept across walks
 };
 
