@@ -58,19 +58,21 @@ class PyConductor {
   /// Outcome(emits [(request, name, value)], walks_done [request], failed [(request, message)],
   /// expired [(request, node, refused, seconds late)])
   py::tuple outcome(const Outcome& o) {
-    if (o.emits.empty() && o.walks_done.empty() && o.failed.empty()) {
+    if (o.emits.empty() && o.walks_done.empty() && o.failed.empty() && o.part_choices.empty()) {
       for (Handle h : o.released) drop(h);
       return empty_outcome_;  // most completions change nothing the caller acts on
     }
-    py::list emits, done, failed, expired;
+    py::list emits, done, failed, expired, parts;
     for (const Emit& e : o.emits) emits.append(py::make_tuple(e.request, names_[e.name], value(e.handle)));
     for (RequestId r : o.walks_done) done.append(r);
     for (const auto& [r, msg] : o.failed) failed.append(py::make_tuple(r, msg));
     for (const Expired& x : o.expired)
       expired.append(py::make_tuple(x.request, c_->graph().nodes[x.node].name, x.refused,
                                     static_cast<double>(x.late_ns) * 1e-9));
+    for (const PartChoice& p : o.part_choices)
+      parts.append(py::make_tuple(p.request, p.section, names_[p.part], p.finished));
     for (Handle h : o.released) drop(h);  // after the emits took their values
-    return py::reinterpret_borrow<py::tuple>(new_outcome(emits, done, failed, expired));
+    return py::reinterpret_borrow<py::tuple>(new_outcome(emits, done, failed, expired, parts));
   }
 
   /// Fails the fail_late requests whose queued work is past its deadline; their outcome.
@@ -229,6 +231,13 @@ class PyConductor {
     Outcome out;
     c_->start_walk(r, w, &out);  // false: cancelled meanwhile, and the outcome is empty
     return outcome(out);
+  }
+  /// (chosen, outcome): starts sub-walk `child` of the Part at `section`, or ends it (-1);
+  /// chosen is False when the request ended meanwhile.
+  py::tuple choose_part(RequestId r, std::uint32_t section, int child) {
+    Outcome out;
+    const bool ok = c_->choose_part(r, section, child, &out);
+    return py::make_tuple(ok, outcome(out));
   }
   py::tuple finish(RequestId r) {
     Outcome out;
@@ -400,7 +409,7 @@ class PyConductor {
   py::object runner_object_ = py::none();
   bool finish_walks_ = false;
   py::tuple empty_outcome_ = py::reinterpret_borrow<py::tuple>(
-      new_outcome(py::tuple(), py::tuple(), py::tuple(), py::tuple()));
+      new_outcome(py::tuple(), py::tuple(), py::tuple(), py::tuple(), py::tuple()));
   py::object reporter_ = py::none();
   std::vector<py::str> names_;
   std::vector<std::vector<py::str>> outputs_;
@@ -425,6 +434,8 @@ waiting) and report complete(); each call that changes state returns its outcome
       .def("expire", &PyConductor::expire)
       .def("set_reporter", &PyConductor::set_reporter, py::arg("reporter"))
       .def("start_walk", &PyConductor::start_walk)
+      .def("choose_part", &PyConductor::choose_part, py::arg("request"), py::arg("section"),
+           py::arg("child"))
       .def("finish", &PyConductor::finish)
       .def("cancel", &PyConductor::cancel)
       .def("fail", &PyConductor::fail)

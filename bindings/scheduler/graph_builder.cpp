@@ -48,7 +48,9 @@ void bind_graph_builder(py::module_& m) {
                   py::arg("accumulated") = std::vector<std::string>{})
       .def_static("dynamic_loop", &Section::dynamic_loop, py::arg("name"), py::arg("body"),
                   py::arg("max_iters"), py::arg("outputs") = std::vector<std::string>{},
-                  py::arg("accumulated") = std::vector<std::string>{});
+                  py::arg("accumulated") = std::vector<std::string>{})
+      .def_static("part", &Section::part, py::arg("name"), py::arg("walks"),
+                  "A Part: sub-walks [(key, section)] the model chooses among at run time.");
   py::implicitly_convertible<py::str, Section>();
 
   // Opaque to Python but for what the runtime needs to look up by name; the Conductor takes it

@@ -22,10 +22,12 @@ PyStructSequence_Field outcome_fields[] = {
     {"walks_done", "[request] whose walk ended: ask the model for the next walk"},
     {"failed", "[(request, message)] that ended with an error"},
     {"expired", "[(request, node, refused, late_s)]: those of failed that their deadline ended"},
+    {"part_choices", "[(request, section, part, finished)]: a Part waits for the model to choose "
+                     "its next walk (finished: the index of the walk that ended, -1 at its start)"},
     {nullptr, nullptr}};
 PyStructSequence_Desc outcome_desc = {
     "mstar_rt._core.Outcome", "What a Conductor call changed that the caller acts on.",
-    outcome_fields, 4};
+    outcome_fields, 5};
 
 PyTypeObject* work_item_type = nullptr;
 PyTypeObject* outcome_type = nullptr;
@@ -49,9 +51,11 @@ py::object new_work_item(std::uint64_t id, std::uint64_t request, std::uint32_t 
 }
 
 py::object new_outcome(const py::object& emits, const py::object& walks_done,
-                       const py::object& failed, const py::object& expired) {
+                       const py::object& failed, const py::object& expired,
+                       const py::object& part_choices) {
   return make(outcome_type, {emits.inc_ref().ptr(), walks_done.inc_ref().ptr(),
-                             failed.inc_ref().ptr(), expired.inc_ref().ptr()});
+                             failed.inc_ref().ptr(), expired.inc_ref().ptr(),
+                             part_choices.inc_ref().ptr()});
 }
 
 void bind_records(py::module_& m) {

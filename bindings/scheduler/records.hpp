@@ -14,11 +14,13 @@ namespace py = pybind11;
 py::object new_work_item(std::uint64_t id, std::uint64_t request, std::uint32_t iteration,
                          const py::object& inputs, const py::object& chunk);
 
-/// Outcome(emits, walks_done, failed, expired): what a Conductor call changed that the caller
+/// Outcome(emits, walks_done, failed, expired, part_choices): what a Conductor call changed that the caller
 /// acts on: emits [(request, name, value)], walks_done [request], failed [(request, message)],
-/// expired [(request, node name, refused, seconds late)] (those of `failed` their deadline ended).
+/// expired [(request, node name, refused, seconds late)] (those of `failed` their deadline ended),
+/// part_choices [(request, section, part name, finished child or -1)].
 py::object new_outcome(const py::object& emits, const py::object& walks_done,
-                       const py::object& failed, const py::object& expired);
+                       const py::object& failed, const py::object& expired,
+                       const py::object& part_choices);
 
 void bind_records(py::module_& m);
 

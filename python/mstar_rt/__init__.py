@@ -15,6 +15,7 @@ from mstar_rt.robot import ActionChunkBuffer, ControlLoop, LatencyTracker, Simul
 from mstar_rt.graph import (
     EMIT,
     DynamicLoop,
+    Part,
     GraphEdge,
     GraphError,
     GraphNode,
@@ -53,6 +54,7 @@ __all__ = [
     "TickInfo",
     "EMIT",
     "DynamicLoop",
+    "Part",
     "GraphEdge",
     "GraphError",
     "GraphNode",

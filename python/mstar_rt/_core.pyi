@@ -33,6 +33,9 @@ class Outcome(tuple[Any, ...]):
     @property
     def expired(self) -> list[tuple[int, str, bool, float]]:
         """[(request, node, refused, late_s)]: those of failed that their deadline ended"""
+    @property
+    def part_choices(self) -> list[tuple[int, int, str, int]]:
+        """[(request, section, part, finished)]: a Part waits for the model to choose its next walk (finished: the index of the walk that ended, -1 at its start)"""
 
 @final
 class WorkItem(tuple[Any, ...]):
@@ -249,6 +252,9 @@ class Section:
         outputs: Sequence[str] = ...,
         accumulated: Sequence[str] = ...,
     ) -> Section: ...
+    @staticmethod
+    def part(name: str, walks: Sequence[tuple[str, Section | str]]) -> Section:
+        """A Part: sub-walks [(key, section)] the model chooses among at run time."""
 
 class GraphSpec:
     """The compiled graph IR (mstar::GraphSpec)."""
@@ -321,6 +327,7 @@ class Conductor:
     def expire(self) -> _Outcome: ...
     def set_reporter(self, reporter: Any) -> None: ...
     def start_walk(self, request: int, walk: int, /) -> _Outcome: ...
+    def choose_part(self, request: int, section: int, child: int) -> tuple[bool, _Outcome]: ...
     def finish(self, request: int, /) -> tuple[bool, _Outcome]: ...
     def cancel(self, request: int, /) -> tuple[bool, _Outcome]: ...
     def fail(self, request: int, message: str, /) -> _Outcome: ...

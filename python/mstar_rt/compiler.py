@@ -14,8 +14,8 @@ Walks are lowered with an explicit stack, not recursion, so no walk raises Recur
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
 from mstar_rt import _core
 from mstar_rt.graph import (
@@ -29,6 +29,7 @@ from mstar_rt.graph import (
     Loop,
     Output,
     Parallel,
+    Part,
     SectionLike,
     Sequential,
     StreamingGraphEdge,
@@ -48,6 +49,8 @@ class CompiledGraph:
     name_ids: dict[str, int]
     node_outputs: list[tuple[str, ...]]
     node_inputs: list[tuple[str, ...]]
+    #: (walk, Part name) -> the keys of its sub-walks, in declaration order (child indices)
+    parts: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, spec: _core.GraphSpec) -> "CompiledGraph":
@@ -98,10 +101,30 @@ def _loop_count(s: Loop, label: str, walk: str) -> int:
     return count
 
 
-def _section(root: Any, walk: str) -> _core.Section:
+def _part_walks(s: Part, walk: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """A Part's keys and sub-walks; GraphError naming the Part and walk for what is not a
+    non-empty map of str keys."""
+    if not isinstance(s.name, str) or not s.name:
+        raise GraphError(f"a Part in walk '{walk}' has name {s.name!r}; name it with a non-empty "
+                         "str (the model's next_part_walk is asked by it)")
+    if not isinstance(s.walks, Mapping):
+        raise GraphError(f"Part '{s.name}' in walk '{walk}' has walks {s.walks!r}; give a dict "
+                         "of sub-walks by name")
+    if not s.walks:
+        raise GraphError(f"Part '{s.name}' in walk '{walk}' has no walks; give it at least one")
+    for k in s.walks:
+        if not isinstance(k, str) or not k:
+            raise GraphError(f"Part '{s.name}' in walk '{walk}' has a walk named {k!r}; name "
+                             "each walk with a non-empty str")
+    return tuple(s.walks), tuple(s.walks.values())
+
+
+def _section(root: Any, walk: str,
+             parts: Optional[dict[tuple[str, str], tuple[str, ...]]] = None) -> _core.Section:
     """Lowers one walk's section tree, depth first with an explicit stack: a section is built
     once its children are. A section object met again (used in two places) is built once, but
     counts once per place toward :data:`MAX_WALK_SECTIONS`, as the builder copies it to each."""
+    parts_out = parts
     if isinstance(root, str):
         return _core.Section(root)
     built: dict[int, tuple[_core.Section, int, int]] = {}  # id -> (section, places, depth)
@@ -128,6 +151,11 @@ def _section(root: Any, walk: str) -> _core.Section:
                 made = _core.Section.seq(parts)
             elif kind is Parallel:
                 made = _core.Section.par(parts)
+            elif kind is Part:
+                keys = tuple(s.walks)
+                made = _core.Section.part(s.name, list(zip(keys, parts)))
+                if parts_out is not None:
+                    parts_out[(walk, s.name)] = keys
             elif kind is DynamicLoop:
                 made = _core.Section.dynamic_loop(s.name, parts[0], count, list(s.outputs),
                                                   list(s.accumulated_outputs))
@@ -144,9 +172,11 @@ def _section(root: Any, walk: str) -> _core.Section:
             kind, children = Parallel, tuple(s.branches)
         elif isinstance(s, Loop):
             kind, children = DynamicLoop if isinstance(s, DynamicLoop) else Loop, (s.section,)
+        elif isinstance(s, Part):
+            kind, children = Part, _part_walks(s, walk)[1]
         else:
             raise GraphError(f"{s!r} is not a section; use a node name, Sequential, Parallel, "
-                             "Loop or DynamicLoop")
+                             "Loop, DynamicLoop or Part")
         if id(s) in path:
             raise GraphError(f"walk '{walk}' has a {type(s).__name__} inside itself; a section "
                              "cannot contain itself")
@@ -198,6 +228,9 @@ def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
         builder.node(n.name, list(n.inputs), [_edge(o, n.name) for o in n.outputs],
                      engine_of.get(n.name, "default"),
                      _max_batch(n.name, max_batch_of.get(n.name, 1)), n.name in stream_end_nodes)
+    parts: dict[tuple[str, str], tuple[str, ...]] = {}
     for name, root in walks.items():
-        builder.walk(name, _section(root, name))
-    return CompiledGraph.of(builder.compile())
+        builder.walk(name, _section(root, name, parts))
+    compiled = CompiledGraph.of(builder.compile())
+    compiled.parts = parts
+    return compiled

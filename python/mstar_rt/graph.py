@@ -16,7 +16,7 @@ naming the walk. Sections print and compare without recursion, so even such a wa
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 # GraphError (a ValueError) is the graph compiler's (C++, mstar::GraphError): it raises it for a
 # malformed graph or walk, and the DSL here for a malformed node.
@@ -249,6 +249,49 @@ class DynamicLoop(Loop):
                  outputs: Sequence[str] = (), accumulated_outputs: Sequence[str] = ()) -> None:
         super().__init__(section, max_iters, tuple(outputs), tuple(accumulated_outputs))
         self.name = name
+
+
+@dataclass(repr=False, eq=False)
+class Part(Section):
+    """One part of a request that advances on its own: runs its ``walks`` (sub-walks by key) one
+    after another, each chosen at run time by the model's
+    :meth:`~mstar_rt.Model.next_part_walk` (default: each once, in the order given), and ends
+    when the model chooses none. Parts in a :class:`Parallel` advance independently, e.g. a
+    thinker running ``prefill`` then ``decode`` beside a talker running ``warmup`` then
+    ``speak``, each with its own stop: ``Parallel(Part("thinker", {...}), Part("talker", {...}))``.
+
+    A sub-walk may read what the walk had when the Part started, and anything any sub-walk of
+    the Part makes (one that has not run yet fails the request, naming the name); after the
+    Part, the walk sees what its sub-walks made. ``name`` must be unique within the walk."""
+
+    name: str
+    walks: Mapping[str, "SectionLike"]
+
+    def __init__(self, name: str, walks: Mapping[str, "SectionLike"]) -> None:
+        self.name = name
+        self.walks = dict(walks) if isinstance(walks, Mapping) else walks
+
+
+def find_part(root: "SectionLike", name: str) -> Optional[Part]:
+    """The :class:`Part` named ``name`` in the section tree ``root`` (None if none)."""
+    todo: list[Any] = [root]
+    seen: set[int] = set()
+    while todo:
+        s = todo.pop()
+        if not isinstance(s, Section) or id(s) in seen:
+            continue
+        seen.add(id(s))
+        if isinstance(s, Part):
+            if s.name == name:
+                return s
+            todo.extend(s.walks.values() if isinstance(s.walks, Mapping) else ())
+        elif isinstance(s, Sequential):
+            todo.extend(s.parts)
+        elif isinstance(s, Parallel):
+            todo.extend(s.branches)
+        elif isinstance(s, Loop):
+            todo.append(s.section)
+    return None
 
 
 SectionLike = Union[Section, str]

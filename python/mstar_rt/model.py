@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from mstar_rt import _core
-from mstar_rt.graph import GraphError, GraphNode, SectionLike
+from mstar_rt.graph import GraphError, GraphNode, SectionLike, find_part
 
 
 #: A request's deadline when it has none (steady-clock nanoseconds, as the Conductor keeps them).
@@ -194,3 +194,14 @@ class Model:
                   persisted: Mapping[str, Any]) -> Optional[str]:
         """The walk after ``finished_walk``, or None when the request is done (default: done)."""
         return None
+
+    def next_part_walk(self, request: RequestContext, part: str,
+                       finished: Optional[str]) -> Optional[str]:
+        """The next sub-walk of :class:`~mstar_rt.graph.Part` ``part`` (a key of its ``walks``)
+        after ``finished`` (None as the Part starts), or None to end the Part. Called on the
+        thread that calls :meth:`next_walk`; ``request.walk`` is the walk the Part is in.
+        Default: each sub-walk once, in the order the Part declares them."""
+        found = find_part(self.walks[request.walk], part)
+        keys = list(found.walks) if found is not None else []
+        at = -1 if finished is None else keys.index(finished)
+        return keys[at + 1] if at + 1 < len(keys) else None

@@ -235,6 +235,10 @@ class Runtime:
         # Skip the calls a model does not override: submit and walk ends pay per request.
         self._validates = overrides(model, "validate_inputs", Model)
         self._has_next_walk = overrides(model, "next_walk", Model)
+        self._has_next_part_walk = overrides(model, "next_part_walk", Model)
+        # (walk, Part) -> (its sub-walks' keys, key -> child index)
+        self._parts = {k: (keys, {x: i for i, x in enumerate(keys)})
+                       for k, keys in g.parts.items()}
         # Without a next_walk, run_batch also finishes the requests whose walk ended
         # (requests_ended).
         self.conductor.bind_nodes(self.runner, not self._has_next_walk)
@@ -309,7 +313,7 @@ class Runtime:
             ctx.id = rid
             handle = RequestHandle(self, ctx, keep_outputs)
             self.requests.add(rid, handle)
-        if outcome.emits or outcome.walks_done or outcome.failed:  # usually empty: work queued
+        if outcome.emits or outcome.walks_done or outcome.failed or outcome.part_choices:
             self.report(outcome)
             for r, node, refused, late_s in outcome.expired:
                 if r == rid and refused:
@@ -357,7 +361,7 @@ class Runtime:
 
     def report(self, outcome: tuple) -> None:
         """Acts on a Conductor outcome. Never raises: one request's trouble stays its own."""
-        emits, walks_done, failed, expired = outcome
+        emits, walks_done, failed, expired, part_choices = outcome
         if emits:
             with self._delivered:
                 get = self.requests.by_id.get
@@ -371,6 +375,8 @@ class Runtime:
             x = late.get(rid)
             self._end(rid, RequestFailed(message) if x is None
                       else DeadlineExceeded(message, x[1], x[2], x[3]))
+        for rid, section, part, finished in part_choices:
+            self._next_part_walk(rid, section, part, finished)
         for rid in walks_done:
             if self._has_next_walk:
                 self._next_walk(rid)
@@ -426,6 +432,33 @@ class Runtime:
         ctx.walk = walk
         # A request cancelled meanwhile is skipped by the Conductor (empty outcome).
         self.report(self.conductor.start_walk(rid, self.graph.walk_ids[walk]))
+
+    def _next_part_walk(self, rid: int, section: int, part: str, finished: int) -> None:
+        """A Part waits for its next sub-walk: asks the model (Model.next_part_walk) and tells the
+        Conductor. An exception or an unknown key fails only this request."""
+        handle = self.requests.get(rid)
+        if handle is None:
+            return
+        ctx = handle.context
+        keys, index = self._parts.get((ctx.walk, part), ((), {}))
+        done = keys[finished] if 0 <= finished < len(keys) else None
+        where = (f"next_part_walk for Part '{part}' in walk '{ctx.walk}' "
+                 f"{'after ' + repr(done) if done is not None else 'at its start'}")
+        try:
+            if self._has_next_part_walk:
+                key = self.model.next_part_walk(ctx, part, done)
+            else:  # the default: each sub-walk once, in declaration order
+                key = keys[finished + 1] if finished + 1 < len(keys) else None
+        except Exception as e:
+            self.report(self.conductor.fail(rid, f"{where} raised {type(e).__name__}: {e}"))
+            return
+        child = -1 if key is None else index.get(key) if isinstance(key, str) else None
+        if child is None:
+            self.report(self.conductor.fail(rid, f"{where} returned {key!r}, which is not a walk "
+                                                 f"of the Part; its walks are {list(keys)}"))
+            return
+        # A request cancelled or failed meanwhile is skipped by the Conductor (empty outcome).
+        self.report(self.conductor.choose_part(rid, section, child)[1])
 
     def _finish(self, rid: int) -> None:
         emitted = self.conductor.emitted(rid)  # final: the walk is over

@@ -111,6 +111,13 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
       output_names.push_back(std::move(outs));
     }
     initial_walk = walk_ids.at(model.first_walk());
+    for (const WalkSpec& w : ir.walks)
+      for (const SectionSpec& sec : w.sections)
+        if (sec.kind == SectionKind::part)
+          throw GraphError("walk '" + w.name + "' has Part '" + ir.names[sec.part_name] +
+                           "'; mstar::Runtime has no state machine choosing a Part's walks: "
+                           "serve the model with the Python Runtime, or drive the Conductor "
+                           "(Conductor::choose_part)");
   }
 
   void start() {

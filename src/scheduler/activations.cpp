@@ -83,6 +83,7 @@ Activation* Conductor::Impl::new_act(Request& r, std::uint32_t section, Activati
   a->section = section;
   a->parent = parent;
   a->index = 0;
+  a->awaiting = false;
   a->acc.clear();
   a->live_pos = static_cast<std::uint32_t>(r.live.size());
   r.live.push_back(a);
@@ -130,7 +131,22 @@ void Conductor::Impl::start(Request& r, Activation* a, Outcome* out) {
       a->acc.assign(s.accumulated.size(), {});
       begin_iteration(r, a, s);
       return start(r, new_act(r, s.children[0], a), out);
+    case SectionKind::part:
+      return await_part(r, a, -1, out);
   }
+}
+
+void Conductor::Impl::await_part(Request& r, Activation* part, int finished, Outcome* out) {
+  part->awaiting = true;
+  out->part_choices.push_back({r.id, r.walk, part->section, sec(r, part->section).part_name,
+                               finished});
+}
+
+void Conductor::Impl::choose(Request& r, Activation* part, int child, Outcome* out) {
+  part->awaiting = false;
+  if (child < 0) return done(r, part, out);
+  part->index = static_cast<std::uint32_t>(child);
+  start(r, new_act(r, sec(r, part->section).children[part->index], part), out);
 }
 
 /// Notes each accumulated name's value as an iteration starts: only a value the iteration
@@ -182,6 +198,8 @@ void Conductor::Impl::done(Request& r, Activation* a, Outcome* out) {
       end_loop(r, parent, p, out);
       return done(r, parent, out);
     }
+    case SectionKind::part:  // the model's state machine chooses what runs next
+      return await_part(r, parent, static_cast<int>(parent->index), out);
     case SectionKind::node:
       return;  // nodes have no children
   }

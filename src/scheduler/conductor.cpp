@@ -77,6 +77,32 @@ bool Conductor::start_walk(RequestId id, WalkId walk, Outcome* out) {
   return true;
 }
 
+bool Conductor::choose_part(RequestId id, std::uint32_t section, int child, Outcome* out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  Request* r = m.find(id);
+  if (r == nullptr || r->state != Request::State::running) return false;  // over meanwhile
+  const WalkSpec& w = m.g.walks[r->walk];
+  if (section >= w.sections.size() || w.sections[section].kind != SectionKind::part)
+    throw std::invalid_argument("choose_part: section " + std::to_string(section) + " of walk '" +
+                                w.name + "' is not a Part");
+  const SectionSpec& s = w.sections[section];
+  if (child < -1 || child >= static_cast<int>(s.children.size()))
+    throw std::invalid_argument("choose_part: Part '" + m.g.names[s.part_name] + "' in walk '" +
+                                w.name + "' has no sub-walk " + std::to_string(child));
+  // At most one activation of a section is live at a time (a loop runs one iteration at once).
+  detail::Activation* part = nullptr;
+  for (detail::Activation* a : r->live)
+    if (a->section == section) part = a;
+  if (part == nullptr || !part->awaiting)
+    throw std::logic_error("choose_part: Part '" + m.g.names[s.part_name] + "' of request " +
+                           std::to_string(id) + " is not waiting for a choice");
+  m.choose(*r, part, child, out);
+  m.expire_late(out);
+  m.reap(id);
+  return true;
+}
+
 bool Conductor::finish(RequestId id, Outcome* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Request* r = impl_->find(id);

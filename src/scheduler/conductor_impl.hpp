@@ -110,6 +110,11 @@ struct Conductor::Impl {
   void begin_iteration(Request& r, Activation* loop, const SectionSpec& s);
   void done(Request& r, Activation* a, Outcome* out);
   void end_loop(Request& r, Activation* loop, const SectionSpec& p, Outcome* out);
+  /// A Part waits for the model's choice: pushes it into out->part_choices (`finished`: the
+  /// child that just ended, -1 as the Part starts).
+  void await_part(Request& r, Activation* part, int finished, Outcome* out);
+  /// The model chose: starts child `child` of the waiting Part, or completes it (-1).
+  void choose(Request& r, Activation* part, int child, Outcome* out);
   std::uint32_t innermost_iteration(const Request& r, const Activation* a) const;
   /// Queues a work item of `node`: a plain execution (`streams` null), or one window per stream
   /// the node consumes (`chunks`, aligned with `streams`), or its stream-end item.

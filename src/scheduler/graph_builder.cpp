@@ -11,39 +11,6 @@
 
 namespace mstar {
 
-Section Section::seq(std::vector<Section> parts) {
-  Section s;
-  s.kind = SectionKind::sequential;
-  s.children = std::move(parts);
-  return s;
-}
-
-Section Section::par(std::vector<Section> branches) {
-  Section s;
-  s.kind = SectionKind::parallel;
-  s.children = std::move(branches);
-  return s;
-}
-
-Section Section::loop(Section body, std::int64_t max_iters, std::vector<std::string> outputs,
-                      std::vector<std::string> accumulated) {
-  Section s;
-  s.kind = SectionKind::loop;
-  s.children.push_back(std::move(body));
-  s.max_iters = max_iters;
-  s.outputs = std::move(outputs);
-  s.accumulated = std::move(accumulated);
-  return s;
-}
-
-Section Section::dynamic_loop(std::string name, Section body, std::int64_t max_iters,
-                              std::vector<std::string> outputs, std::vector<std::string> accumulated) {
-  Section s = loop(std::move(body), max_iters, std::move(outputs), std::move(accumulated));
-  s.dynamic = true;
-  s.loop_name = std::move(name);
-  return s;
-}
-
 GraphBuilder& GraphBuilder::input(std::string name) {
   inputs_.push_back(std::move(name));
   return *this;
@@ -107,20 +74,46 @@ void paths(const Section& s, std::vector<Step> prefix, std::map<std::string, std
   }
 }
 
-// node -> innermost enclosing loop (nullptr outside loops)
+// node -> innermost enclosing loop or sub-walk of a Part (nullptr outside both): the sub-walks of
+// a Part run one at a time, as walks do, so each may produce the names the others do.
 void loop_levels(const Section& s, const Section* loop, std::map<std::string, const Section*>* out) {
   if (s.kind == SectionKind::node) {
     (*out)[s.node] = loop;
     return;
   }
-  for (const Section& c : s.children) loop_levels(c, s.kind == SectionKind::loop ? &s : loop, out);
+  for (const Section& c : s.children)
+    loop_levels(c, s.kind == SectionKind::loop ? &s : s.kind == SectionKind::part ? &c : loop, out);
 }
+
+// Names a section leaves visible after it: its nodes' outputs, less what loops keep inside.
+void made_by(const Section& s, const NodeMap& graph, const std::set<std::string>& persisted,
+             std::set<std::string>* out);
 
 std::vector<std::string> output_names(const Node& n) {
   std::vector<std::string> v;
   for (const Edge& e : n.outputs)
     if (std::find(v.begin(), v.end(), e.name) == v.end()) v.push_back(e.name);
   return v;
+}
+
+void made_by(const Section& s, const NodeMap& graph, const std::set<std::string>& persisted,
+             std::set<std::string>* out) {
+  if (s.kind == SectionKind::node) {
+    auto n = graph.find(s.node);
+    if (n != graph.end())
+      for (const auto& o : output_names(*n->second)) out->insert(o);
+    return;
+  }
+  if (s.kind != SectionKind::loop) {
+    for (const Section& c : s.children) made_by(c, graph, persisted, out);
+    return;
+  }
+  std::set<std::string> inside;
+  for (const Section& c : s.children) made_by(c, graph, persisted, &inside);
+  for (const auto& x : inside)
+    if (persisted.count(x)) out->insert(x);
+  out->insert(s.outputs.begin(), s.outputs.end());
+  out->insert(s.accumulated.begin(), s.accumulated.end());
 }
 
 class WalkCompiler {
@@ -224,6 +217,11 @@ class WalkCompiler {
                          "' inside the same Loop in walk '" + walk_ + "', but the stream ends only "
                          "when that loop does; place '" + consumer + "' after the loop or in a "
                          "Parallel with it");
+    if (common < std::min(a.size(), b.size()) && std::get<1>(a[common]) == SectionKind::part)
+      throw GraphError("node '" + consumer + "' consumes the stream of '" + producer + "' from "
+                       "another walk of Part '" + std::get<0>(a[common])->part_name + "' in walk '" +
+                       walk_ + "'; the walks of one Part run one at a time, so it would wait "
+                       "forever if its walk ran first: pass the value by name instead");
     if (common < std::min(a.size(), b.size()) && std::get<1>(a[common]) == SectionKind::sequential &&
         std::get<2>(b[common]) < std::get<2>(a[common]))
       throw GraphError("node '" + consumer + "' consumes the stream of '" + producer + "' but runs "
@@ -266,7 +264,39 @@ class WalkCompiler {
       }
       return {index, after};
     }
+    if (s.kind == SectionKind::part) return part(s, index, available, loops);
     return loop(s, index, available, std::move(loops));
+  }
+
+  // A Part runs its sub-walks in the order the model chooses, each any number of times: each may
+  // read what any of them makes (a wrong order fails the request at run time, naming the name).
+  std::pair<std::uint32_t, std::set<std::string>> part(const Section& s, std::uint32_t index,
+                                                       const std::set<std::string>& available,
+                                                       const std::vector<std::uint32_t>& loops) {
+    if (s.part_name.empty())
+      throw GraphError("a Part in walk '" + walk_ + "' needs a name: the model's next_part_walk "
+                       "is asked by it");
+    const std::string label = "Part '" + s.part_name + "' in walk '" + walk_ + "'";
+    if (!part_names_.insert(s.part_name).second)
+      throw GraphError("two Parts are named '" + s.part_name + "' in walk '" + walk_ +
+                       "'; names must be unique within a walk");
+    if (s.children.empty())
+      throw GraphError(label + " has no walks; give it at least one");
+    std::set<std::string> keys;
+    for (const auto& k : s.part_walks) {
+      if (k.empty()) throw GraphError(label + " has a walk named ''; name each walk");
+      if (!keys.insert(k).second)
+        throw GraphError(label + " has two walks named '" + k + "'");
+    }
+    std::set<std::string> inside = available;
+    for (const Section& c : s.children) made_by(c, graph_, persisted_, &inside);
+    sections_[index].part_name = names_(s.part_name);
+    sections_[index].part_walks = s.part_walks;
+    for (const Section& c : s.children) {
+      const std::uint32_t child = compile(c, inside, loops).first;
+      sections_[index].children.push_back(child);
+    }
+    return {index, inside};
   }
 
   std::pair<std::uint32_t, std::set<std::string>> loop(const Section& s, std::uint32_t index,
@@ -387,6 +417,7 @@ class WalkCompiler {
   std::map<std::string, std::uint32_t> scope_of_;  // producer -> section that ends its stream
   std::set<std::string> accumulated_;  // names the loops compiled so far accumulate
   std::set<std::string> loop_names_;
+  std::set<std::string> part_names_;
   std::map<std::string, std::string> kept_inside_;  // name made inside a loop, dropped after it
   std::vector<SectionSpec> sections_;
   std::uint32_t root_ = 0;

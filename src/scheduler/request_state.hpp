@@ -21,7 +21,9 @@ struct Slot {
 struct Activation {
   std::uint32_t section = 0;
   Activation* parent = nullptr;
-  std::uint32_t index = 0;                 // sequential: child; parallel: pending; loop: iteration
+  std::uint32_t index = 0;                 // sequential: child; parallel: pending; loop: iteration;
+                                           // part: the child running (or last run)
+  bool awaiting = false;                   // part: waiting for Conductor::choose_part
   std::vector<std::vector<Handle>> acc;    // loop: retained values per accumulated name
   std::vector<Handle> acc_before;          // loop: each accumulated name's value as the iteration began
   std::uint32_t live_pos = 0;              // its position in Request::live

@@ -61,6 +61,11 @@ void Conductor::Impl::validate_and_index() {
           bad("node '" + g.nodes[sec.node].name + "' appears twice in walk '" + w.name + "'");
         ix.node_section[sec.node] = static_cast<int>(s);
       }
+      if (sec.kind == SectionKind::part &&
+          (sec.children.empty() || sec.part_name >= n_names ||
+           sec.part_walks.size() != sec.children.size()))
+        bad("walk '" + w.name + "' has a part without children, with an unknown name id, or "
+            "whose walk keys do not match its children");
       if (sec.kind == SectionKind::loop && (sec.children.size() != 1 || sec.max_iters == 0))
         bad("walk '" + w.name + "' has a loop without exactly one body or with max_iters 0");
     }

@@ -91,10 +91,21 @@ struct Expired {
   std::int64_t late_ns = 0;  ///< how far past the deadline (refused: expected start - deadline)
 };
 
+/// A Part (SectionKind::part) waits for the model's state machine to choose its next sub-walk:
+/// answer with Conductor::choose_part(request, section, child).
+struct PartChoice {
+  RequestId request = 0;
+  WalkId walk = 0;
+  std::uint32_t section = 0;  ///< the Part's section index within the walk
+  NameId part = 0;            ///< the Part's name (SectionSpec::part_name)
+  int finished = -1;          ///< the child (sub-walk) that just finished; -1: the Part starts
+};
+
 /// Everything a call changed that the caller has to act on.
 struct Outcome {
   std::vector<Emit> emits;                ///< in completion order
   std::vector<RequestId> walks_done;      ///< ask the model for the next walk (or finish)
+  std::vector<PartChoice> part_choices;   ///< ask the model for a Part's next sub-walk (or none)
   std::vector<std::pair<RequestId, std::string>> failed;  ///< ended with this error
   std::vector<Expired> expired;           ///< those of `failed` that their deadline ended
   std::vector<Handle> released;           ///< free these from the tensor store, after the emits
@@ -124,6 +135,12 @@ class Conductor {
   /// After a walks_done report: run the next walk (persisted names and inputs remain visible).
   /// Returns false if the request was cancelled or failed meanwhile.
   bool start_walk(RequestId request, WalkId walk, Outcome* out);
+  /// After a part_choices report: starts child `child` (a sub-walk, by its index in the Part's
+  /// children) of the Part at `section` of the request's walk, or completes the Part (-1).
+  /// Returns false if the request was cancelled or failed meanwhile. Throws
+  /// std::invalid_argument for a child the Part does not have and std::logic_error when that
+  /// Part is not waiting for a choice.
+  bool choose_part(RequestId request, std::uint32_t section, int child, Outcome* out);
   /// After a walks_done report: the request is complete; frees everything it holds. Returns
   /// false if the request was already over (e.g. cancelled meanwhile).
   bool finish(RequestId request, Outcome* out);

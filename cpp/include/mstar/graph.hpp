@@ -37,18 +37,26 @@ struct NodeSpec {
   bool on_stream_end = false;
 };
 
-enum class SectionKind : std::uint8_t { node, sequential, parallel, loop };
+/// `part`: one part of a request that advances on its own (e.g. a thinker and a talker of one
+/// request, each a Part in a Parallel): it runs its children (sub-walks) one after another, each
+/// chosen at run time by the model (Outcome::part_choices, Conductor::choose_part), and ends when
+/// the model chooses none.
+enum class SectionKind : std::uint8_t { node, sequential, parallel, loop, part };
 
 struct SectionSpec {
   SectionKind kind = SectionKind::node;
   NodeId node = 0;                      ///< kind == node
-  std::vector<std::uint32_t> children;  ///< section indices (sequential, parallel; loop: one body)
+  /// section indices (sequential, parallel; loop: one body; part: its sub-walks, in declaration
+  /// order)
+  std::vector<std::uint32_t> children;
   std::uint32_t max_iters = 1;          ///< loop
   bool dynamic = false;                 ///< loop: a DynamicLoop a node may stop per request
   NameId loop_name = 0;                 ///< dynamic loop: the name check_stop uses
   std::vector<NameId> outputs;          ///< loop: names visible after it with their last value
   std::vector<NameId> accumulated;      ///< loop: names visible after it as every iteration's value
   std::vector<NameId> scoped;           ///< loop: names made inside the body and dropped after it
+  NameId part_name = 0;                 ///< part: its name (unique within the walk)
+  std::vector<std::string> part_walks;  ///< part: the sub-walks' keys, aligned with children
 };
 
 /// A streaming edge: each execution of `producer` appends its output `name` as one item; the

@@ -61,7 +61,7 @@ struct Edge {
   }
 };
 
-/// A section of a walk: a node, or Sequential / Parallel / Loop / DynamicLoop over sections.
+/// A section of a walk: a node, or Sequential / Parallel / Loop / DynamicLoop / Part over sections.
 /// A node name converts implicitly, so `Section::seq({"a", "b"})` reads like the Python DSL.
 struct Section {
   SectionKind kind = SectionKind::node;
@@ -74,6 +74,8 @@ struct Section {
   std::string loop_name;                ///< DynamicLoop: the name NodeCall::stop() uses
   std::vector<std::string> outputs;     ///< loop: visible after it with their last value
   std::vector<std::string> accumulated; ///< loop: visible after it as every iteration's value
+  std::string part_name;                ///< Part: its name
+  std::vector<std::string> part_walks;  ///< Part: its sub-walks' keys, aligned with children
 
   Section(const char* node_name) : node(node_name) {}        // NOLINT: implicit on purpose
   Section(std::string node_name) : node(std::move(node_name)) {}  // NOLINT
@@ -84,6 +86,9 @@ struct Section {
   static Section dynamic_loop(std::string name, Section body, std::int64_t max_iters,
                               std::vector<std::string> outputs = {},
                               std::vector<std::string> accumulated = {});
+  /// A Part (SectionKind::part): sub-walks by key, in the order given (the default order the
+  /// model's state machine runs them in).
+  static Section part(std::string name, std::vector<std::pair<std::string, Section>> walks);
 
  private:
   Section() = default;

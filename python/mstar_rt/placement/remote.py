@@ -65,6 +65,10 @@ class PlacedModel(Model):
                   persisted: Mapping[str, Any]) -> Optional[str]:
         return self.inner.next_walk(request, finished_walk, persisted)
 
+    def next_part_walk(self, request: RequestContext, part: str,
+                       finished: Optional[str]) -> Optional[str]:
+        return self.inner.next_part_walk(request, part, finished)
+
 
 def _stand_in(node: str, rank: int, sub: NodeSubmodule) -> RemoteSubmodule:
     kind = RemoteStreamEndSubmodule if hears_stream_end(sub) else RemoteSubmodule
