@@ -108,6 +108,14 @@ void Conductor::Impl::validate_and_index() {
         common = up < w.sections.size() ? parent[at(common)] : -1;
       if (common >= 0 && common != static_cast<int>(st.producer_scope))
         ix.restarts_streams[at(common)].push_back(static_cast<int>(k));
+      // A Part may end without running its producer: its end ends the stream too (a consumer
+      // outside it would otherwise wait forever). At most sections.size() steps up.
+      int x = parent[st.producer_scope];
+      for (std::size_t steps = 0; x >= 0 && steps < w.sections.size(); ++steps) {
+        if (w.sections[at(x)].kind == SectionKind::part)
+          ix.ends_streams[at(x)].push_back(static_cast<int>(k));
+        x = parent[at(x)];
+      }
     }
     for (NodeId n = 0; n < g.nodes.size(); ++n) {
       auto& mine = ix.consumes_streams[n];

@@ -81,6 +81,8 @@ class ThinkTalk(Model):
         self.asked.append((request.id, part, finished))
         trouble = request.inputs["trouble"]
         if part == "thinker":
+            if trouble == "mute" and finished == "prefill":
+                return None  # decode never runs: its stream ends with the Part
             return {None: "prefill", "prefill": "decode", "decode": None}[finished]
         if finished is None:
             return "warmup"
@@ -121,6 +123,15 @@ def test_two_parts_each_run_the_walks_their_state_machine_chooses():
         assert [f for p, f in asked if p == "thinker"] == [None, "prefill", "decode"]
         talker = [f for p, f in asked if p == "talker"]
         assert talker[:2] == [None, "warmup"] and talker[2] in ("speak", "whisper")
+
+
+def test_a_part_that_never_runs_a_producer_ends_its_stream():
+    with Runtime(ThinkTalk()) as rt:
+        h = rt.submit({"prompt": 1, "n": 3, "steps": 3, "trouble": "mute"})
+        out = h.result(5)
+        _assert_empty(rt)
+    assert "tok" not in out
+    assert out["said"] == [(0, [], "spk-loud"), (1, [], "spk-loud"), (2, [], "spk-loud")]
 
 
 class Plain(Model):
