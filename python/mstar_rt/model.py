@@ -198,9 +198,12 @@ class Model:
     def next_part_walk(self, request: RequestContext, part: str,
                        finished: Optional[str]) -> Optional[str]:
         """The next sub-walk of :class:`~mstar_rt.graph.Part` ``part`` (a key of its ``walks``)
-        after ``finished`` (None as the Part starts), or None to end the Part. Called on the
-        thread that calls :meth:`next_walk`; ``request.walk`` is the walk the Part is in.
-        Default: each sub-walk once, in the order the Part declares them."""
+        after ``finished`` (None as the Part starts), or None to end the Part; ``request.walk``
+        is the walk the Part is in. Called where :meth:`next_walk` is (the thread that reports
+        the outcome: an engine worker, or ``submit``'s caller), so two Parts of one request may
+        be asked at the same time from two threads. An exception, or a key the Part does not
+        have, fails this request only. Default: each sub-walk once, in the order the Part
+        declares them."""
         found = find_part(self.walks[request.walk], part)
         keys = list(found.walks) if found is not None else []
         at = -1 if finished is None else keys.index(finished)

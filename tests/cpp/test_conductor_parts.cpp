@@ -3,8 +3,13 @@
 // compiler's rules for them; cancel and failure while a choice is pending leak nothing.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <deque>
+#include <mutex>
+#include <set>
 #include <stdexcept>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -152,6 +157,76 @@ TEST(ConductorParts, APartInsideALoopIsChosenAfreshEachIteration) {
   EXPECT_EQ(choices, 9);
   EXPECT_EQ(ran, (std::vector<std::string>{"b", "a", "b", "a", "b", "a"}));
   EXPECT_TRUE(c.finish(r, &out));
+  EXPECT_EQ(c.live_handles(), 0u);
+}
+
+TEST(ConductorParts, ChoicesMadeOnAnotherThreadWhileAWorkerRunsAndCancels) {
+  Conductor c(two_parts());
+  const NameId x = id_of(c.graph(), "x");
+  std::mutex mu;
+  std::deque<PartChoice> choices;
+  std::deque<RequestId> walks_done;
+  auto absorb = [&](const Outcome& o) {
+    std::lock_guard<std::mutex> lock(mu);
+    choices.insert(choices.end(), o.part_choices.begin(), o.part_choices.end());
+    walks_done.insert(walks_done.end(), o.walks_done.begin(), o.walks_done.end());
+  };
+  std::atomic<bool> stop{false};
+  std::thread worker([&] {
+    std::vector<const WorkItem*> batch;
+    std::vector<Completion> done;
+    Handle next = 1000;
+    while (!stop.load()) {
+      c.next_batch(0, 8, std::chrono::milliseconds(1), &batch);
+      done.clear();
+      for (const WorkItem* w : batch)
+        done.push_back({w->id, std::vector<Handle>(c.graph().nodes[w->node].outputs.size(), next++), {}});
+      Outcome out;
+      c.complete(done, &out);
+      absorb(out);
+    }
+  });
+  std::set<RequestId> live;
+  for (int k = 0; k < 60; ++k) {
+    Outcome out;
+    live.insert(c.submit(0, {{x, 1}}, {}, &out));
+    absorb(out);
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  int cancelled = 0;
+  while (!live.empty() && std::chrono::steady_clock::now() < until) {
+    std::deque<PartChoice> mine;
+    std::deque<RequestId> ended;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      mine.swap(choices);
+      ended.swap(walks_done);
+    }
+    for (RequestId r : ended) {
+      Outcome out;
+      EXPECT_TRUE(c.finish(r, &out));
+      live.erase(r);
+    }
+    for (const PartChoice& pc : mine) {
+      Outcome out;
+      if (pc.request % 7 == 0 && pc.finished == 0) {  // cancel while the other Part runs
+        if (c.cancel(pc.request, &out)) ++cancelled;
+        live.erase(pc.request);
+        continue;
+      }
+      const bool p = c.graph().names[pc.part] == "p";
+      const int child = pc.finished == -1 ? 0 : (p && pc.finished == 0) ? 1 : -1;
+      const bool ok = c.choose_part(pc.request, pc.section, child, &out);
+      EXPECT_EQ(ok, live.count(pc.request) == 1);
+      absorb(out);
+    }
+    if (mine.empty() && ended.empty()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  stop = true;
+  worker.join();
+  EXPECT_TRUE(live.empty());
+  EXPECT_GT(cancelled, 0);
+  EXPECT_EQ(c.live_requests(), 0u);
   EXPECT_EQ(c.live_handles(), 0u);
 }
 

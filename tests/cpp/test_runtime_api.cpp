@@ -172,6 +172,19 @@ TEST(RuntimeApi, BadInputIsRefusedWithAMessageNamingIt) {
   EXPECT_EQ(first(rt.submit({{"x", Tensor::from<float>({4}, {1})}}).result()["y"][0]), 8);
 }
 
+TEST(RuntimeApi, RefusesAPartItHasNoStateMachineFor) {
+  Model m;
+  m.input("x", TensorSpec::of(DType::float32, {-1}));
+  m.node("double", {"x"}, {Edge::emit("y")}, [](NodeCall& c) { c.output("y", c.input("x")); });
+  m.walk("main", Section::part("p", {{"only", "double"}}));
+  try {
+    Runtime rt(std::move(m));
+    FAIL() << "a Part was accepted";
+  } catch (const mstar::GraphError& e) {
+    EXPECT_NE(std::string(e.what()).find("walk 'main' has Part 'p'"), std::string::npos) << e.what();
+  }
+}
+
 TEST(RuntimeApi, ANodeThatThrowsFailsOnlyItsOwnRequest) {
   Model m;
   m.input("x", TensorSpec::of(DType::float32, {}));

@@ -232,3 +232,23 @@ def test_sub_walks_see_each_others_names_and_the_walk_sees_them_after():
     g = compile_graph(nodes, {"w": mstar_rt.Sequential(Part("p", {"b": "b", "a": "a"}), "z")},
                       ["x"], {}, {})
     assert g.parts == {("w", "p"): ("b", "a")}
+
+
+def think_talk() -> ThinkTalk:
+    """Factory for a placement worker."""
+    return ThinkTalk()
+
+
+def test_parts_run_as_in_process_with_the_talker_in_a_worker():
+    from mstar_rt.placement import NodeGroup, PlacedRuntime
+
+    inputs = [{"prompt": 1, "n": 3, "voice": "loud", "steps": 5},
+              {"prompt": 2, "n": 2, "voice": "soft", "steps": 3}]
+    rt = PlacedRuntime("test_parts:think_talk", [NodeGroup(["warm", "talk", "whisper"], rank=1)],
+                       progress=False)
+    try:
+        placed = [rt.submit(x).result(30) for x in inputs]
+    finally:
+        rt.close()
+    with Runtime(ThinkTalk()) as local:
+        assert placed == [local.submit(x).result(5) for x in inputs]
