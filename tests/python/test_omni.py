@@ -154,3 +154,29 @@ def test_bad_input_names_what_to_fix(omni):
             list(h)
         # the runtime still serves
         assert _collect(rt.submit(_inputs(ot.chat_prompt([72]))))[0]
+
+
+def test_a_reply_ended_by_its_first_token_skips_the_decode_walk_and_says_nothing(omni):
+    """The thinker Part's state machine: after prefill, decode only if the reply goes on; the
+    talker then hears the thinker's streams end and speaks nothing."""
+    prompt = ot.chat_prompt([72, 105, 33])
+    chosen = []
+    choose = Qwen3Omni.next_part_walk
+
+    def spy(self, request, part, finished):
+        walk = choose(self, request, part, finished)
+        chosen.append((part, finished, walk))
+        return walk
+
+    with mstar_rt.Runtime(omni) as rt:
+        Qwen3Omni.next_part_walk = spy
+        try:
+            out = list(rt.submit({**_inputs(prompt), "max_tokens": 1}))
+        finally:
+            Qwen3Omni.next_part_walk = choose
+        assert not rt.engines["thinker"].cache.holders()
+        assert not rt.engines["talker"].cache.holders()
+    assert [k for k, _ in out if k != "audio"] == ["token"]
+    assert sum(len(v) for k, v in out if k == "audio") == 0  # (code2wav's empty stream end)
+    assert ("thinker", "prefill", None) in chosen and ("thinker", None, "prefill") in chosen
+    assert not any(w == "decode" for _, _, w in chosen)

@@ -4,9 +4,15 @@ Walk ``speak`` (``return_audio``, the default) runs the thinker and the talker s
 each an independent loop with its own stop, joined by streams::
 
     Parallel(
-      Sequential("audio_encoder", "thinker_prefill", DynamicLoop("thinker_decode", "think")),
-      DynamicLoop(Sequential("talker", Loop("code_predictor", G - 1)), "talk"),
+      Part("thinker", {"prefill": Sequential("audio_encoder", "thinker_prefill"),
+                       "decode": DynamicLoop("thinker_decode", "think")}),
+      Part("talker", {"speak": DynamicLoop(Sequential("talker",
+                                                      Loop("code_predictor", G - 1)), "talk")}),
       "code2wav")
+
+The thinker and talker are :class:`~mstar_rt.graph.Part` s: each advances on its own, and the
+model's state machine picks each part's walks (:meth:`Qwen3Omni.next_part_walk`: the thinker
+decodes only if its first token did not already end the reply).
 
 * ``thinker_prefill`` --prompt_states--> ``talker`` and ``thinker_decode`` --reply--> ``talker``:
   ``Fixed(1)`` streams read one window per talker iteration, ``continue_after_done`` (the
@@ -14,7 +20,7 @@ each an independent loop with its own stop, joined by streams::
 * ``talker`` --frame_codes--> ``code2wav``: a stream of ``G``-code frames under a ``Ramp``
   policy (small first windows: the first audio comes after 2 frames), decoded sample-exact.
 
-Walk ``text`` (``return_audio=False``) runs the thinker alone. Every thinker token is EMITted as
+Walk ``text`` (``return_audio=False``) runs the thinker's Part alone. Every thinker token is EMITted as
 ``token`` while it is made, and ``audio`` (float32, 24 kHz) as code2wav decodes it.
 
 Sampling is per part: ``thinker_sampling``, ``talker_sampling`` (default: transformers'
@@ -30,8 +36,8 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from mstar_rt.engines.kv_engine import KVCacheEngine
-from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Parallel, Sequential,
-                            StreamingGraphEdge)
+from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Parallel, Part,
+                            Sequential, StreamingGraphEdge)
 from mstar_rt.model import Model, RequestContext
 from mstar_rt.models.causal_lm import as_params
 from mstar_rt.models.qwen3_omni.checkpoint import Qwen3OmniWeights, load_qwen3_omni
@@ -78,9 +84,9 @@ class Qwen3Omni(Model):
                       [GraphEdge(EMIT, "token"), "token"], submodule=text, engine="thinker"),
             GraphNode("text_decode", ["token"], [GraphEdge(EMIT, "token"), "token"],
                       submodule=text, engine="thinker")]
-        self.walks: dict[str, Any] = {"text": Sequential(
-            "text_audio_encoder", "text_prefill",
-            DynamicLoop("text_decode", max_seq_len, THINK))}
+        self.walks: dict[str, Any] = {"text": Part("thinker", {
+            "prefill": Sequential("text_audio_encoder", "text_prefill"),
+            "decode": DynamicLoop("text_decode", max_seq_len, THINK)})}
         self.engine_specs = {"thinker": KVCacheEngine(page_size, num_pages, max_batch)}
         self.speakers: list[str] = list(c.speaker_id)
         if w.talker is not None and w.code_predictor is not None and w.code2wav is not None:
@@ -117,11 +123,11 @@ class Qwen3Omni(Model):
                       submodule=self.code2wav, engine="code2wav")]
         groups = c.num_code_groups
         self.walks["speak"] = Parallel(
-            Sequential("audio_encoder", "thinker_prefill",
-                       DynamicLoop("thinker_decode", max_seq_len, THINK)),
-            DynamicLoop(Sequential("talker", Loop("code_predictor", groups - 1,
-                                                  outputs=("frame",))),
-                        max_seq_len, TALK),
+            Part("thinker", {"prefill": Sequential("audio_encoder", "thinker_prefill"),
+                             "decode": DynamicLoop("thinker_decode", max_seq_len, THINK)}),
+            Part("talker", {"speak": DynamicLoop(
+                Sequential("talker", Loop("code_predictor", groups - 1, outputs=("frame",))),
+                max_seq_len, TALK)}),
             "code2wav")
         self.engine_specs["talker"] = KVCacheEngine(page_size, num_pages, max_batch)
 
@@ -145,6 +151,15 @@ class Qwen3Omni(Model):
             v = inputs.get(name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ValueError(f"'{name}' must be a positive integer, not {v!r}")
+
+    def next_part_walk(self, request: RequestContext, part: str,
+                       finished: Optional[str]) -> Optional[str]:
+        """The thinker decodes only if its prefill's token did not end the reply; the talker
+        speaks once. (A thinker that never decodes ends its streams: the talker then says
+        nothing, or goes on with empty windows.)"""
+        if part == "thinker" and finished == "prefill":
+            return None if request.state.get("thinker_done") else "decode"
+        return super().next_part_walk(request, part, finished)
 
     def initial_walk(self, request: RequestContext) -> str:
         if request.inputs.get("return_audio", True) and self.speaks:
