@@ -79,7 +79,7 @@ def test_forward_equals_transformers(hf, ours, frames):
         want = hf(codes)
     got = ours(codes)
     assert got.shape == want.shape == (2, 1, ours.samples_for(frames))
-    assert err(got, want) < TOL and float(want.abs().max()) > 0.1
+    assert err(got, want) < TOL and float(want.abs().max()) > 0.05  # loud: TOL means something
 
 
 @pytest.mark.parametrize("frames,chunk,context", [(40, 300, 25), (50, 16, 5), (61, 10, 3),

