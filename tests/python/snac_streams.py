@@ -167,13 +167,14 @@ def counters(state) -> dict:
                                          "incomplete_frames", "short_context_frames")}
 
 
-def direct(node: SnacStreamNode, tokens, policy, paced: bool = True, watch=None):
-    """The node driven without a runtime, over the windows the C++ chunk cursor makes. Paced:
-    windows are taken as soon as they are ready (a stream ending on a window boundary then ends
-    with end_stream, as the runtime calls it); else only after the end of stream.
-    ``watch(state)`` runs after each window."""
-    n = len(tokens)
-    buf = mstar_rt.StreamBuffer(np.int64, 1 << (n + policy.max_chunk).bit_length(), policy)
+def policy_spans(items: np.ndarray, policy, paced: bool = True) -> list[tuple]:
+    """(begin, new_begin, end, last) of every window the C++ chunk cursor cuts from ``items``
+    (int64, one item per row). Paced: each window taken as soon as it is ready, as the runtime
+    does (a stream ending on a window boundary then has no window marked last); else all after
+    the end of stream."""
+    n = len(items)
+    buf = mstar_rt.StreamBuffer(np.int64, 1 << (n + policy.max_chunk).bit_length(), policy,
+                                item_shape=items.shape[1:])
     spans = []
 
     def drain():
@@ -188,12 +189,21 @@ def direct(node: SnacStreamNode, tokens, policy, paced: bool = True, watch=None)
             c.release()
 
     for p in range(n) if paced else ():
-        buf.push(np.asarray(tokens[p:p + 1], dtype=np.int64))
+        buf.push(items[p:p + 1])
         drain()
-    if not paced:
-        buf.push(np.asarray(tokens, dtype=np.int64))
+    if not paced and n:
+        buf.push(items)
     buf.close()
     drain()
+    return spans
+
+
+def direct(node: SnacStreamNode, tokens, policy, paced: bool = True, watch=None):
+    """The node driven without a runtime, over the windows the C++ chunk cursor makes. Paced:
+    windows are taken as soon as they are ready (a stream ending on a window boundary then ends
+    with end_stream, as the runtime calls it); else only after the end of stream.
+    ``watch(state)`` runs after each window."""
+    spans = policy_spans(np.asarray(tokens, dtype=np.int64), policy, paced)
     ctx = WorkContext(RequestContext(1, {}), 0)
     chunks = []
     for b, nb, e, last in spans:

@@ -15,7 +15,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import mstar_rt  # noqa: E402
 from mstar_rt import (EMIT, DynamicLoop, Fixed, GraphEdge, GraphNode, LeftContext,  # noqa: E402
                       Model, NodeSubmodule, Parallel, Ramp, SlidingWindow, StreamChunk,
                       StreamingGraphEdge)
@@ -25,6 +24,7 @@ from mstar_rt.models.qwen3_omni.code2wav_stream import (_STATE, Code2WavStreamNo
                                                         decode_one_shot)
 
 import omni_tiny  # noqa: E402
+from snac_streams import policy_spans  # noqa: E402
 from walk_models import ZERO_LIVE, settled, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
@@ -221,29 +221,7 @@ def direct(node: Code2WavStreamNode, codes: np.ndarray, policy, paced: bool = Tr
     """``codes`` [n, G] through ``node`` over the windows the C++ chunk cursor makes; paced:
     windows taken as soon as ready (a stream ending on a window boundary then ends with
     end_stream, as the runtime calls it), else after the stream ended."""
-    n = len(codes)
-    buf = mstar_rt.StreamBuffer(np.int64, 1 << (n + policy.max_chunk).bit_length(), policy,
-                                item_shape=codes.shape[1:])
-    spans = []
-
-    def drain():
-        while True:
-            try:
-                c = buf.next_chunk(timeout=0)
-            except TimeoutError:
-                return
-            if c is None:
-                return
-            spans.append((c.begin, c.new_begin, c.end, c.last))
-            c.release()
-
-    for p in range(n) if paced else ():
-        buf.push(codes[p:p + 1])
-        drain()
-    if not paced and n:
-        buf.push(codes)
-    buf.close()
-    drain()
+    spans = policy_spans(np.asarray(codes, dtype=np.int64), policy, paced)
     ctx = WorkContext(RequestContext(1, {}), 0)
     chunks = []
     for b, nb, e, last in spans:
