@@ -12,7 +12,7 @@ speech before the maximum: ``ignore_eos`` here, ``min_new_tokens`` there; the pr
 reply has no end of text within THINKER_TOKENS): THINKER_TOKENS text tokens, FRAMES - 1 frames.
 
 * streamed       our walk graph: submit -> the first ``audio`` chunk (code2wav's first window,
-                 Ramp([2, 4], 12), is 2 frames).
+                 Ramp([2, 4, 8], 12), is 2 frames).
 * after generation  transformers' ``generate`` (thinker, then talker + code predictor, then
                  code2wav): call -> return, when its audio first exists. Ratio
                  ``omni_ttfa_nonstream_over_stream`` (target >= 5).

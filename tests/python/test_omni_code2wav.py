@@ -347,11 +347,11 @@ def test_concurrent_streams_equal_one_shot_decoding(serve, ours, policy):
 
 
 def test_first_audio_comes_with_the_first_small_window(serve, ours):
-    policy = Code2WavStreamNode.first_audio_policy()  # Ramp([2, 4], 12)
-    assert str(policy) == str(Ramp([2, 4], 12))
+    policy = Code2WavStreamNode.first_audio_policy()
+    assert str(policy) == str(Ramp([2, 4, 8], 12))
     rt = serve(Speech(Code2WavStreamNode(ours), policy))
     chunks = rt.submit({"frames": list(np_codes(30, seed=4))}).result(timeout=T)["audio"]
-    assert [len(c) for c in chunks if len(c)][:3] == [ours.samples_for(2), 4 * SPF, 12 * SPF]
+    assert [len(c) for c in chunks if len(c)][:3] == [ours.samples_for(2), 4 * SPF, 8 * SPF]
 
 
 def test_concurrent_requests_share_decoder_calls(serve, ours):

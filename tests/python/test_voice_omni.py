@@ -66,10 +66,11 @@ def rig(devices, omni_model):
     agent = open_omni_agent(omni_model, "mstar_mic.monitor", "mstar_spk", speaker="ethan",
                             max_tokens=8, max_audio_frames=SHORT, thinker_sampling=THINKER,
                             talker_sampling=TALKER,
-                            # a loaded 2-core machine makes the tiny model near real time:
-                            # hold more before playing, so that 0 underruns means streaming
-                            # kept up rather than luck
-                            prebuffer_s=0.4)
+                            # a loaded 2-core machine makes the tiny model at about twice
+                            # real time, and a reply right after a cancel slower still: hold
+                            # the first three windows (2 + 4 + 8 frames) before playing, so
+                            # that 0 underruns means streaming kept up rather than luck
+                            prebuffer_s=0.6)
     try:
         mic.wait_flowing()
         spk.wait_flowing()

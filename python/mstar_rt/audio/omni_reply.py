@@ -120,8 +120,8 @@ class OmniVoiceAgent(VoiceAgent):
     (0: none). ``max_tokens``, ``max_audio_frames`` and the ``*_sampling`` settings go into every
     request; ``agent.inputs`` holds them and may be changed between turns. ``prebuffer_s``: the
     audio a reply holds before it starts to play, so that it does not run dry before the
-    model's next chunk (Qwen3-Omni's first chunk holds about 100 ms, and the next comes when 4
-    more frames are made); a reply started at a pause has it ready by the endpoint, at no
+    model's next chunk (Qwen3-Omni's code2wav windows hold 2, 4, 8, then 12 frames of 80 ms:
+    the default plays once the first is in, 0.4 s once the second is); a reply started at a pause has it ready by the endpoint, at no
     cost. ``input`` delivers 16 kHz; ``output`` takes any ``source_rate`` (the model's rate
     needs no resampling here).
     """

@@ -97,10 +97,14 @@ class Code2WavStreamNode(NodeSubmodule):
         self.decode_batch_sizes: Counter[int] = Counter()
 
     @staticmethod
-    def first_audio_policy(first: Sequence[int] = (2, 4), steady: int = 12) -> _core.ChunkPolicy:
+    def first_audio_policy(first: Sequence[int] = (2, 4, 8),
+                           steady: int = 12) -> _core.ChunkPolicy:
         """The first-audio latency knob: small first windows (frames), then ``steady`` ones.
         The first audio comes after ``first[0]`` frames (samples_for(first[0]) samples);
-        larger steady windows batch better. No context is needed: the node keeps its own."""
+        larger steady windows batch better. The windows double up to ``steady`` so that what
+        a listener already holds covers the making of the next window at any pace above about
+        twice real time (a jump from 4 frames to 12 needs three times). No context is needed:
+        the node keeps its own."""
         return Ramp(list(first), steady)
 
     # ---- NodeSubmodule ------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from mstar_rt.models.qwen3_omni.checkpoint import Qwen3OmniWeights, load_qwen3_o
 from mstar_rt.models.qwen3_omni.code2wav_stream import Code2WavStreamNode
 from mstar_rt.models.qwen3_omni.talker_node import TALK, PredictorNode, TalkerNode
 from mstar_rt.models.qwen3_omni.thinker_node import THINK, AudioEncoderNode, ThinkerNode
-from mstar_rt.streaming import Fixed, Ramp
+from mstar_rt.streaming import Fixed
 
 SAMPLE_RATE = 24000
 
@@ -56,7 +56,8 @@ class Qwen3Omni(Model):
     :func:`~mstar_rt.models.qwen3_omni.chat.format_chat` makes them), ``audio_features`` (one
     ``[128, frames]`` log-mel array per audio placeholder run), ``speaker``, ``return_audio``,
     ``max_tokens``, ``max_audio_frames`` and the three sampling settings.
-    ``audio_policy``: how code2wav cuts the frame stream (default ``Ramp([2, 4], 12)``)."""
+    ``audio_policy``: how code2wav cuts the frame stream (default
+    ``Code2WavStreamNode.first_audio_policy()``: ``Ramp([2, 4, 8], 12)``)."""
 
     inputs = ("prompt", "audio_features", "speaker", "return_audio", "max_tokens",
               "max_audio_frames", "thinker_sampling", "talker_sampling",
@@ -91,7 +92,7 @@ class Qwen3Omni(Model):
         self.speakers: list[str] = list(c.speaker_id)
         if w.talker is not None and w.code_predictor is not None and w.code2wav is not None:
             self._add_speech(w, max_seq_len, max_batch, audio, page_size, num_pages,
-                             audio_policy or Ramp([2, 4], 12))
+                             audio_policy or Code2WavStreamNode.first_audio_policy())
 
     def _add_speech(self, w: Qwen3OmniWeights, max_seq_len: int, max_batch: int,
                     audio: AudioEncoderNode, page_size: int, num_pages: int,
