@@ -27,6 +27,10 @@ class NodeGroup(Section):
     ModelSpec's args in that worker. ``request_inputs``: send each request's inputs to the
     worker so ``prepare_inputs`` can read them (turn off to spare a copy of large inputs).
     ``walks``: the walks this placement holds for (a node may sit on other ranks in others).
+    ``tp_size``: run the model's LM tensor-parallel over that many processes (gloo on CPU,
+    NCCL on CUDA; docs/tensor_parallel.md): the model factory gets ``tp_size`` -- through this
+    group's ``model_kwargs`` in a worker process, through ``model.args`` in the serving process
+    (see :class:`ModelAndGroups`).
 
     ``process`` defaults to true here and in the placement config file; the serving config
     defaults it to false (``mstar-rt serve`` runs in one process unless told)."""
@@ -40,6 +44,24 @@ class NodeGroup(Section):
     process: Flag = True
     model_kwargs: JSONData = Field(default_factory=dict)
     request_inputs: Flag = True
+    tp_size: PositiveInt = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tp_to_worker(cls, data: Any) -> Any:
+        """A worker builds its model with model_kwargs: hand it tp_size there."""
+        if not isinstance(data, Mapping) or not data.get("process", True):
+            return data
+        tp = data.get("tp_size", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 1:
+            return data  # 1 (or a bad value, which the field reports)
+        kwargs = data.get("model_kwargs") or {}
+        if not isinstance(kwargs, Mapping):
+            return data
+        if kwargs.get("tp_size", tp) != tp:
+            raise KeyProblem("tp_size", f"{tp} but model_kwargs.tp_size is "
+                             f"{kwargs['tp_size']!r}; give it once")
+        return {**data, "model_kwargs": {**kwargs, "tp_size": tp}}
 
     @field_validator("nodes")
     @classmethod
@@ -109,10 +131,49 @@ class PlacementOptions(Section):
 
 
 class ModelAndGroups(Section):
-    """What every deployment config has: the model and where its nodes run."""
+    """What every deployment config has: the model and where its nodes run. An in-process
+    group's ``tp_size`` becomes ``model.args.tp_size`` (the serving process builds the model
+    from ``model``); it needs every group in-process, since worker processes build the model
+    from the same args and would each start a tensor-parallel group of their own."""
 
     model: ModelSpec
     node_groups: tuple[NodeGroup, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tp_to_model(cls, data: Any) -> Any:
+        groups = data.get("node_groups") if isinstance(data, Mapping) else None
+        if not isinstance(groups, (list, tuple)):
+            return data
+        raw = [g for g in groups if isinstance(g, Mapping)]
+        sizes = {g["tp_size"] for g in raw if g.get("process") is False
+                 and type(g.get("tp_size")) is int and g["tp_size"] > 1}
+        if not sizes:
+            return data
+        if len(sizes) > 1:
+            raise KeyProblem("node_groups", f"in-process groups ask for tp_size {sorted(sizes)}; "
+                             "the serving process builds one model: give them one tp_size")
+        if any(g.get("process", True) is not False for g in raw):
+            raise KeyProblem("node_groups", "an in-process group with tp_size beside worker "
+                             "processes (process: true) is not supported yet: give the LM's "
+                             "group process: true and tp_size there, or serve every group "
+                             "in-process")
+        tp = sizes.pop()
+        model = data.get("model")
+        if isinstance(model, str):  # the "pkg.mod:Name" shorthand
+            model = {"class": model}
+        if isinstance(model, ModelSpec):
+            model = model.model_dump(exclude_defaults=True)
+        if not isinstance(model, Mapping):
+            return data  # the model's own checks say what is wrong with it
+        key = "kwargs" if "kwargs" in model else "args"
+        args = model.get(key) or {}
+        if isinstance(args, Mapping):
+            if args.get("tp_size", tp) != tp:
+                raise KeyProblem("model", f"args.tp_size is {args['tp_size']!r} but "
+                                 f"node_groups ask for tp_size {tp}; give it once")
+            data = {**data, "model": {**model, key: {**args, "tp_size": tp}}}
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -63,6 +63,9 @@ class PagedKVCache:
         self._refs = [0] * num_pages
         self._seqs: dict[tuple[int, str], Sequence] = {}
         self._lock = threading.Lock()
+        #: When a list, every copy-on-write appends ``(source page, new page)`` to it, so a
+        #: mirror of this cache (a tensor-parallel follower's share) can repeat the copy.
+        self.copy_log: Optional[list[tuple[int, int]]] = None
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -155,11 +158,17 @@ class PagedKVCache:
         old = seq.pages[-1]
         new = self._free.pop()
         self._refs[new] = 1
-        for k, v in zip(self.k, self.v):
-            k[new].copy_(k[old])
-            v[new].copy_(v[old])
+        self.copy_page(old, new)
+        if self.copy_log is not None:
+            self.copy_log.append((old, new))
         self._decref(old)
         seq.pages[-1] = new
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copies page ``src``'s K/V into page ``dst`` in every layer (contents only)."""
+        for k, v in zip(self.k, self.v):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
 
     # ---- forks and release (any thread) ------------------------------------------------------
 

@@ -56,6 +56,11 @@ class LMNode(KVNodeSubmodule):
         self.prefill_samples = prefill_samples
         self.logits_processor = logits_processor
         self.vocab_size = int(module.config.vocab_size)
+        tp_size = int(getattr(module, "tp_size", 1))
+        if tp_size > 1 and (cuda_graphs or compile):
+            raise ValueError(f"cuda_graphs and compile capture the decode step in one process, "
+                             f"but this LM is tensor-parallel (tp_size {tp_size}) and runs its "
+                             "steps eagerly across processes; drop cuda_graphs / compile")
         # Decode steps through static per-bucket buffers (captured as CUDA graphs on CUDA);
         # compile implies them, since it compiles that static forward.
         self.static_decode = bool(cuda_graphs or compile)
@@ -223,9 +228,29 @@ class CausalLM(Model):
 
     @staticmethod
     def from_pretrained(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
-                        device: str = "cpu", progress: bool = True, **kwargs: Any) -> "CausalLM":
-        """Loads a Llama-architecture HF checkpoint directory and serves it."""
-        from mstar_rt.models.llama import load_llama
+                        device: str = "cpu", progress: bool = True, tp_size: int = 1,
+                        **kwargs: Any) -> "CausalLM":
+        """Loads a Llama-architecture HF checkpoint directory and serves it. ``tp_size`` > 1
+        splits it over that many processes (:func:`~mstar_rt.distributed.llama_tp.load_llama_tp`;
+        docs/tensor_parallel.md); :meth:`close` then stops them."""
+        if tp_size != 1:
+            from mstar_rt.distributed.llama_tp import load_llama_tp
 
-        module = load_llama(path, dtype=dtype, device=device, progress=progress)
-        return CausalLM(module, module.config.eos_token_ids, **kwargs)
+            module: torch.nn.Module = load_llama_tp(path, tp_size, dtype=dtype, device=device)
+        else:
+            from mstar_rt.models.llama import load_llama
+
+            module = load_llama(path, dtype=dtype, device=device, progress=progress)
+        try:
+            return CausalLM(module, module.config.eos_token_ids, **kwargs)
+        except BaseException:
+            close = getattr(module, "close", None)
+            if close is not None:  # do not leave followers behind a refused model
+                close()
+            raise
+
+    def close(self) -> None:
+        """Stops the follower processes of a tensor-parallel module (nothing otherwise)."""
+        close = getattr(self.module, "close", None)
+        if close is not None:
+            close()

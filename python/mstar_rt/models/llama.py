@@ -1,6 +1,10 @@
 """A Llama-architecture causal LM (RMSNorm, RoPE with Llama-3 scaling, GQA, SwiGLU, tied or
 untied embeddings) whose attention runs over the engine's paged KV cache. Parameter names
-follow Hugging Face checkpoints, so their safetensors load as they are."""
+follow Hugging Face checkpoints, so their safetensors load as they are.
+
+Built with a :class:`~mstar_rt.distributed.split.TensorSplit`, a module holds one rank's share
+of a tensor-parallel model: its heads and MLP columns, with the output projections' partial
+sums added up across ranks (:mod:`mstar_rt.distributed.llama_tp` runs such ranks)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from mstar_rt.distributed.split import WHOLE, TensorSplit
 from mstar_rt.engines.kv_engine import KVStep
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.models.rope import RopeConfig, Rotary
@@ -102,14 +107,18 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c: LlamaConfig, layer: int) -> None:
+    """Attention over ``split``'s share of the heads (all of them unless tensor-parallel)."""
+
+    def __init__(self, c: LlamaConfig, layer: int, split: TensorSplit = WHOLE) -> None:
         super().__init__()
-        self.layer, self.heads, self.kv_heads, self.head_dim = (
-            layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias)
+        self.layer, self.head_dim = layer, c.head_dim
+        self.heads = c.num_attention_heads // split.size
+        self.kv_heads = c.num_key_value_heads // split.size
+        self.reduce = split.reduce
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * c.head_dim, c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * c.head_dim, c.attention_bias)
+        self.o_proj = nn.Linear(self.heads * c.head_dim, c.hidden_size, c.attention_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: KVStep) -> torch.Tensor:
@@ -118,25 +127,31 @@ class LlamaAttention(nn.Module):
         k = Rotary.apply(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         out = step.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        out = self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    """SwiGLU over ``split``'s share of the MLP columns."""
+
+    def __init__(self, c: LlamaConfig, split: TensorSplit = WHOLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+        width = c.intermediate_size // split.size
+        self.reduce = split.reduce
+        self.gate_proj = nn.Linear(c.hidden_size, width, c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, width, c.mlp_bias)
+        self.down_proj = nn.Linear(width, c.hidden_size, c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, layer: int) -> None:
+    def __init__(self, c: LlamaConfig, layer: int, split: TensorSplit = WHOLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(c, layer)
-        self.mlp = LlamaMLP(c)
+        self.self_attn = LlamaAttention(c, layer, split)
+        self.mlp = LlamaMLP(c, split)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -147,22 +162,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, split: TensorSplit = WHOLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, split)
+                                    for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Runs flat ragged batches: ``forward(token_ids [T], step) -> hidden [T, hidden]`` with the
     step's positions and paged attention; :meth:`logits` projects chosen rows to the vocabulary.
+    ``split``: the share of a tensor-parallel model this module holds (see the module doc).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, split: TensorSplit = WHOLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBody(config)
+        self.split = split
+        self.model = LlamaBody(config, split)
         self.rotary = Rotary(config.rope, config.head_dim)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -170,8 +188,8 @@ class LlamaForCausalLM(nn.Module):
     def kv_layout(self) -> KVLayout:
         p = self.model.embed_tokens.weight
         c = self.config
-        return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, p.dtype,
-                        str(p.device))
+        return KVLayout(c.num_hidden_layers, c.num_key_value_heads // self.split.size,
+                        c.head_dim, p.dtype, str(p.device))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)
@@ -197,12 +215,7 @@ def load_llama(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
     from mstar_rt.models.checkpoint import check_weights, load_weights, meta_module
 
     config = LlamaConfig.from_dir(path)
-    if dtype is None:
-        if config.dtype not in _DTYPES:
-            raise ValueError(f"checkpoint dtype '{config.dtype}' in "
-                             f"{os.path.join(path, 'config.json')} is not one of "
-                             f"{list(_DTYPES)}; pass dtype=")
-        dtype = _DTYPES[config.dtype]
+    dtype = checkpoint_dtype(config, path, dtype)
     tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
     module = meta_module(lambda: LlamaForCausalLM(config), os.path.join(path, "config.json"))
     check_weights(module, path, allow_missing=tied, ignore=tied)  # before allocating anything
@@ -210,3 +223,15 @@ def load_llama(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
     module.rotary.inv_freq = config.rope.inv_freq(config.head_dim).to(device)
     load_weights(module, path, progress=progress, allow_missing=tied, ignore=tied)
     return module.eval()
+
+
+def checkpoint_dtype(config: LlamaConfig, path: Union[str, os.PathLike],
+                     dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """``dtype``, or else the checkpoint's (a ValueError when torch has no such dtype here)."""
+    if dtype is not None:
+        return dtype
+    if config.dtype not in _DTYPES:
+        raise ValueError(f"checkpoint dtype '{config.dtype}' in "
+                         f"{os.path.join(path, 'config.json')} is not one of "
+                         f"{list(_DTYPES)}; pass dtype=")
+    return _DTYPES[config.dtype]

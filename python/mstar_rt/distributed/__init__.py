@@ -1,0 +1,17 @@
+"""Tensor parallelism across processes with ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+
+A tensor-parallel LM runs as one *driver* (the process that serves the node for the Conductor:
+the in-process Runtime or a placement worker) and ``tp_size - 1`` *followers* it starts. Each
+rank holds its share of the attention heads, MLP columns and paged KV cache; the driver decides
+every page and ships each step's inputs to the followers (docs/tensor_parallel.md).
+
+* :mod:`~mstar_rt.distributed.split` -- which share a rank holds (imported by the models);
+* :mod:`~mstar_rt.distributed.group` -- the process group and its collectives;
+* :mod:`~mstar_rt.distributed.llama_shards` -- a rank's slice of a HF Llama checkpoint;
+* :mod:`~mstar_rt.distributed.follower` -- the follower process;
+* :mod:`~mstar_rt.distributed.llama_tp` -- the driver (:func:`load_llama_tp`).
+"""
+
+from mstar_rt.distributed.split import WHOLE, TensorSplit, check_split
+
+__all__ = ["TensorSplit", "WHOLE", "check_split"]

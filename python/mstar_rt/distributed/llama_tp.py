@@ -1,0 +1,274 @@
+"""The driver of a tensor-parallel Llama: rank 0 in this process, ranks 1.. in followers.
+
+:func:`load_llama_tp` starts ``tp_size - 1`` follower processes
+(:mod:`mstar_rt.distributed.follower`), joins them in a process group, and returns a
+:class:`TensorParallelLlama`: a module with the ``forward(ids, step)`` / ``logits`` /
+``kv_layout`` face of :class:`~mstar_rt.models.llama.LlamaForCausalLM`, so
+:class:`~mstar_rt.models.causal_lm.CausalLM` serves it on a KVCacheEngine unchanged. The
+engine's cache holds rank 0's share of the KV heads and its allocator decides every page; each
+step, the driver sends the followers the step's block tables (and any page copied on write),
+broadcasts the token ids, and runs its own share; the all-reduces inside meet the followers'.
+Logits are computed on the driver alone (the LM head is replicated), so sampling stays there.
+
+A follower that dies or fails breaks the group: the step in flight raises, and so does every
+later one, with a message naming the rank and what it said; the requests fail, the Runtime
+stays up. Followers exit when the driver is closed, collected or dies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from mstar_rt.distributed import follower as fl
+from mstar_rt.distributed.group import TPGroup, open_store
+from mstar_rt.distributed.llama_shards import checked_config, load_llama_shard
+from mstar_rt.distributed.split import TensorSplit
+from mstar_rt.engines.kv_engine import KVStep
+from mstar_rt.engines.paged_kv import KVLayout
+from mstar_rt.models.llama import LlamaConfig, checkpoint_dtype
+
+_groups = itertools.count()
+
+
+@dataclass
+class Follower:
+    rank: int
+    proc: subprocess.Popen
+    conn: Connection
+
+    def status(self) -> str:
+        """What became of the follower, for error messages."""
+        said = ""
+        try:
+            while self.conn.poll(0):
+                msg = self.conn.recv()
+                if msg[0] == fl.ERROR:
+                    said = f" after raising {msg[1]}"
+        except (EOFError, OSError):
+            pass
+        code = self.proc.poll()
+        state = "is running" if code is None else f"exited with code {code}"
+        return f"rank {self.rank} (pid {self.proc.pid}) {state}{said}"
+
+
+def stop_followers(followers: list[Follower], wait_s: float = 5.0) -> None:
+    """Asks each follower to exit, then kills what is left after ``wait_s``."""
+    for f in followers:
+        try:
+            f.conn.send((fl.CLOSE,))
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait_s
+    for f in followers:
+        try:
+            f.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            f.proc.kill()
+            f.proc.wait()
+        f.conn.close()
+    followers.clear()
+
+
+def spawn_follower(rank: int, settings: dict[str, Any]) -> Follower:
+    """Starts rank ``rank``'s process and sends it its settings."""
+    import mstar_rt
+
+    ours, theirs = socket.socketpair()
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mstar_rt.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "mstar_rt.distributed.follower",
+                                 str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
+    finally:
+        theirs.close()
+    f = Follower(rank, proc, Connection(ours.detach()))
+    f.conn.send({**settings, "rank": rank})
+    return f
+
+
+def await_all(followers: list[Follower], want: str, deadline: float, what: str) -> None:
+    """Waits until every follower has sent ``want``; a follower that exits, reports an error or
+    stays silent past ``deadline`` is a RuntimeError naming it."""
+    waiting = list(followers)
+    while waiting:
+        for f in list(waiting):
+            if f.conn.poll(0.02):
+                try:
+                    msg = f.conn.recv()
+                except (EOFError, OSError):
+                    msg = (fl.ERROR, "closed its connection")
+                if msg[0] == want:
+                    waiting.remove(f)
+                    continue
+                raise RuntimeError(f"tensor-parallel {f.status()} while {what}: {msg[-1]}")
+            if f.proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel {f.status()} while {what}")
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(f.status() for f in waiting)
+            raise RuntimeError(f"tensor-parallel followers did not finish {what} in time: "
+                               f"{names}; raise start_timeout_s")
+
+
+class TensorParallelLlama(nn.Module):
+    """Rank 0 of a tensor-parallel Llama and the handle on its followers (see the module doc).
+    Build it with :func:`load_llama_tp`; :meth:`close` stops the followers (so does garbage
+    collection or the end of this process)."""
+
+    def __init__(self, shard: nn.Module, group: TPGroup, followers: list[Follower],
+                 path: str) -> None:
+        super().__init__()
+        self.shard = shard
+        self.config: LlamaConfig = shard.config
+        self.tp_size = group.size
+        self.group, self.followers, self.path = group, followers, path
+        self.broken: Optional[str] = None
+        self.closed = False
+        self.lock = threading.Lock()
+        # The driver's caches the followers mirror (by number), and those collected since the
+        # last step, whose mirrors the followers drop.
+        self.cache_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.dropped: list[int] = []
+        self.cache_numbers = itertools.count()
+        self.finalizer = weakref.finalize(self, stop_followers, followers)
+
+    @property
+    def model(self) -> nn.Module:
+        """The rank-0 body (its embedding is whole: the engine reads its device from it)."""
+        return self.shard.model
+
+    def kv_layout(self) -> KVLayout:
+        """Rank 0's share of the cache: ``num_key_value_heads / tp_size`` heads."""
+        return self.shard.kv_layout()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.shard.embed(token_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shard.logits(hidden)
+
+    def forward(self, token_ids: Optional[torch.Tensor], step: KVStep,
+                embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = token_ids if embeds is None else embeds
+        assert x is not None
+        with self.lock:
+            self.check_usable()
+            cache_id, geometry = self.follow_cache(step)  # a wrong step breaks nothing yet
+            try:
+                cache = step.backend.cache
+                copies, cache.copy_log = cache.copy_log or [], []
+                dropped = self.dropped[:]  # the list stays: finalizers append to it
+                del self.dropped[:len(dropped)]
+                msg = (fl.STEP, cache_id, geometry, dropped, copies, list(step.steps),
+                       "ids" if embeds is None else "embeds", tuple(x.shape),
+                       str(x.dtype).removeprefix("torch."))
+                for f in self.followers:
+                    f.conn.send(msg)
+                self.group.broadcast(x.contiguous())
+                return self.shard(token_ids, step, embeds)
+            except Exception as e:
+                raise self.break_group(f"{type(e).__name__}: {e}") from None
+
+    def follow_cache(self, step: KVStep) -> tuple[int, Optional[tuple[int, int, str]]]:
+        """The number of the step's cache, and its geometry when the followers do not mirror
+        it yet (a new engine), else None."""
+        backend = step.backend
+        cache = getattr(backend, "cache", None)
+        if cache is None or not hasattr(backend, "plan"):
+            raise TypeError("a tensor-parallel Llama runs eager steps only; its decode cannot "
+                            "go through static CUDA-graph buckets (drop cuda_graphs/compile)")
+        known = self.cache_ids.get(cache)
+        if known is not None:
+            return known, None
+        number = next(self.cache_numbers)
+        self.cache_ids[cache] = number
+        weakref.finalize(cache, self.dropped.append, number)
+        cache.copy_log = []
+        return number, (cache.page_size, cache.num_pages, backend.name)
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the tensor-parallel Llama of {self.path} is closed; load it "
+                               "again")
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        gone = [f for f in self.followers if f.proc.poll() is not None]
+        if gone:
+            raise self.break_group("")
+
+    def break_group(self, cause: str) -> RuntimeError:
+        """Marks the group broken (every later step fails at once), stops the followers and
+        returns the error that says what happened."""
+        for f in self.followers:  # a killed rank's socket closes before it can be reaped
+            try:
+                f.proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        states = "; ".join(f.status() for f in self.followers)
+        self.broken = (f"the tensor-parallel group of {self.path} (tp_size {self.tp_size}) "
+                       f"failed{': ' + cause if cause else ''} [{states}]; a group cannot "
+                       "recover from a lost rank: close this model and load it again")
+        stop_followers(self.followers, wait_s=1.0)
+        return RuntimeError(self.broken)
+
+    def close(self) -> None:
+        """Stops the followers (waits for a step in flight); later steps raise."""
+        with self.lock:
+            self.closed = True
+            self.finalizer()
+
+    def __enter__(self) -> "TensorParallelLlama":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_llama_tp(path: Union[str, os.PathLike], tp_size: int,
+                  dtype: Optional[torch.dtype] = None, device: str = "cpu",
+                  timeout_s: float = 60.0, start_timeout_s: float = 300.0,
+                  num_threads: Optional[int] = None) -> TensorParallelLlama:
+    """Loads the HF Llama checkpoint at ``path`` split over ``tp_size`` ranks: this process is
+    rank 0 (on ``device``), ranks 1.. are follower processes (on ``cuda:N+rank`` when
+    ``device`` is ``cuda:N``; gloo on CPU, NCCL on CUDA). ``timeout_s`` bounds each collective
+    (a rank that stopped answering), ``start_timeout_s`` the followers' start. ``num_threads``:
+    torch threads in each follower (default: 1 on a CPU with at most 4 cores, else torch's)."""
+    path = os.fspath(path)
+    config = checked_config(path, tp_size)  # refuse before starting anything
+    dtype = checkpoint_dtype(config, path, dtype)
+    if num_threads is None and torch.device(device).type == "cpu":
+        num_threads = 1 if (os.cpu_count() or 1) <= 4 else None
+    index = torch.device(device).index or 0
+    store = open_store(tp_size, start_timeout_s)
+    key = f"{os.getpid()}-{next(_groups)}"
+    settings = dict(size=tp_size, port=store.port, key=key, path=os.path.abspath(path),
+                    dtype=str(dtype).removeprefix("torch."), timeout_s=timeout_s,
+                    threads=num_threads)
+    followers: list[Follower] = []
+    try:
+        for rank in range(1, tp_size):
+            where = f"cuda:{index + rank}" if torch.device(device).type == "cuda" else device
+            followers.append(spawn_follower(rank, {**settings, "device": where}))
+        deadline = time.monotonic() + start_timeout_s
+        await_all(followers, fl.JOINING, deadline, "starting")
+        group = TPGroup(store, key, 0, tp_size, device, timeout_s)
+        shard = load_llama_shard(path, TensorSplit(0, tp_size, group.all_reduce), dtype, device)
+        await_all(followers, fl.READY, deadline, "loading its share of the weights")
+    except BaseException:
+        stop_followers(followers, wait_s=1.0)
+        raise
+    return TensorParallelLlama(shard, group, followers, path)
