@@ -33,6 +33,8 @@ echo "== pip: model and robot dependencies (torch pinned to the CPU build for th
 "${PIP[@]}" "torch==2.13.0" safetensors "transformers==5.24.0" "snac==1.2.1" mujoco opencv-python-headless
 echo "== pip: serving dependencies (HTTP, websockets, ZeroMQ) and the clients the tests drive"
 "${PIP[@]}" fastapi uvicorn websockets msgpack pyzmq pyyaml httpx openai dm-tree pillow prometheus-client soxr
+# Ray Serve: `mstar-rt serve --replicas N` and tests/python/test_serve_ray.py (a two-node local cluster).
+"${PIP[@]}" "ray[serve]==2.60.0"
 # openpi-client pins numpy<2 but works with numpy 2: installed without its dependencies.
 "${PIP[@]}" --no-deps "openpi-client==0.1.2"
 # The V-JEPA 2-AC reference predictor (upstream's ac_predictor.py); its timm/torchvision are not needed.

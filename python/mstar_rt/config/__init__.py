@@ -21,9 +21,9 @@ from mstar_rt.config.errors import ConfigError
 from mstar_rt.config.model_spec import ModelSpec, resolve_factory
 from mstar_rt.config.placement import (NodeGroup, PlacementConfig, PlacementOptions, check_groups,
                                        for_workers, read_placement)
-from mstar_rt.config.serving import (KVCacheSpec, PolicySpec, ServeConfig, ServerSpec, SpeechSpec,
-                                     load_config)
+from mstar_rt.config.serving import (KVCacheSpec, PolicySpec, RaySpec, ServeConfig, ServerSpec,
+                                     SpeechSpec, load_config)
 
 __all__ = ["ConfigError", "KVCacheSpec", "ModelSpec", "NodeGroup", "PlacementConfig",
-           "PlacementOptions", "PolicySpec", "ServeConfig", "ServerSpec", "SpeechSpec",
+           "PlacementOptions", "PolicySpec", "RaySpec", "ServeConfig", "ServerSpec", "SpeechSpec",
            "check_groups", "for_workers", "load_config", "read_placement", "resolve_factory"]

@@ -1,15 +1,16 @@
 """The serving config (``mstar-rt serve CONFIG``): the model, where its nodes run, the KV cache,
-the limits, the server, and how speech and policy requests map onto the model."""
+the limits, the server, how speech and policy requests map onto the model, and Ray Serve
+replicas."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar, Mapping, Optional, Union
+from typing import Annotated, Any, ClassVar, Mapping, Optional, Union
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, PrivateAttr, field_validator, model_validator
 
-from mstar_rt.config.base import (KeyValues, Name, Names, PositiveInt, Seconds, Section,
-                                  read_mapping, validate)
+from mstar_rt.config.base import (Count, JSONData, KeyValues, Name, Names, PositiveInt, Seconds,
+                                  Section, read_mapping, validate)
 from mstar_rt.config.errors import KeyProblem
 from mstar_rt.config.placement import ModelAndGroups, PlacementOptions
 
@@ -160,6 +161,83 @@ class PolicySpec(Section):
         return v
 
 
+def _cpus(v: Any) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"must be a number >= 0 (a fraction shares a CPU or GPU), not {v!r}")
+    return float(v)
+
+
+class RaySpec(Section):
+    """Replicas of the server as a Ray Serve deployment (``mstar-rt serve CONFIG --replicas N``,
+    or this section): ``replicas`` fixed, or ``min_replicas``..``max_replicas`` scaled on
+    ``target_ongoing_requests`` per replica; each replica reserves ``num_cpus`` / ``num_gpus``
+    and the custom ``resources``. ``address``: the cluster (``auto``, ``host:port``; default
+    ``RAY_ADDRESS``, else a local cluster started for this server). ``proxy_location``: where
+    Ray Serve's HTTP proxy listens on ``server.host:port``. ``max_ongoing_requests``
+    (default ``max_concurrent_requests``) bounds what Ray routes to one replica; an open policy
+    websocket counts as one for as long as it is open."""
+
+    noun: ClassVar[str] = "ray"
+    replicas: Optional[PositiveInt] = None
+    min_replicas: Optional[Count] = None
+    max_replicas: Optional[PositiveInt] = None
+    target_ongoing_requests: Optional[Seconds] = None
+    num_cpus: Annotated[float, BeforeValidator(_cpus)] = 1.0
+    num_gpus: Annotated[float, BeforeValidator(_cpus)] = 0.0
+    resources: dict[str, Annotated[float, BeforeValidator(_cpus)]] = Field(default_factory=dict)
+    address: Optional[Name] = None
+    proxy_location: str = "HeadOnly"
+    app_name: Name = "mstar"
+    max_ongoing_requests: Optional[PositiveInt] = None
+    health_check_period_s: Optional[Seconds] = None
+    runtime_env: JSONData = Field(default_factory=dict)
+
+    @field_validator("proxy_location")
+    @classmethod
+    def _proxy(cls, v: str) -> str:
+        if v not in ("HeadOnly", "EveryNode"):
+            raise ValueError(f"must be HeadOnly (one proxy, on the head node) or EveryNode (one "
+                             f"per node, each on server.port, behind your load balancer), not "
+                             f"{v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _replicas_or_bounds(self) -> "RaySpec":
+        bounds = self.min_replicas is not None or self.max_replicas is not None
+        if self.replicas is not None and bounds:
+            raise ValueError("give replicas (a fixed count) or min_replicas/max_replicas "
+                             "(autoscaling), not both")
+        if bounds and self.max_replicas is None:
+            raise KeyProblem("max_replicas", "missing; autoscaling needs an upper bound")
+        if bounds and (self.min_replicas or 0) > (self.max_replicas or 0):
+            raise KeyProblem("min_replicas", f"{self.min_replicas} is above max_replicas "
+                             f"{self.max_replicas}")
+        if self.target_ongoing_requests is not None and not bounds:
+            raise KeyProblem("target_ongoing_requests", "only autoscaling uses it; give "
+                             "min_replicas and max_replicas, or drop it")
+        return self
+
+    def with_replicas(self, replicas: Optional[int]) -> "RaySpec":
+        """A copy with a fixed ``replicas`` count (``--replicas N``), dropping any bounds."""
+        if replicas is None:
+            return self
+        return validate(RaySpec, {**self.model_dump(exclude_defaults=True),
+                                  "min_replicas": None, "max_replicas": None,
+                                  "target_ongoing_requests": None, "replicas": replicas},
+                        "--replicas")
+
+    @property
+    def autoscaling(self) -> Optional[dict[str, Any]]:
+        """Ray Serve's ``autoscaling_config``, or None for a fixed count."""
+        if self.max_replicas is None:
+            return None
+        out: dict[str, Any] = {"min_replicas": self.min_replicas or 0,
+                               "max_replicas": self.max_replicas}
+        if self.target_ongoing_requests is not None:
+            out["target_ongoing_requests"] = self.target_ongoing_requests
+        return out
+
+
 class ServeConfig(ModelAndGroups):
     """The whole serving config. ``base_dir`` is where its relative paths start: the config
     file's folder (or the directory given to :func:`load_config`)."""
@@ -171,6 +249,7 @@ class ServeConfig(ModelAndGroups):
     speech: Optional[SpeechSpec] = None
     policy: Optional[PolicySpec] = None
     placement: PlacementOptions = Field(default_factory=PlacementOptions)
+    ray: Optional[RaySpec] = None
     _base_dir: str = PrivateAttr(".")
 
     @model_validator(mode="before")

@@ -2,10 +2,12 @@
 HTTP + the openpi policy websocket until interrupted (Ctrl-C / SIGTERM close everything).
 
     mstar-rt serve examples/serve/robot_policy.yaml [--host 127.0.0.1] [--port 8000]
-                   [--api-key KEY] [--no-warm-up]
+                   [--api-key KEY] [--no-warm-up] [--replicas N] [--ray-address ADDR]
 
 Prints a line per loading step and one for the warm-up (the policy run once at every batch size,
-mstar_rt.serve.warmup), then one line ``mstar-rt: serving <model> on <url>``.
+mstar_rt.serve.warmup), then one line ``mstar-rt: serving <model> on <url>``. With
+``--replicas N`` (or a ``ray:`` section in the config) the same app runs as a Ray Serve
+deployment of N replicas instead (mstar_rt.serve.ray_serve).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="skip running the policy once at every batch size before serving")
+    s.add_argument("--replicas", type=int, help="serve N replicas on Ray Serve (overrides "
+                   "ray.replicas / min_replicas / max_replicas)")
+    s.add_argument("--ray-address", help="the Ray cluster (auto, host:port; default: "
+                   "ray.address, else RAY_ADDRESS, else a local cluster started here)")
     return p
 
 
@@ -85,6 +92,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         config = load_config(args.config).with_server(host=args.host, port=args.port,
                                                       api_key=args.api_key)
         server_spec = config.server
+        if args.replicas is not None or args.ray_address or config.ray is not None:
+            return _serve_on_ray(args, config, t0)
         step(f"building model {config.model.factory or config.model.checkpoint}")
         model = build_model(config)
         from mstar_rt.model import node_engines
@@ -120,6 +129,52 @@ def main(argv: Optional[list[str]] = None) -> int:
         pass
     finally:
         runtime.close()
+        print("mstar-rt: stopped", flush=True)
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, config: Any, t0: float) -> int:
+    """Runs the app as Ray Serve replicas until SIGINT / SIGTERM, then deletes it (and stops
+    the cluster if it was started here)."""
+    from mstar_rt.serve.config import ConfigError, RaySpec
+
+    try:
+        if args.replicas is not None and args.replicas < 1:
+            raise ConfigError(f"--replicas: must be a positive integer, not {args.replicas}")
+        spec = (config.ray or RaySpec()).with_replicas(args.replicas)
+        from mstar_rt.serve import ray_serve  # imports Ray: only here
+        ray_serve.check(config, spec)
+    except ImportError as e:
+        print(f"mstar-rt: replicas need Ray Serve ({e}); pip install 'mstar_rt[ray]'",
+              file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError) as e:
+        print(f"mstar-rt: {e}", file=sys.stderr)
+        return 2
+    count = (f"{spec.replicas or 1} replicas" if spec.autoscaling is None else
+             f"{spec.autoscaling['min_replicas']}..{spec.max_replicas} replicas (autoscaling)")
+    where = (args.ray_address or spec.address or os.environ.get("RAY_ADDRESS")
+             or "a local cluster")
+    print(f"mstar-rt: starting {count} on Ray Serve ({where})", file=sys.stderr, flush=True)
+    try:
+        serving = ray_serve.start(config, spec, address=args.ray_address, warm_up=args.warm_up)
+    except Exception as e:  # a replica that fails to build, a cluster not reachable
+        print(f"mstar-rt: Ray Serve did not start the app: {e}", file=sys.stderr)
+        return 1
+    # After ray.init, whose own SIGTERM handler would end this process without deleting the app
+    # (it would keep serving on a cluster this process did not start).
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    key = " (API key required)" if config.server.api_key else ""
+    print(f"mstar-rt: serving {config.model.name or config.model.factory} on {serving.url} "
+          f"(policy websocket {serving.ws_url}/), {count} on Ray cluster {serving.address}"
+          f"{key}; loaded in {time.monotonic() - t0:.1f} s", flush=True)
+    while not stop.wait(0.5):
+        pass
+    try:
+        serving.stop()
+    finally:
         print("mstar-rt: stopped", flush=True)
     return 0
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from mstar_rt.config import (ConfigError, KVCacheSpec, ModelSpec, NodeGroup, PolicySpec,
-                             ServeConfig, ServerSpec, SpeechSpec, check_groups, for_workers,
-                             load_config)
+                             RaySpec, ServeConfig, ServerSpec, SpeechSpec, check_groups,
+                             for_workers, load_config)
 
-__all__ = ["ConfigError", "KVCacheSpec", "ModelSpec", "NodeGroup", "PolicySpec", "ServeConfig",
-           "ServerSpec", "SpeechSpec", "build_model", "build_runtime", "check_placement",
-           "kv_engines", "load_config"]
+__all__ = ["ConfigError", "KVCacheSpec", "ModelSpec", "NodeGroup", "PolicySpec", "RaySpec",
+           "ServeConfig", "ServerSpec", "SpeechSpec", "build_model", "build_runtime",
+           "check_placement", "kv_engines", "load_config"]
 
 
 def build_model(config: ServeConfig) -> Any:
