@@ -1,13 +1,17 @@
-"""Cost of a remote node call: in-process vs a node placed in a worker process.
+"""Cost of placement: a walk run in a worker process against the same walk in-process.
 
-One node (``y = x``: no compute, so only the runtime's own cost is timed) served by a Runtime
-in this process and by a PlacedRuntime with the node on worker rank 1 (ZeroMQ control messages,
-tensors through the shared-memory arenas).
-Requests run one at a time, the two runtimes alternating so machine noise hits both alike; the
-difference of the medians is the overhead per remote node call (both directions), for a 1 MiB
-tensor and for a 16-byte one.
+No-op nodes (each returns a 1-element tensor: only the runtime's own cost is timed) in three
+walks -- a chain of 10 nodes, a Loop of 100 iterations, a 256-step decode DynamicLoop that
+EMITs a token per step -- served by a Runtime in this process and by a PlacedRuntime with every
+node on worker rank 1, for 1 request at a time and 16 at once. The two runtimes alternate so
+machine noise hits both alike. Also timed: one parent -> worker -> parent crossing (a one-node
+walk, placed minus in-process) and the bare ZeroMQ round trip it rides on (the same sockets and
+thread hand-offs, no runtime), the floor a crossing can approach.
 
-    python benchmarks/placement.py [--quick]      # table + benchmarks/results/placement.json
+    python benchmarks/placement.py [--quick]   # table + benchmarks/results/placement.{json,png}
+
+Ratios (issue 17): ``placed_over_inproc_per_node_1req`` (the worst of the three walks; < 3
+wanted) and ``crossing_over_zmq_floor`` (< 1.5 wanted); lower is better for both.
 """
 
 from __future__ import annotations
@@ -15,97 +19,273 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_common import use_source_tree  # noqa: E402
+from bench_common import child_pythonpath, machine, use_source_tree  # noqa: E402
 
 use_source_tree()
 
 import torch  # noqa: E402
+import zmq  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-from mstar_rt import EMIT, GraphEdge, GraphNode, Model, NodeSubmodule, Runtime  # noqa: E402
+from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Model,  # noqa: E402
+                      NodeSubmodule, Runtime, Sequential)
 from mstar_rt.placement import NodeGroup, PlacedRuntime  # noqa: E402
 
-SIZES = {"1mb": 1 << 20, "16b": 16}
+DECODE_STEPS = 256
 
 
-class Identity(NodeSubmodule):
+class Noop(NodeSubmodule):
+    """``y = x``: returns its 1-element tensor (a new one, as a real node would)."""
+
+    def __init__(self, src: str, dst: str) -> None:
+        self.src, self.dst = src, dst
+
     def forward(self, batch: list[dict]) -> list[dict]:
-        return [{"y": item["x"]} for item in batch]
+        return [{self.dst: item[self.src]} for item in batch]
 
 
-class OneNode(Model):
-    inputs = ("x",)
+class Decode(NodeSubmodule):
+    max_batch = 16
+
+    def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
+        return {**inputs, "step": ctx.iteration}
+
+    def forward(self, batch: list[dict]) -> list[dict]:
+        return [{"x": b["x"], "tok": b["x"]} for b in batch]
+
+    def check_stop(self, batch: list[dict], outputs: list) -> list:
+        return [("decode",) if b["step"] + 1 >= DECODE_STEPS else () for b in batch]
+
+
+class Walks(Model):
+    """One walk per case; ``nodes`` counts the node executions of one request."""
+
+    inputs = ("x", "walk")
+    input_defaults = {"walk": "one"}
+    nodes_per_request = {"one": 1, "chain10": 10, "loop100": 101, "decode256": DECODE_STEPS}
 
     def __init__(self) -> None:
-        self.nodes = [GraphNode("work", ["x"], [GraphEdge(EMIT, "y")])]
-        self.walks = {"run": "work"}
-        self.submodules = {"work": Identity()}
+        chain = [f"c{i}" for i in range(10)]
+        self.nodes = [GraphNode("one", ["x"], [GraphEdge(EMIT, "y")], submodule=Noop("x", "y"))]
+        self.nodes += [GraphNode(n, ["x" if i == 0 else f"v{i}"],
+                                 [GraphEdge(EMIT, "y") if i == 9 else f"v{i + 1}"],
+                                 submodule=Noop("x" if i == 0 else f"v{i}",
+                                                "y" if i == 9 else f"v{i + 1}"))
+                       for i, n in enumerate(chain)]
+        self.nodes += [GraphNode("step", ["x"], ["x"], submodule=Noop("x", "x"), max_batch=16),
+                       GraphNode("last", ["x"], [GraphEdge(EMIT, "y")], submodule=Noop("x", "y")),
+                       GraphNode("decode", ["x"], ["x", GraphEdge(EMIT, "tok")],
+                                 submodule=Decode())]
+        self.walks = {"one": "one", "chain10": Sequential(*chain),
+                      "loop100": Sequential(Loop("step", 100, outputs=["x"]), "last"),
+                      "decode256": DynamicLoop("decode", DECODE_STEPS, "decode")}
+
+    def initial_walk(self, request: Any) -> str:
+        return request.inputs["walk"]
 
 
-def one_node() -> OneNode:
-    """The factory the worker imports (``placement:one_node``, this file on its sys.path)."""
-    return OneNode()
+def walks() -> Walks:
+    """The factory the worker imports (``placement:walks``, this file on its sys.path)."""
+    return Walks()
 
 
-def timed(rt: Any, x: torch.Tensor) -> float:
+def run_batch(rt: Any, walk: str, n: int) -> float:
+    """Seconds to serve ``n`` requests of ``walk`` submitted at once."""
+    x = torch.ones(1)
     t0 = time.perf_counter()
-    out = rt.submit({"x": x}).result(30)["y"][0]
-    took = time.perf_counter() - t0
-    assert out.shape == x.shape
-    return took
+    handles = [rt.submit({"x": x, "walk": walk}) for _ in range(n)]
+    for h in handles:
+        h.result(120)
+    return time.perf_counter() - t0
+
+
+ECHO = r"""
+import queue, sys, threading, zmq
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER); router.bind(sys.argv[1])
+push = ctx.socket(zmq.PUSH); push.connect(sys.argv[2])
+q = queue.SimpleQueue()
+def engine():
+    while True:
+        frames = q.get()
+        if frames is None:
+            return
+        push.send_multipart(frames)
+t = threading.Thread(target=engine, daemon=True)
+t.start()
+while True:
+    ident, head, body = router.recv_multipart()
+    if body == b"stop":
+        q.put([head, body])
+        q.put(None)
+        break
+    q.put([head, body])
+t.join()
+"""
+
+
+def zmq_floor(n: int, workdir: str) -> list[float]:
+    """Round trips through the sockets and thread hand-offs placement uses (caller -> sender
+    thread -> DEALER -> worker's ROUTER reader -> its engine thread -> PUSH -> the parent's PULL
+    reader -> caller), with a 1-element tensor's worth of message and nothing else."""
+    zctx = zmq.Context()
+    pull = zctx.socket(zmq.PULL)
+    pull.bind(f"ipc://{workdir}/floor-pull")
+    proc = subprocess.Popen([sys.executable, "-c", ECHO, f"ipc://{workdir}/floor-router",
+                             f"ipc://{workdir}/floor-pull"],
+                            env={"PYTHONPATH": child_pythonpath()})
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.connect(f"ipc://{workdir}/floor-router")
+    import queue
+
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    done = threading.Event()
+    got: list = []
+
+    def sender() -> None:
+        while (frames := out.get()) is not None:
+            dealer.send_multipart(frames)
+
+    def receiver() -> None:
+        while True:
+            if not pull.poll(100):
+                if proc.poll() is not None:
+                    return
+                continue
+            frames = pull.recv_multipart()
+            if frames[1] == b"stop":
+                return
+            got.append(frames)
+            done.set()
+
+    threads = [threading.Thread(target=sender, daemon=True),
+               threading.Thread(target=receiver, daemon=True)]
+    for t in threads:
+        t.start()
+    body = b"\x00" * 96  # about a one-item batch message
+    times = []
+    time.sleep(0.3)  # the worker connects
+    for _ in range(n):
+        done.clear()
+        t0 = time.perf_counter()
+        out.put([b"\x00" * 12, body])
+        done.wait(5)
+        times.append(time.perf_counter() - t0)
+    out.put([b"", b"stop"])
+    out.put(None)
+    proc.wait(5)
+    for t in threads:
+        t.join(5)
+    zctx.destroy(0)
+    return times
+
+
+def alternate(cases: list[tuple[str, Callable[[], float]]], reps: int, label: str
+              ) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name, _ in cases}
+    for _ in tqdm(range(reps), desc=label, leave=False):
+        for name, fn in cases:
+            times[name].append(fn())
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer requests (well under a minute)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
     args = ap.parse_args()
-    n, warm = (150, 20) if args.quick else (1000, 50)
-    sys.path.insert(0, str(HERE))  # so this process and the worker import "placement"
-    local = Runtime(one_node())
-    # A small arena: the warm-up touches all of it, so page faults of first use stay out of
-    # the timings (a 64 MiB one would fault in for 64 requests of 1 MiB).
-    placed = PlacedRuntime("placement:one_node", [NodeGroup(["work"], rank=1)], progress=False,
+    scale = 1 if args.quick else 4
+    reps_1 = {"one": 100 * scale, "chain10": 30 * scale, "loop100": 5 * scale,
+              "decode256": 3 * scale}
+    reps_16 = {"one": 10 * scale, "chain10": 6 * scale, "loop100": 2 * scale,
+               "decode256": 1 * scale}
+    local = Runtime(walks())
+    all_nodes = [n.name for n in local.model.nodes]
+    placed = PlacedRuntime("placement:walks", [NodeGroup(all_nodes, rank=1)], progress=False,
                            shm_bytes=4 << 20)
     figures: dict[str, float] = {}
     try:
-        for label, nbytes in SIZES.items():
-            x = torch.randn(nbytes // 4)
-            times: dict[str, list[float]] = {"inprocess": [], "placed": []}
-            for i in range(warm + n):
-                for name, rt in (("inprocess", local), ("placed", placed)):
-                    t = timed(rt, x)
-                    if i >= warm:
-                        times[name].append(t)
-            for name, ts in times.items():
-                ts.sort()
-                figures[f"{name}_p50_us_{label}"] = statistics.median(ts) * 1e6
-                figures[f"{name}_p99_us_{label}"] = ts[int(0.99 * (len(ts) - 1))] * 1e6
-            figures[f"overhead_per_remote_call_us_{label}"] = (
-                figures[f"placed_p50_us_{label}"] - figures[f"inprocess_p50_us_{label}"])
+        for walk in Walks.nodes_per_request:  # warm-up: first-use costs stay out
+            for rt in (local, placed):
+                run_batch(rt, walk, 4)
+        for n_req, reps in ((1, reps_1), (16, reps_16)):
+            for walk, count in Walks.nodes_per_request.items():
+                t = alternate([("inproc", lambda: run_batch(local, walk, n_req)),
+                               ("placed", lambda: run_batch(placed, walk, n_req))],
+                              reps[walk], f"{walk} x{n_req}")
+                for side in ("inproc", "placed"):
+                    per_node = statistics.median(t[side]) / (n_req * count) * 1e6
+                    figures[f"{side}_us_per_node_{walk}_{n_req}req"] = per_node
+                if walk == "one" and n_req == 1:
+                    figures["crossing_us_1req"] = (statistics.median(t["placed"])
+                                                   - statistics.median(t["inproc"])) * 1e6
+        floor = zmq_floor(200 * scale, placed.workers[1]["endpoint"].removeprefix("ipc://")
+                          .rsplit("/", 1)[0])
+        figures["zmq_floor_us"] = statistics.median(floor) * 1e6
     finally:
         placed.close()
         local.close()
-    ratios = {f"inprocess_vs_placed_p50_{k}": figures[f"inprocess_p50_us_{k}"]
-              / figures[f"placed_p50_us_{k}"] for k in SIZES}
-    print(f"{'tensor':>7} {'in-process p50':>15} {'placed p50':>11} {'placed p99':>11} "
-          f"{'overhead':>9}")
-    for k in SIZES:
-        print(f"{k:>7} {figures[f'inprocess_p50_us_{k}']:>12.0f} us "
-              f"{figures[f'placed_p50_us_{k}']:>8.0f} us {figures[f'placed_p99_us_{k}']:>8.0f} us "
-              f"{figures[f'overhead_per_remote_call_us_{k}']:>6.0f} us")
-    from bench_common import machine
+    ratios: dict[str, float] = {}
+    for n_req in (1, 16):
+        for walk in ("chain10", "loop100", "decode256"):
+            ratios[f"placed_over_inproc_per_node_{walk}_{n_req}req"] = (
+                figures[f"placed_us_per_node_{walk}_{n_req}req"]
+                / figures[f"inproc_us_per_node_{walk}_{n_req}req"])
+    ratios["placed_over_inproc_per_node_1req"] = max(
+        ratios[f"placed_over_inproc_per_node_{w}_1req"] for w in ("chain10", "loop100",
+                                                                 "decode256"))
+    ratios["crossing_over_zmq_floor"] = figures["crossing_us_1req"] / figures["zmq_floor_us"]
 
+    print(f"{'walk':>10} {'req':>4} {'in-process':>12} {'placed':>12} {'ratio':>6}   (µs per node)")
+    for n_req in (1, 16):
+        for walk in ("chain10", "loop100", "decode256"):
+            a = figures[f"inproc_us_per_node_{walk}_{n_req}req"]
+            b = figures[f"placed_us_per_node_{walk}_{n_req}req"]
+            print(f"{walk:>10} {n_req:>4} {a:>12.1f} {b:>12.1f} {b / a:>6.2f}")
+    print(f"crossing (1 request, 1-element tensor): {figures['crossing_us_1req']:.0f} µs; "
+          f"bare ZeroMQ round trip: {figures['zmq_floor_us']:.0f} µs; "
+          f"ratio {ratios['crossing_over_zmq_floor']:.2f}")
+    print(f"placed_over_inproc_per_node_1req (worst walk): "
+          f"{ratios['placed_over_inproc_per_node_1req']:.2f}")
     out = HERE / "results" / "placement.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"name": "placement", "quick": args.quick, "machine": machine(),
                                "figures": figures, "ratios": ratios}, indent=2))
+    plot(figures, HERE / "results" / "placement.png")
     print(f"wrote {out}")
+
+
+def plot(figures: dict[str, float], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    walks_ = ["chain10", "loop100", "decode256"]
+    for ax, n_req in zip(axes, (1, 16)):
+        xs = range(len(walks_))
+        ax.bar([x - 0.2 for x in xs], [figures[f"inproc_us_per_node_{w}_{n_req}req"]
+                                       for w in walks_], 0.4, label="in-process")
+        ax.bar([x + 0.2 for x in xs], [figures[f"placed_us_per_node_{w}_{n_req}req"]
+                                       for w in walks_], 0.4, label="placed (rank 1)")
+        ax.set_xticks(list(xs), walks_)
+        ax.set_yscale("log")
+        ax.set_ylabel("µs per node execution")
+        ax.set_title(f"{n_req} request{'s' if n_req > 1 else ''}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,39 @@ def test_codec_carries_every_kind_exactly_and_frees_the_arena(arena):
     assert len(payload) < 1000  # only headers travel in the message
 
 
+def test_tensor_views_cross_as_their_values_in_one_copy_each_way(arena):
+    # The codec copies a tensor's memory straight into the arena and out again; views whose
+    # memory is not their value (conj / neg bits, offsets, strides, CUDA) are resolved first.
+    z = torch.randn(2, 3, dtype=torch.complex64)
+    base = torch.arange(20.0)
+    value = {"conj": z.conj(), "neg_view": z.conj().imag, "offset": base[5:9],
+             "stepped": base[::3], "grad": torch.ones(3, requires_grad=True) * 2,
+             "bf16_3d": torch.randn(2, 3, 4).to(torch.bfloat16).transpose(0, 2),
+             "c128_0d": torch.tensor(1 + 2j, dtype=torch.complex128),
+             "i8": torch.tensor([-128, 127], dtype=torch.int8), "f16": torch.randn(3).half(),
+             "np_2d_view": np.arange(12, dtype=np.int32).reshape(3, 4)[:, 1]}
+    payload = Encoder(arena).pack(value)
+    got = Decoder(arena).unpack(payload)
+    arena.free_to(arena.publish())
+    expect = {k: (v.detach().resolve_conj().resolve_neg().contiguous()
+                  if isinstance(v, torch.Tensor) else np.ascontiguousarray(v))
+              for k, v in value.items()}
+    assert same(got, expect)
+    assert not got["conj"].is_conj() and not got["neg_view"].is_neg()
+    got["offset"].add_(1)  # a received tensor owns its memory: writable, not the arena
+    assert same(Decoder(arena).unpack(Encoder(arena).pack(value["offset"])), base[5:9])
+
+
+def test_a_tensor_twice_in_one_message_crosses_once(arena):
+    x = torch.arange(64.0)
+    payload = Encoder(arena).pack({"inputs": {"x": x}, "items": [[1, {"x": x}]], "y": x + 0})
+    assert arena.publish() == 2 * x.nbytes  # x once, the different y once
+    got = Decoder(arena).unpack(payload)
+    arena.free_to(arena.published_head)
+    a, b = got["inputs"]["x"], got["items"][0][1]["x"]
+    assert same(a, x) and same(b, x) and same(got["y"], x) and a is not b
+
+
 def test_codec_refuses_what_it_cannot_carry_and_says_what_to_send(arena):
     class Opaque:
         pass

@@ -17,6 +17,7 @@ and exit-time unlinking fight a worker that may be killed); the parent creates a
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -57,6 +58,10 @@ class ShmArena:
         self._head = 0  # the writer's private copy; published to the segment per message
         # The header as 64-bit words: one load or store each, never torn (see the module doc).
         self._words: Optional[memoryview] = memoryview(self.mm)[:_DATA].cast("Q")
+        # The data's address, for the codec's one memmove per tensor (a torch or numpy copy
+        # costs several calls, each dropping and retaking the GIL); released in close().
+        self._pin: Optional[ctypes.Array] = (ctypes.c_char * size).from_buffer(self.mm)
+        self._base = ctypes.addressof(self._pin) + _DATA
 
     @staticmethod
     def create(name: str, capacity: int) -> "ShmArena":
@@ -152,6 +157,13 @@ class ShmArena:
     def data(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self.mm)[_DATA + offset:_DATA + offset + nbytes]
 
+    def address(self, offset: int) -> int:
+        """The address of data byte ``offset`` (valid until :meth:`close`; the caller checked
+        the span: :meth:`alloc` gave it, or :meth:`check_span` passed)."""
+        if self._pin is None:
+            raise ValueError(f"shared-memory arena '{self.name}' is closed")
+        return self._base + offset
+
     # ---- reader ------------------------------------------------------------------------------
 
     def check_span(self, offset: int, nbytes: int) -> None:
@@ -171,6 +183,7 @@ class ShmArena:
     # ---- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
+        self._pin = None
         if self._words is not None:
             self._words.release()
             self._words = None

@@ -19,6 +19,20 @@ from mstar_rt.placement.codec import CodecError, Encoder
 from mstar_rt.placement.protocol import TO_WORKER_HEADER, VERSION
 
 
+_HUB = threading.local()
+
+
+def mark_hub_thread() -> None:
+    """Called by the hub's receiver thread: the 'release' messages it causes wait until it has
+    woken the request's caller (it flushes them after each reply)."""
+    _HUB.deferring = True
+
+
+def deferring() -> bool:
+    """Whether this thread defers its small messages (it is the hub's)."""
+    return getattr(_HUB, "deferring", False)
+
+
 class SendChannel:
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -76,6 +90,10 @@ class SendChannel:
         """Queues a small message (no tensors) and sends it if the lock is free; never waits."""
         self.pending.append((gen, {"v": VERSION, **msg}))
         self.flush()
+
+    def defer(self, gen: int, msg: dict) -> None:
+        """Queues a small message for the next :meth:`flush` (the caller's, or a sender's)."""
+        self.pending.append((gen, {"v": VERSION, **msg}))
 
     def flush(self) -> None:
         # Whoever holds the lock drains; a poster that misses it is drained by the holder, which

@@ -18,6 +18,7 @@ docs/placement.md).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import sys
 from typing import Any, Optional
@@ -36,6 +37,10 @@ _NUMPY_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (
 
 _TYPES: dict[str, type] = {}
 _TORCH_DTYPES: Optional[dict[str, Any]] = None
+_TORCH_NAMES: dict[Any, str] = {}  # torch dtype -> its name in a header
+_NP_OF_TORCH = {d: np.dtype(d) for d in ("bool", "int8", "int16", "int32", "int64", "uint8",
+                                          "float16", "float32", "float64", "complex64",
+                                          "complex128")}
 
 
 class CodecError(ValueError):
@@ -61,6 +66,7 @@ def _torch_dtypes() -> dict[str, Any]:
             torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
             torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
             torch.complex128)}
+        _TORCH_NAMES.update({d: name for name, d in _TORCH_DTYPES.items()})
     return _TORCH_DTYPES
 
 
@@ -81,9 +87,14 @@ class Encoder:
     def __init__(self, arena: Optional[ShmArena], timeout_s: float = 10.0) -> None:
         self.arena = arena
         self.timeout_s = timeout_s
-        self._torch: Any = None
+        # One message's tensors by identity: one that appears twice (a request's input, in its
+        # inputs and in its first node's) crosses once; the receiver still makes two.
+        self._memo: Optional[dict[int, tuple]] = None
 
-    def pack(self, message: dict) -> bytes:
+    def pack(self, message: Any) -> bytes:
+        top = self._memo is None
+        if top:
+            self._memo = {}
         try:
             return msgpack.packb(message, default=self._default, strict_types=True,
                                  use_bin_type=True)
@@ -93,6 +104,9 @@ class Encoder:
             raise CodecError(f"cannot send an integer outside the 64-bit range ({e})") from None
         except (TypeError, ValueError) as e:
             raise CodecError(str(e)) from None
+        finally:
+            if top:
+                self._memo = None
 
     def _default(self, obj: Any) -> msgpack.ExtType:
         t = type(obj)
@@ -107,7 +121,12 @@ class Encoder:
             return msgpack.ExtType(EXT_NPSCALAR, msgpack.packb([dt, obj.tobytes()]))
         torch = sys.modules.get("torch")  # no tensor can exist unless torch was imported
         if torch is not None and isinstance(obj, torch.Tensor):
-            return msgpack.ExtType(EXT_TENSOR, self._pack_torch(obj))
+            seen = self._memo.get(id(obj)) if self._memo is not None else None
+            if seen is None:
+                seen = (obj, msgpack.ExtType(EXT_TENSOR, self._pack_torch(obj)))
+                if self._memo is not None:
+                    self._memo[id(obj)] = seen
+            return seen[1]
         # strict_types sends subclasses here: cross as their plain base (torch.Size: tuple)
         if isinstance(obj, tuple):
             return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
@@ -132,24 +151,29 @@ class Encoder:
         return self.arena.alloc(nbytes, self.timeout_s)
 
     def _pack_torch(self, t: Any) -> bytes:
-        import torch
-
-        dt = str(t.dtype).removeprefix("torch.")
-        if dt not in _torch_dtypes():
-            raise CodecError(f"cannot send a torch tensor of dtype {t.dtype}")
+        dt = _TORCH_NAMES.get(t.dtype)
+        if dt is None:
+            _torch_dtypes()
+            dt = _TORCH_NAMES.get(t.dtype)
+            if dt is None:
+                raise CodecError(f"cannot send a torch tensor of dtype {t.dtype}")
+        torch = sys.modules["torch"]
         if t.layout != torch.strided:
             raise CodecError(f"cannot send a {t.layout} tensor; make it dense first")
-        src = t.detach()
+        src = t
+        # A contiguous CPU tensor (the common case) is copied straight from its memory: one
+        # memmove, no torch op (each would take and drop the GIL among busy threads).
         if src.device.type != "cpu":  # host copy today; CUDA IPC would be another kind
-            src = src.cpu()
-        src = src.resolve_conj().resolve_neg().contiguous().reshape(-1)
-        nbytes = src.numel() * src.element_size()
+            src = src.detach().cpu()
+        if src.is_conj() or src.is_neg():
+            src = src.detach().resolve_conj().resolve_neg()
+        if not src.is_contiguous():
+            src = src.detach().contiguous()
+        nbytes = src.nbytes
         offset = 0
         if nbytes:
             offset = self._alloc(nbytes)
-            # a plain memcpy: torch's copy_ would wake its OpenMP pool, which costs far more
-            # than the copy on a busy machine
-            self.arena.data(offset, nbytes)[:] = src.view(torch.uint8).numpy()
+            ctypes.memmove(self.arena.address(offset), src.data_ptr(), nbytes)
         return msgpack.packb([_TORCH, dt, list(t.shape), offset, nbytes])
 
     def _pack_numpy(self, a: np.ndarray) -> bytes:
@@ -160,7 +184,8 @@ class Encoder:
         offset = 0
         if nbytes:
             offset = self._alloc(nbytes)
-            self.arena.data(offset, nbytes)[:] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            src = np.ascontiguousarray(a)
+            ctypes.memmove(self.arena.address(offset), src.ctypes.data, nbytes)
         return msgpack.packb([_NUMPY, dt, list(a.shape), offset, nbytes])
 
 
@@ -241,15 +266,16 @@ class Decoder:
         if kind == _NUMPY:
             out = np.empty(shape, dtype=dtype)
             if nbytes:
-                memoryview(out.reshape(-1).view(np.uint8))[:] = self.arena.data(offset, nbytes)
+                ctypes.memmove(out.ctypes.data, self.arena.address(offset), nbytes)
             return out
-        import torch
-
-        out = torch.empty(shape, dtype=dtype)
+        # numpy allocates and torch adopts the array: no torch op, which would drop and retake
+        # the GIL among the process's busy threads (bfloat16, which numpy lacks, takes one).
+        np_dtype = _NP_OF_TORCH.get(dt, np.dtype(np.uint16))
+        arr = np.empty(shape, dtype=np_dtype)
         if nbytes:
-            memoryview(out.reshape(-1).view(torch.uint8).numpy())[:] = \
-                self.arena.data(offset, nbytes)
-        return out
+            ctypes.memmove(arr.ctypes.data, self.arena.address(offset), nbytes)
+        out = sys.modules["torch"].from_numpy(arr)
+        return out if dt in _NP_OF_TORCH else out.view(dtype)
 
 
 def scalar_items(state: dict) -> dict:

@@ -18,6 +18,8 @@ from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.model import NO_DEADLINE, Model, RequestContext
 from mstar_rt.nodes import NodeRunner, NodeTable
 from mstar_rt.placement.codec import scalar_items
+from mstar_rt.placement.segment_runner import SegmentRunner
+from mstar_rt.placement.segments import Segment
 from mstar_rt.registry import RequestRegistry
 from mstar_rt.runtime import compile_model
 
@@ -129,7 +131,8 @@ class WorkerHost:
     per engine, like the Runtime does."""
 
     def __init__(self, model: Model, nodes: Sequence[str], reply: Callable[..., None],
-                 kv_settings: Optional[dict[str, dict]] = None, poll_s: float = 0.05) -> None:
+                 kv_settings: Optional[dict[str, dict]] = None, poll_s: float = 0.05,
+                 segments: Sequence[Segment] = (), rank: int = 0) -> None:
         self.model = model
         self.graph = g = compile_model(model)
         self.poll_s = poll_s
@@ -160,6 +163,14 @@ class WorkerHost:
                                           daemon=True) for e in self.engines.values()]
         for t in self._workers:
             t.start()
+        # Segment node ids follow the model's own (the parent's view appends them in order).
+        self.segments = SegmentRunner(model, segments, len(self.node_names), rank,
+                                      self._context, reply)
+        self.segment_names = [s.name for s in segments]
+
+    def _context(self, rid: int) -> Optional[RequestContext]:
+        handle = self.requests.get(rid)
+        return None if handle is None else handle.context
 
     # ---- the engine host (mstar_rt.engines.host.EngineHost) ------------------------------------
 
@@ -207,6 +218,7 @@ class WorkerHost:
         handle = self.requests.pop(rid)
         if handle is None:
             return False
+        self.segments.release(rid)
         self.conductor.purge(rid)
         for engine in self.engines.values():
             engine.release(rid)
@@ -226,10 +238,12 @@ class WorkerHost:
                                 num_pages=cache.num_pages, sequences=cache.live_sequences)
         return dict(live_requests=len(self.requests), queued_items=self.conductor.queued,
                     batches=self.conductor.batches, kv=kv,
-                    kv_pages_in_use=sum(v["pages_in_use"] for v in kv.values()))
+                    kv_pages_in_use=sum(v["pages_in_use"] for v in kv.values()),
+                    **self.segments.stats())
 
     def close(self) -> None:
         self._closed = True
+        self.segments.close()
         self.conductor.shutdown()
         for t in self._workers:
             t.join(timeout=10)

@@ -28,9 +28,9 @@ import zmq
 from mstar_rt.placement.arena import ShmArena
 from mstar_rt.placement.codec import CodecError, Decoder, scalar_items
 from mstar_rt.placement.config import ModelSpec, RankPlan
-from mstar_rt.placement.channel import SendChannel
+from mstar_rt.placement.channel import SendChannel, deferring
 from mstar_rt.placement.ledger import ItemLedger
-from mstar_rt.placement.replies import complete_from_reply, fail_for_death
+from mstar_rt.placement.replies import complete_from_reply, deliver_emits, fail_for_death
 from mstar_rt.placement.watchdog import Watchdog, heartbeat_period
 from mstar_rt.placement.process import WorkerProcess, WorkerStartError, describe_exit, say
 from mstar_rt.placement.protocol import (PARENT_ID, TO_PARENT, VERSION, ProtocolError,
@@ -110,7 +110,9 @@ class WorkerLink:
                    kwargs={**self.spec.args, **self.plan.model_kwargs}, nodes=self.plan.nodes,
                    device=self.plan.device, engines=self.engine_settings, endpoint=self.endpoint,
                    parent=self._parent_endpoint, p2w=p2w.name, w2p=w2p.name,
-                   heartbeat_s=heartbeat_period(self.rt.heartbeat_timeout_s))
+                   heartbeat_s=heartbeat_period(self.rt.heartbeat_timeout_s),
+                   node_rank=self.rt.plan.node_rank, worker_ranks=sorted(self.rt.plan.workers),
+                   segments=self.rt.segments_enabled)
         config_path = os.path.join(self._workdir, f"rank{self.rank}-g{gen}.json")
         with open(config_path, "w") as f:
             json.dump(cfg, f)
@@ -312,7 +314,7 @@ class WorkerLink:
             else:
                 for item in items:
                     rid = item.request
-                    if not self._live(rid):
+                    if not self.rt.requests.knows(rid):
                         ended.append(item.id)
                         continue
                     live.append(item)
@@ -325,9 +327,6 @@ class WorkerLink:
             rt.report(rt.conductor.fail_items(ended, "the request ended"))
         if live:
             self._transmit(gen, node, walk, live, opens)
-
-    def _live(self, rid: int) -> bool:
-        return self.rt.requests.knows(rid)
 
     def _open(self, rid: int) -> dict:
         handle = self.rt.requests.get(rid)
@@ -378,7 +377,14 @@ class WorkerLink:
             gen = self.gen
         if ids:
             self.rt.report(self.rt.conductor.fail_items(sorted(ids), "the request ended"))
-        self._channel.post(gen, {"kind": "release", "requests": [rid]})
+        # From the hub's thread it leaves after the caller woke (flush_posts), else at once.
+        send = self._channel.defer if deferring() else self._channel.post
+        send(gen, {"kind": "release", "requests": [rid]})
+
+    def flush_posts(self) -> None:
+        """Sends the small messages queued meanwhile (the hub, after each reply)."""
+        if self._channel.pending:
+            self._channel.flush()
 
     def stats(self, timeout: float = 5.0) -> dict:
         with self._lock:
@@ -441,6 +447,8 @@ class WorkerLink:
             complete_from_reply(self.rt, msg, self._take)
         elif kind == "failed":
             self._report_failed(int_list(msg, "items"), field(msg, "message", str))
+        elif kind == "emit":
+            deliver_emits(rt, msg)
         elif kind == "ready":
             nodes, walks = field(msg, "nodes", list), field(msg, "walks", list)
             if nodes != rt.node_names or walks != rt.walk_names:
@@ -477,22 +485,14 @@ class WorkerLink:
 
     # ---- introspection ------------------------------------------------------------------------
 
-    @property
-    def inflight_items(self) -> int:
-        with self._lock:
-            return len(self._ledger.inflight)
-
-    @property
-    def known_requests(self) -> int:
-        with self._lock:
-            return len(self._ledger.known)
-
     def info(self) -> dict:
         proc = self.proc
+        with self._lock:
+            inflight, known = len(self._ledger.inflight), len(self._ledger.known)
         return dict(rank=self.rank, nodes=list(self.plan.nodes), device=self.plan.device,
                     state=self.state, pid=None if proc is None else proc.pid, gen=self.gen,
                     endpoint=self.endpoint, shm=[f"{self._tag}_r{self.rank}_g{self.gen}_{d}"
                                                  for d in ("p2w", "w2p")],
                     restarts=self.restarts, last_exit=self.last_exit,
-                    error_replies=self.error_replies, inflight_items=self.inflight_items,
-                    known_requests=self.known_requests)
+                    error_replies=self.error_replies, inflight_items=inflight,
+                    known_requests=known)

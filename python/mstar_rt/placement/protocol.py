@@ -24,6 +24,7 @@ worker -> parent (the parent's PULL socket)::
     done     rank gen node items=[item] outputs=[{name: value}] stops=[[loop]]|None
              states={request: {key: scalar}}
     failed   rank gen items=[item] message
+    emit     rank gen emits=[[request, name, value]] items=[item]   (a segment's EMITs)
     stats    rank gen token stats={..}
     error    rank gen message                 (it got a malformed message)
 """
@@ -40,7 +41,7 @@ TO_WORKER_HEADER = struct.Struct("<IQ")     # generation, span end of the parent
 TO_PARENT_HEADER = struct.Struct("<IIQ")    # rank, generation, span end of the worker's arena
 
 TO_WORKER = ("batch", "release", "stats", "shutdown")
-TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error", "heartbeat")
+TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error", "heartbeat", "emit")
 
 
 class ProtocolError(ValueError):

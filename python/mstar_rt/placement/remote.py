@@ -12,9 +12,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from mstar_rt.engines.base import Engine
 from mstar_rt.model import (Model, NodeSubmodule, RequestContext, hears_stream_end,
                             node_submodules)
+from mstar_rt.placement.segments import SEGMENT_ENGINE, SegmentPlan, stand_in_nodes
 
 if TYPE_CHECKING:
     from mstar_rt.placement.link import WorkerLink
+
+SEGMENT_BATCH = 64  # segment runs handed to a worker in one message
 
 
 class RemoteSubmodule(NodeSubmodule):
@@ -41,7 +44,8 @@ class PlacedModel(Model):
     submodules and engines swapped for stand-ins."""
 
     def __init__(self, model: Model, node_rank: Mapping[str, int], workers: set[int],
-                 parent_engines: Mapping[str, str]) -> None:
+                 parent_engines: Mapping[str, str],
+                 segments: Optional[SegmentPlan] = None) -> None:
         self.inner = model
         # The nodes without the submodules they may carry: those below (stand-ins) run them here.
         self.nodes = [dataclasses.replace(n, submodule=None, engine=None) for n in model.nodes]
@@ -54,6 +58,13 @@ class PlacedModel(Model):
         self.engines = dict(parent_engines)
         used = set(parent_engines.values())
         self.engine_specs = {e: spec for e, spec in model.engine_specs.items() if e in used}
+        if segments is not None and segments.segments:
+            # Appended: the model's own nodes keep their ids, which both processes share.
+            self.nodes += stand_in_nodes(segments.segments)
+            self.walks = segments.walks
+            for seg in segments.segments:
+                self.submodules[seg.name] = RemoteSubmodule(seg.name, seg.rank, SEGMENT_BATCH)
+                self.engines[seg.name] = SEGMENT_ENGINE.format(rank=seg.rank)
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         self.inner.validate_inputs(inputs)

@@ -54,6 +54,14 @@ def complete_from_reply(rt: "PlacedRuntime", msg: dict,
     rt.report(outcome)
 
 
+def deliver_emits(rt: "PlacedRuntime", msg: dict) -> None:
+    """A segment's EMITted outputs, as it made them (``[[request, name, value]]``), to their
+    requests' handles (one that ended meanwhile drops them)."""
+    emits = [tuple(e) for e in field(msg, "emits", list)
+             if isinstance(e, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], str)]
+    rt.report((emits, (), (), (), ()))
+
+
 def fail_for_death(rt: "PlacedRuntime", who: str, fix: str, inflight: dict, known: dict) -> None:
     """A worker died (``who``: "worker process rank R (pid P) <how>"): fails the items it was
     running (the Conductor names their node) and then the other requests it held state for

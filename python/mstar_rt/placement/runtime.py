@@ -23,11 +23,13 @@ import zmq
 from mstar_rt.engines.base import Engine
 from mstar_rt.placement.arena import sweep_stale
 from mstar_rt.placement.config import ModelSpec, NodeGroup, make_plan, read_config
+from mstar_rt.placement.channel import mark_hub_thread
 from mstar_rt.placement.link import WorkerLink
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
 from mstar_rt.placement.protocol import TO_PARENT_HEADER
 from mstar_rt.model import RequestContext, node_engines
-from mstar_rt.runtime import Runtime
+from mstar_rt.placement.segments import SEGMENT_ENGINE, SegmentPlan, find_segments
+from mstar_rt.runtime import Runtime, compile_model
 
 _LIVE: "weakref.WeakSet[PlacedRuntime]" = weakref.WeakSet()
 
@@ -62,6 +64,7 @@ class _Hub:
 
     def _run(self) -> None:
         sock, header = self.sock, TO_PARENT_HEADER
+        mark_hub_thread()
         while not self._stop:
             if not sock.poll(100):
                 continue
@@ -76,6 +79,8 @@ class _Hub:
                 continue
             try:
                 link.on_message(gen, span, frames[1])
+                for each in self.links.values():  # releases it caused, now the caller woke
+                    each.flush_posts()
             except Exception:  # a bug here must not stop every worker's replies
                 traceback.print_exc()
 
@@ -129,7 +134,9 @@ class PlacedRuntime(Runtime):
     worker is killed and handled as a death (placement/watchdog.py).
     ``engines`` overrides engines as the Runtime's does; a KVCacheEngine for nodes placed in a
     worker travels as its settings (page size, pages, ...) and is rebuilt there. Other
-    arguments are the :class:`~mstar_rt.Runtime`'s.
+    arguments are the :class:`~mstar_rt.Runtime`'s. ``segments`` (default True): walk sections
+    whose nodes all sit on one worker run there whole, one round trip each
+    (placement/segments.py); False sends every node across on its own.
 
     A worker that dies fails the requests it was serving or held state for (RequestFailed
     naming the rank, node and exit status) within a second; other requests continue.
@@ -140,7 +147,7 @@ class PlacedRuntime(Runtime):
                  engines: Optional[Mapping[str, Engine]] = None, shm_bytes: int = 64 << 20,
                  ready_timeout_s: float = 120.0, restart: str = "manual", max_restarts: int = 3,
                  progress: bool = True, heartbeat_timeout_s: float = 10.0,
-                 node_timeout_s: Optional[float] = None) -> None:
+                 node_timeout_s: Optional[float] = None, segments: bool = True) -> None:
         self._links: dict[int, WorkerLink] = {}
         self._hub: Optional[_Hub] = None
         self._zctx: Optional[zmq.Context] = None
@@ -163,6 +170,8 @@ class PlacedRuntime(Runtime):
         self.user_model = model.build(model.parent_kwargs)
         self.plan = plan = make_plan(self.user_model, node_groups)
         local_engines, worker_engines = split_engines(self.user_model, plan, engines or {})
+        seg_plan = self._segment_plan(plan) if segments else None
+        self.segments_enabled = seg_plan is not None
         sweep_stale()
         try:
             self._workdir = tempfile.mkdtemp(prefix=f"mstar-placement-{os.getpid()}-")
@@ -178,8 +187,11 @@ class PlacedRuntime(Runtime):
             for n, rank in plan.node_rank.items():
                 if rank in plan.workers:
                     remote.setdefault(plan.parent_engines[n], RemoteEngine(self._links[rank]))
+            for seg in seg_plan.segments if seg_plan is not None else ():
+                remote.setdefault(SEGMENT_ENGINE.format(rank=seg.rank),
+                                  RemoteEngine(self._links[seg.rank]))
             placed = PlacedModel(self.user_model, plan.node_rank, set(plan.workers),
-                                 plan.parent_engines)
+                                 plan.parent_engines, seg_plan)
             super().__init__(placed, poll_s, {**remote, **local_engines})
             self._runtime_started = True
             self._hub.start(self._links)
@@ -191,6 +203,19 @@ class PlacedRuntime(Runtime):
         except BaseException:
             self.close()
             raise
+
+    def _segment_plan(self, plan: Any) -> Optional[SegmentPlan]:
+        """The walks' segments (placement/segments.py), or None when there are none or the
+        rewritten walks do not compile (then every node crosses on its own, as before)."""
+        seg_plan = find_segments(self.user_model, plan.node_rank, set(plan.workers))
+        if not seg_plan.segments:
+            return None
+        try:
+            compile_model(PlacedModel(self.user_model, plan.node_rank, set(plan.workers),
+                                      plan.parent_engines, seg_plan))
+        except ValueError:  # GraphError is one
+            return None
+        return seg_plan
 
     # ---- requests ------------------------------------------------------------------------------
 

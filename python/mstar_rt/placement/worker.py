@@ -113,14 +113,19 @@ class Worker:
         say(f"building {cfg['factory']} for nodes {cfg['nodes']} on {cfg['device']}")
         model = ModelSpec(cfg["factory"], cfg["kwargs"]).build()
         from mstar_rt.placement.host import WorkerHost
+        from mstar_rt.placement.segments import find_segments
 
-        self.host = WorkerHost(model, cfg["nodes"], self.outbox.send, cfg.get("engines") or {})
+        segments = (find_segments(model, cfg["node_rank"], set(cfg["worker_ranks"])).segments
+                    if cfg.get("segments") else [])
+        self.host = WorkerHost(model, cfg["nodes"], self.outbox.send, cfg.get("engines") or {},
+                               segments=segments, rank=self.rank)
         engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.engines.items())
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(cfg["endpoint"])
         g = self.host.graph
-        self.outbox.send("ready", pid=os.getpid(), nodes=list(g.node_ids), walks=list(g.walk_ids))
+        self.outbox.send("ready", pid=os.getpid(), nodes=list(g.node_ids) + self.host.segment_names,
+                         walks=list(g.walk_ids))
         say(f"ready in {time.monotonic() - t0:.1f} s (engines {engines})")
         threading.Thread(target=self.heartbeat, daemon=True, name="mstar-heartbeat").start()
 
@@ -235,13 +240,19 @@ class Worker:
         try:
             node = field(msg, "node", int)
             walk = field(msg, "walk", int)
-            if node not in host.node_ids:
+            segment = host.segments.segments.get(node)
+            if node not in host.node_ids and segment is None:
                 names = [host.node_names[i] for i in host.node_ids]
                 raise ProtocolError(f"node id {node} is not one of this worker's nodes {names}")
             if not 0 <= walk < len(host.walk_names):
                 raise ProtocolError(f"walk id {walk} is out of range")
-            inputs = set(host.graph.node_inputs[node])
-            stream_input = host.nodes[node].stream_input
+            if segment is not None:
+                inputs, stream_input = set(segment.inputs), None
+                node_name = segment.name
+            else:
+                inputs = set(host.graph.node_inputs[node])
+                stream_input = host.nodes[node].stream_input
+                node_name = host.node_names[node]
             work = []
             for it in items:
                 # ids are 64-bit and iterations 32-bit in the C++ queue and WorkContext
@@ -250,7 +261,7 @@ class Worker:
                         and isinstance(it[3], dict) and set(it[3]) <= inputs):
                     raise ProtocolError("a batch item must be [item, request, iteration, "
                                         "{input: value}, chunk or None] with the node's inputs")
-                chunk = _chunk(it[4], stream_input, host.node_names[node])
+                chunk = _chunk(it[4], stream_input, node_name)
                 work.append(_core.WorkItem((it[0], it[1], it[2], it[3], chunk)))
             opens = field(msg, "open", dict)
             for rid, o in opens.items():
@@ -284,7 +295,11 @@ class Worker:
                                      "(it ended, or the worker restarted)")
         for w in known:
             host.set_walk(w.request, walk)
-        if known:
+        if known and segment is not None:
+            refused = host.segments.submit(node, [(w.id, w.request, w.inputs) for w in known])
+            if refused:
+                self.outbox.send("failed", items=refused, message="the request ended")
+        elif known:
             host.conductor.put(node, walk, known)
 
     def stats(self) -> dict:

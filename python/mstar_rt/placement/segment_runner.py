@@ -1,0 +1,226 @@
+"""The worker's side of segments (placement/segments.py): each segment of this rank is served by
+an in-process Runtime over the segment's nodes, so its nodes advance as they would in one
+process -- no parent round trip per node. A run is one request of that Runtime per parent work
+item; it reports once at its end (``done`` with the segment's outputs, or ``failed``), and its
+EMITted outputs go to the parent as they are made (``emit``).
+
+Replies leave through one sender thread, in the order they were made (a run's outputs before
+its end): the nodes' thread only queues them, and what queued while the sender was busy leaves
+in one message (a fast decode loop's tokens then cross a few at a time, never late)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from mstar_rt.model import NO_DEADLINE, Model, RequestContext
+from mstar_rt.placement.codec import scalar_items
+from mstar_rt.placement.segments import Segment, SegmentModel
+from mstar_rt.runtime import RequestCancelled, RequestHandle, Runtime
+
+
+class _Run:
+    """One segment run: the parent's work item it answers and the request it belongs to."""
+
+    __slots__ = ("context", "item", "request", "node", "outputs", "released")
+
+    def __init__(self, context: RequestContext, item: int, request: int, node: int) -> None:
+        self.context, self.item, self.request, self.node = context, item, request, node
+        self.outputs: dict = {}
+        self.released = False
+
+
+class _SegmentRuntime(Runtime):
+    """A Runtime whose outputs and ends go to the segment runner."""
+
+    def __init__(self, model: Model, runner: "SegmentRunner") -> None:
+        self.segment_runner = runner
+        super().__init__(model)
+
+    def report(self, outcome: tuple) -> None:
+        if outcome[0]:
+            self.segment_runner.forward_emits(self, outcome[0])
+        super().report(outcome)
+
+    def ended(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
+        self.segment_runner.ended(handle, error)
+
+
+class SegmentRunner:
+    """Runs this rank's segments. ``segments``: every segment of the model, in the order that
+    gives their node ids from ``first_id`` on; ``context(rid)``: the worker's context of a
+    request; ``reply(kind, **fields)``: the worker's sender."""
+
+    def __init__(self, model: Model, segments: Sequence[Segment], first_id: int, rank: int,
+                 context: Callable[[int], Optional[RequestContext]],
+                 reply: Callable[..., None]) -> None:
+        self._context, self._send = context, reply
+        self._lock = threading.Lock()
+        self._outbox: collections.deque = collections.deque()
+        self._wake = threading.Condition(threading.Lock())
+        self._closing = self._busy = False
+        self._runs: dict[int, _Run] = {}           # id(run context) -> run
+        self._pending = threading.local()           # the run that submit() is binding
+        self.segments = {first_id + i: s for i, s in enumerate(segments) if s.rank == rank}
+        self.runtimes = {node: _SegmentRuntime(SegmentModel(model, s, self._bind, self._capture),
+                                               self)
+                         for node, s in self.segments.items()}
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                        name="mstar-segment-replies")
+        if self.segments:
+            self._sender.start()
+
+    def _reply(self, kind: str, **fields: Any) -> None:
+        with self._wake:
+            # A run's end goes out at once from its own thread when nothing waits before it
+            # (a thread hand-off costs more than the send); outputs always queue.
+            inline = kind != "emit" and not self._outbox and not self._busy
+            if inline:
+                self._busy = True
+            else:
+                self._outbox.append((kind, fields))
+                self._wake.notify()
+        if inline:
+            try:
+                self._send(kind, **fields)
+            finally:
+                with self._wake:
+                    self._busy = False
+                    if self._outbox:
+                        self._wake.notify()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._wake:
+                while (not self._outbox or self._busy) and not self._closing:
+                    self._wake.wait()
+                if not self._outbox:
+                    return
+                batch = list(self._outbox)
+                self._outbox.clear()
+                self._busy = True
+            try:
+                for kind, fields in _coalesce(batch):
+                    self._send(kind, **fields)
+            finally:
+                with self._wake:
+                    self._busy = False
+
+    # ---- runs ----------------------------------------------------------------------------------
+
+    def submit(self, node: int, items: list) -> list[int]:
+        """Starts a run per item ``(item, request, inputs)``; the items it could not start (no
+        context for the request) are returned, for the caller to fail."""
+        rt, refused = self.runtimes[node], []
+        for item, rid, inputs in items:
+            ctx = self._context(rid)
+            if ctx is None:
+                refused.append(item)
+                continue
+            self._pending.run = _Run(ctx, item, rid, node)
+            deadline = (None if ctx.deadline_ns == NO_DEADLINE
+                        else (ctx.deadline_ns - time.monotonic_ns()) / 1e9)
+            try:
+                rt.submit(inputs, deadline=deadline, priority=ctx.priority, keep_outputs=False)
+            except Exception as e:  # the run never started: only its item fails
+                self._forget(self._pending.run)
+                self._reply("failed", items=[item], message=f"{type(e).__name__}: {e}")
+            finally:
+                self._pending.run = None
+        return refused
+
+    def _bind(self, run_ctx: RequestContext) -> None:
+        """In submit, before the run's first node: its nodes see the request's own inputs and
+        state (the per-node path's context), and the run is known before it can end."""
+        run: _Run = self._pending.run
+        run_ctx.inputs, run_ctx.state = run.context.inputs, run.context.state
+        run.context = run_ctx
+        with self._lock:
+            self._runs[id(run_ctx)] = run
+
+    def _capture(self, run_ctx: RequestContext, outputs: dict) -> None:
+        run = self._runs.get(id(run_ctx))
+        if run is not None:
+            run.outputs = outputs
+
+    def _forget(self, run: Optional[_Run]) -> Optional[_Run]:
+        if run is None:
+            return None
+        with self._lock:
+            return self._runs.pop(id(run.context), None)
+
+    def forward_emits(self, rt: Runtime, emits: list) -> None:
+        out, items = [], set()
+        for sub_rid, name, value in emits:
+            run = self._runs.get(id(rt.requests.context(sub_rid)))
+            if run is not None and not run.released:
+                out.append([run.request, name, value])
+                items.add(run.item)
+        if out:  # items: what fails if the values cannot cross
+            self._reply("emit", emits=out, items=sorted(items))
+
+    def ended(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
+        with self._lock:
+            run = self._runs.pop(id(handle.context), None)
+        if run is None or run.released:
+            return
+        if error is None:
+            self._reply("done", node=run.node, items=[run.item], outputs=[run.outputs],
+                        stops=None, states={run.request: scalar_items(run.context.state)})
+        elif not isinstance(error, RequestCancelled):
+            self._reply("failed", items=[run.item], message=str(error))
+
+    def release(self, rid: int) -> None:
+        """The request ended in the parent: its runs stop (their pages and values freed)."""
+        with self._lock:
+            runs = [r for r in self._runs.values() if r.request == rid]
+            for r in runs:
+                r.released = True
+        for r in runs:
+            handle = self.runtimes[r.node].requests.get(r.context.id)
+            if handle is not None:
+                handle.cancel()
+
+    # ---- introspection and lifetime ------------------------------------------------------------
+
+    def stats(self) -> dict:
+        live = {"requests": 0, "handles": 0, "stored": 0, "queued": 0, "inflight": 0}
+        for rt in self.runtimes.values():
+            for k, v in rt.live.items():
+                live[k] += v
+        return dict(segment_runs=len(self._runs), segment_live=live)
+
+    def close(self) -> None:
+        for rt in self.runtimes.values():
+            rt.close()
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._sender.is_alive():
+            self._sender.join(timeout=5)
+
+
+def _coalesce(batch: list) -> list:
+    """Consecutive replies of one kind leave as one message: outputs (``emit``) and ends of
+    runs of one segment (``done``)."""
+    out: list = []
+    for kind, fields in batch:
+        last = out[-1] if out else None
+        if last is not None and last[0] == kind == "emit":
+            last[1]["emits"] += fields["emits"]
+            last[1]["items"] = sorted(set(last[1]["items"]) | set(fields["items"]))
+        elif last is not None and last[0] == kind == "done" and \
+                last[1]["node"] == fields["node"]:
+            last[1]["items"] += fields["items"]
+            last[1]["outputs"] += fields["outputs"]
+            last[1]["states"].update(fields["states"])
+        else:
+            out.append((kind, {k: (list(v) if isinstance(v, list) else
+                                   dict(v) if isinstance(v, dict) else v)
+                               for k, v in fields.items()}))
+    return out
+
+
+__all__ = ["SegmentRunner"]

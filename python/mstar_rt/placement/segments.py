@@ -1,0 +1,244 @@
+"""Segments: sections of a walk that run inside one worker without a parent round trip per node.
+
+A walk section whose nodes all sit on one worker rank -- a chain of nodes, a Loop or
+DynamicLoop with its whole body, or a Sequential / Parallel of such -- becomes one *segment*.
+The parent's model view runs a stand-in node in its place (reading what the section reads from
+outside, making what the section leaves visible after it); the worker runs the section with an
+in-process Runtime (placement/segment_runner.py) and reports once, at the segment's end, while
+EMITted outputs travel to the parent as they are made.
+
+Both processes compute the same segments from the model and the node ranks
+(:func:`find_segments`), so nothing but the node names crosses to agree on them (the worker's
+``ready`` lists them and the parent checks).
+
+Where a segment would change what a node sees, the per-node path stays: a node on a stateful
+engine (a KV cache, whose pages its other nodes share), one that keeps per-request state
+(``cleanup``), one that reads or writes a stream, hears a stream's end, a Loop with
+``accumulated_outputs``, anything inside a Part, and anything inside a Loop that runs in the
+parent (its iterations and stops are the parent's). A segment of one node gains nothing and is
+not made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Parallel, Part,
+                            SectionLike, Sequential, StreamingGraphEdge)
+from mstar_rt.model import Model, NodeSubmodule, hears_stream_end, node_engines, node_submodules
+from mstar_rt.nodes import overrides
+
+SEGMENT_ENGINE = "segment@rank{rank}"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One section of walk ``walk`` that runs whole in worker ``rank``."""
+
+    name: str                      # the stand-in node's name in the parent's model view
+    walk: str
+    rank: int
+    section: SectionLike
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]        # what it reads from outside
+    outputs: tuple[Any, ...]       # the stand-in's outputs: what it leaves visible after it
+
+
+@dataclass
+class SegmentPlan:
+    segments: list[Segment]
+    walks: dict[str, SectionLike]  # the walks with each segment replaced by its stand-in
+
+
+def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int]) -> SegmentPlan:
+    """The segments of every walk of ``model`` (its Parts left alone) and the rewritten walks."""
+    finder = _Finder(model, node_rank, workers)
+    walks = {}
+    for walk, root in model.walks.items():
+        finder.walk, finder.count = walk, 0
+        walks[walk] = finder.rewrite(root, inside_loop=False)
+    return SegmentPlan(finder.segments, walks)
+
+
+def stand_in_nodes(segments: list[Segment]) -> list[GraphNode]:
+    return [GraphNode(s.name, s.inputs, s.outputs) for s in segments]
+
+
+class _Finder:
+    def __init__(self, model: Model, node_rank: Mapping[str, int], workers: set[int]) -> None:
+        self.nodes = {n.name: n for n in model.nodes}
+        self.rank = {n: r for n, r in node_rank.items() if r in workers}
+        subs, engines = node_submodules(model), node_engines(model)
+        streams = {o.to for n in model.nodes for o in n.outputs
+                   if isinstance(o, StreamingGraphEdge)}
+        self.eligible = {
+            n.name for n in model.nodes
+            if n.name in self.rank and engines[n.name] not in model.engine_specs
+            and not overrides(subs[n.name], "cleanup", NodeSubmodule)
+            and not hears_stream_end(subs[n.name]) and n.name not in streams
+            and not any(isinstance(o, StreamingGraphEdge) for o in n.outputs)}
+        self.persisted = {o.name for n in model.nodes for o in n.outputs
+                          if isinstance(o, GraphEdge) and o.persist}
+        # What a segment must send back: names read outside it or kept for later walks; all
+        # it made when the model's next_walk may read them (it sees every value).
+        self.keep_all = overrides(model, "next_walk", Model)
+        self.readers = {n.name: set(n.inputs) for n in model.nodes}
+        self.segments: list[Segment] = []
+        self.walk, self.count = "", 0
+
+    # ---- which rank runs a section whole ---------------------------------------------------
+
+    def whole_rank(self, s: SectionLike) -> Optional[int]:
+        """The worker rank that can run ``s`` as one segment, or None."""
+        if isinstance(s, str):
+            return self.rank.get(s) if s in self.eligible else None
+        if isinstance(s, Part):
+            return None
+        if isinstance(s, Loop):
+            return None if s.accumulated_outputs else self.whole_rank(s.section)
+        parts = s.parts if isinstance(s, Sequential) else \
+            s.branches if isinstance(s, Parallel) else None
+        if not parts:
+            return None
+        ranks = {self.whole_rank(p) for p in parts}
+        return ranks.pop() if len(ranks) == 1 else None
+
+    @staticmethod
+    def worth_it(s: SectionLike) -> bool:
+        """More than one node execution per run: a Loop, or two nodes or more."""
+        return not isinstance(s, str) and (isinstance(s, Loop) or len(_node_names(s)) > 1)
+
+    # ---- rewriting -------------------------------------------------------------------------
+
+    def rewrite(self, s: SectionLike, inside_loop: bool) -> SectionLike:
+        if isinstance(s, str) or isinstance(s, Part):
+            return s
+        if not inside_loop:
+            rank = self.whole_rank(s)
+            if rank is not None and self.worth_it(s):
+                return self.make(s, rank)
+        if isinstance(s, Loop):
+            body = self.rewrite(s.section, True)
+            if isinstance(s, DynamicLoop):
+                return DynamicLoop(body, s.max_iters, s.name, s.outputs, s.accumulated_outputs)
+            return Loop(body, s.max_iters, s.outputs, s.accumulated_outputs)
+        if isinstance(s, Parallel):
+            return Parallel(*(self.rewrite(b, inside_loop) for b in s.branches))
+        if not isinstance(s, Sequential):
+            return s
+        out: list[SectionLike] = []
+        run: list[SectionLike] = []
+        run_rank: Optional[int] = None
+
+        def close_run() -> None:
+            if not run:
+                return
+            section = run[0] if len(run) == 1 else Sequential(*run)
+            if not inside_loop and self.worth_it(section):
+                out.append(self.make(section, run_rank))  # type: ignore[arg-type]
+            else:
+                out.extend(self.rewrite(p, inside_loop) for p in run)
+            run.clear()
+
+        for part in s.parts:
+            rank = None if inside_loop else self.whole_rank(part)
+            if rank is None or rank != run_rank:
+                close_run()
+            if rank is None:
+                out.append(self.rewrite(part, inside_loop))
+                run_rank = None
+            else:
+                run.append(part)
+                run_rank = rank
+        close_run()
+        return Sequential(*out)
+
+    def make(self, section: SectionLike, rank: int) -> str:
+        name = f"segment:{self.walk}:{self.count}"
+        self.count += 1
+        inputs: list[str] = []
+        made = self.flow(section, set(), inputs)
+        members = set(_node_names(section))
+        outputs: list[Any] = []
+        needed = {x for n, xs in self.readers.items() if n not in members for x in xs}
+        for x in sorted(made):
+            if not (self.keep_all or x in needed or x in self.persisted):
+                continue
+            edges = {GraphEdge("" if e.to in members else e.to, x, e.persist)
+                     for n in members for e in self.nodes[n].outputs
+                     if isinstance(e, GraphEdge) and e.name == x and e.to != EMIT}
+            outputs.extend(sorted(edges, key=lambda e: (e.to, e.persist)) or [x])
+        self.segments.append(Segment(name, self.walk, rank, section, tuple(sorted(members)),
+                                     tuple(inputs), tuple(outputs)))
+        return name
+
+    def flow(self, s: SectionLike, made: set[str], reads: list[str]) -> set[str]:
+        """Names visible after ``s`` given ``made`` before it (as the graph compiler's made_by);
+        appends to ``reads`` what it reads from outside."""
+        if isinstance(s, str):
+            node = self.nodes[s]
+            reads.extend(x for x in node.inputs if x not in made and x not in reads)
+            return made | set(node.output_names)
+        if isinstance(s, Sequential):
+            for p in s.parts:
+                made = self.flow(p, made, reads)
+            return made
+        if isinstance(s, Parallel):
+            after = set(made)
+            for b in s.branches:
+                after |= self.flow(b, made, reads)
+            return after
+        assert isinstance(s, Loop)
+        inside = self.flow(s.section, made, reads) - made
+        return made | {x for x in inside if x in self.persisted} | set(s.outputs) | \
+            set(s.accumulated_outputs)
+
+
+def _node_names(s: SectionLike) -> list[str]:
+    if isinstance(s, str):
+        return [s]
+    if isinstance(s, Sequential):
+        return [n for p in s.parts for n in _node_names(p)]
+    if isinstance(s, Parallel):
+        return [n for b in s.branches for n in _node_names(b)]
+    if isinstance(s, Loop):
+        return _node_names(s.section)
+    return []
+
+
+class SegmentModel(Model):
+    """What a worker's in-process Runtime serves for one segment: the segment's nodes (with the
+    worker's submodules), one walk named as the parent's (the section), the segment's inputs.
+    Edges to nodes outside it become plain outputs. ``bind(request)`` runs in ``submit`` (it
+    gives the run the worker's context of the request); ``capture(request, outputs)`` gets the
+    segment's outputs at its end."""
+
+    def __init__(self, model: Model, segment: Segment, bind: Callable[[Any], None],
+                 capture: Callable[[Any, dict], None]) -> None:
+        subs, engines = node_submodules(model), node_engines(model)
+        members = set(segment.nodes)
+        self.segment = segment
+        self.nodes = [dataclasses.replace(
+            n, outputs=tuple(o if isinstance(o, str) or o.to in members or o.to == EMIT
+                             else GraphEdge("", o.name, o.persist) for o in n.outputs),
+            submodule=subs[n.name], engine=engines[n.name])
+            for n in model.nodes if n.name in members]
+        self.walks = {segment.walk: segment.section}
+        self.inputs = segment.inputs
+        self._bind, self._capture = bind, capture
+        self._out_names = {o if isinstance(o, str) else o.name for o in segment.outputs}
+
+    def initial_walk(self, request: Any) -> str:
+        self._bind(request)
+        return self.segment.walk
+
+    def next_walk(self, request: Any, finished_walk: str, persisted: Mapping[str, Any]
+                  ) -> Optional[str]:
+        self._capture(request, {x: v for x, v in persisted.items() if x in self._out_names})
+        return None
+
+
+__all__ = ["SEGMENT_ENGINE", "Segment", "SegmentModel", "SegmentPlan", "find_segments",
+           "stand_in_nodes"]

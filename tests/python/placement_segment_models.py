@@ -1,0 +1,90 @@
+"""A model for test_placement_segments.py, built by import path in the parent and the worker.
+
+``main`` runs ``pre`` in the parent, then ``a``, ``b`` and a decode-like DynamicLoop ``gen``
+(one token EMITted per step) in worker rank 1 -- one segment -- then ``post`` in the parent;
+``next_walk`` reads the step count the worker mirrored and may run ``again``, which reads the
+``g`` that ``main`` persisted (``c``, ``d`` as a second segment, then ``post``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Optional
+
+import torch
+
+from mstar_rt import EMIT, DynamicLoop, GraphEdge, GraphNode, Model, NodeSubmodule, Sequential
+
+GROUP = ["a", "b", "gen", "c", "d"]
+
+
+class Affine(NodeSubmodule):
+    def __init__(self, src: str, dst: str, scale: float, shift: float) -> None:
+        self.src, self.dst, self.scale, self.shift = src, dst, scale, shift
+
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        return [{self.dst: item[self.src] * self.scale + self.shift} for item in batch]
+
+
+class MaybeFail(Affine):
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        for item in batch:
+            if item["fail"]:
+                raise ValueError("b fails on purpose")
+        return super().forward(batch)
+
+
+class Gen(NodeSubmodule):
+    """One step per iteration: g -> tanh(g) + 0.1, the step's token EMITted; stops after n."""
+
+    max_batch = 8
+
+    def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
+        ctx.request.state["gen_steps"] = ctx.iteration + 1
+        return {**inputs, "step": ctx.iteration}
+
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        out = []
+        for item in batch:
+            if item["pause"]:
+                time.sleep(item["pause"])
+            g = torch.tanh(item["g"]) + 0.1
+            out.append({"g": g, "tok": int(g.sum() * 1000) % 97})
+        return out
+
+    def check_stop(self, batch: list[dict], outputs: list) -> list:
+        return [("gen",) if b["step"] + 1 >= b["n"] else () for b in batch]
+
+
+class Segmented(Model):
+    inputs = ("x", "n", "pause", "fail", "again")
+    input_defaults = {"n": 5, "pause": 0.0, "fail": False, "again": False}
+
+    def __init__(self) -> None:
+        self.nodes = [
+            GraphNode("pre", ["x"], ["h0"], submodule=Affine("x", "h0", 0.5, 0.0)),
+            GraphNode("a", ["h0"], ["h1"], submodule=Affine("h0", "h1", 2.0, 1.0)),
+            GraphNode("b", ["h1", "fail"], ["g"], submodule=MaybeFail("h1", "g", 0.25, -0.5)),
+            GraphNode("gen", ["g", "n", "pause"],
+                      [GraphEdge("post", "g", persist=True), GraphEdge(EMIT, "tok")],
+                      submodule=Gen()),
+            GraphNode("post", ["g"], [GraphEdge(EMIT, "y")], submodule=Affine("g", "y", 3.0, 0.0)),
+            GraphNode("c", ["g"], ["h3"], submodule=Affine("g", "h3", -1.0, 0.5)),
+            GraphNode("d", ["h3"], ["g"], submodule=Affine("h3", "g", 0.5, 0.0)),
+        ]
+        self.walks = {"main": Sequential("pre", "a", "b", DynamicLoop("gen", 64, "gen",
+                                                                       outputs=["g"]), "post"),
+                      "again": Sequential("c", "d", "post")}
+
+    def initial_walk(self, request: Any) -> str:
+        return "main"
+
+    def next_walk(self, request: Any, finished_walk: str,
+                  persisted: Mapping[str, Any]) -> Optional[str]:
+        if finished_walk == "main" and request.inputs["again"]:
+            assert request.state["gen_steps"] == request.inputs["n"], request.state
+            return "again"
+        return None
+
+
+def segmented() -> Segmented:
+    return Segmented()

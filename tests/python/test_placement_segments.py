@@ -1,0 +1,129 @@
+"""Segments (issue 17, item 0): consecutive nodes of a walk on one worker run inside it, with one
+parent round trip per segment. Outputs equal the in-process Runtime's (EMITs streamed in order,
+state mirrored for next_walk, persisted values across walks); a failure, a cancel, a deadline
+and a dying worker fail exactly their requests and leave nothing held; where a segment would be
+unsafe (streams, KV engines, loops run by the parent) the per-node path stays."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from mstar_rt import RequestCancelled, RequestFailed, Runtime
+from mstar_rt.placement import NodeGroup, PlacedRuntime
+from mstar_rt.placement.segments import find_segments
+
+import placement_models as pm
+import placement_segment_models as sm
+from placement_support import T, same
+from walk_models import settled, wait_until
+
+
+@pytest.fixture(scope="module")
+def placed():
+    rt = PlacedRuntime("placement_segment_models:segmented", [NodeGroup(sm.GROUP, rank=1)],
+                       progress=False, shm_bytes=1 << 20)
+    yield rt
+    rt.close()
+
+
+def inputs(i: int, **kw) -> dict:
+    return {"x": torch.linspace(-1, 1, 4) * (i + 1), "n": 3 + i % 5, **kw}
+
+
+def worker_idle(rt: PlacedRuntime) -> dict:
+    want = dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
+    assert wait_until(lambda: (s := rt.worker_stats(1))["live_requests"] == 0
+                      and s["segment_runs"] == 0 and s["segment_live"] == want, T)
+    return rt.worker_stats(1)
+
+
+def test_walks_become_segments_and_outputs_equal_in_process(placed):
+    assert [n for n in placed.node_names if n.startswith("segment:")] == \
+        ["segment:main:0", "segment:again:0"]
+    cases = [inputs(i, again=bool(i % 2)) for i in range(6)]
+    with Runtime(sm.segmented()) as local:
+        want = [local.submit(c).result(T) for c in cases]
+    one_by_one = [placed.submit(c).result(T) for c in cases]
+    handles = [placed.submit(c) for c in cases]  # several runs batched into one message
+    together = [h.result(T) for h in handles]
+    for w, a, b in zip(want, one_by_one, together):
+        assert same(a, w) and same(b, w)
+        assert len(w["tok"]) >= 3
+    with Runtime(sm.segmented()) as local:
+        tokens = local.submit(inputs(0, n=6)).result(T)["tok"]
+    streamed = list(placed.submit(inputs(0, n=6)))  # EMITs arrive in order, before the end
+    assert [v for k, v in streamed if k == "tok"] == tokens
+    assert streamed[-1][0] == "y"
+    assert settled(placed) == dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
+    assert worker_idle(placed)["kv_pages_in_use"] == 0
+
+
+def test_a_failing_node_inside_a_segment_fails_only_its_request(placed):
+    bad = placed.submit(inputs(1, fail=True))
+    good = placed.submit(inputs(2))
+    with pytest.raises(RequestFailed, match="b fails on purpose"):
+        bad.result(T)
+    assert len(good.result(T)["y"]) == 1
+    worker_idle(placed)
+
+
+def test_cancel_and_timeout_inside_a_segment_free_the_run(placed):
+    slow = placed.submit(inputs(0, n=60, pause=0.05))
+    assert wait_until(lambda: placed.worker_stats(1)["segment_runs"] == 1, T)
+    seen = next(iter(slow))  # a token streamed while the loop still runs
+    assert seen[0] == "tok"
+    slow.cancel()
+    with pytest.raises(RequestCancelled):
+        slow.result(T)
+    late = placed.submit(inputs(0, n=60, pause=0.05), deadline=0.3, fail_late=True)
+    with pytest.raises(RequestFailed):  # the parent's deadline ends it; the run is cancelled
+        late.result(T)
+    idle = worker_idle(placed)
+    assert idle["segment_live"]["stored"] == 0
+    assert placed.submit(inputs(3)).result(T)["y"]
+
+
+def test_a_worker_dying_mid_segment_fails_its_requests_and_restarts():
+    with PlacedRuntime("placement_segment_models:segmented", [NodeGroup(sm.GROUP, rank=1)],
+                       progress=False, shm_bytes=1 << 20) as rt:
+        h = rt.submit(inputs(0, n=60, pause=0.05))
+        assert wait_until(lambda: rt.worker_stats(1)["segment_runs"] == 1, T)
+        t0 = time.monotonic()
+        os.kill(rt.workers[1]["pid"], signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="killed by signal 9"):
+            h.result(T)
+        assert time.monotonic() - t0 < 5
+        rt.restart_worker(1)
+        assert len(rt.submit(inputs(1)).result(T)["tok"]) == 4
+        assert settled(rt) == dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
+
+
+def test_segments_are_not_made_where_they_would_change_what_nodes_see():
+    # Streams (backbone -> collect) and single nodes keep the per-node path.
+    walk = pm.pipeline()
+    ranks = {"encoder": 1, "embed": 0, "backbone": 2, "collect": 2, "head": 0}
+    assert find_segments(walk, ranks, {1, 2}).segments == []
+    # A loop the parent runs keeps its iterations there: nothing inside it is a segment.
+    model = sm.segmented()
+    model.walks = {"main": sm.DynamicLoop(sm.Sequential("a", "b", "post"), 4, "gen"),
+                   "again": model.walks["again"]}
+    plan = find_segments(model, {"pre": 0, "a": 1, "b": 1, "gen": 1, "post": 0, "c": 1,
+                                 "d": 1}, {1})
+    assert [s.walk for s in plan.segments] == ["again"]
+    # A KV engine's nodes share its pages with other walks: never a segment.
+    lm = pm.tiny_llama()
+    assert find_segments(lm, {n.name: 1 for n in lm.nodes}, {1}).segments == []
+
+
+def test_segments_can_be_turned_off_and_give_the_same_outputs(placed):
+    with PlacedRuntime("placement_segment_models:segmented", [NodeGroup(sm.GROUP, rank=1)],
+                       progress=False, shm_bytes=1 << 20, segments=False) as rt:
+        assert not any(n.startswith("segment:") for n in rt.node_names)
+        for i in range(3):
+            c = inputs(i, again=True)
+            assert same(rt.submit(c).result(T), placed.submit(c).result(T))
