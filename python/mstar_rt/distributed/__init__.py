@@ -10,6 +10,14 @@ every page and ships each step's inputs to the followers (docs/tensor_parallel.m
 * :mod:`~mstar_rt.distributed.llama_shards` -- a rank's slice of a HF Llama checkpoint;
 * :mod:`~mstar_rt.distributed.follower` -- the follower process;
 * :mod:`~mstar_rt.distributed.llama_tp` -- the driver (:func:`load_llama_tp`).
+
+Prefill/decode disaggregation moves a request's KV pages between processes
+(docs/disaggregation.md):
+
+* :mod:`~mstar_rt.distributed.kv_transfer` -- the KV channel (send/recv on a two-rank group);
+* :mod:`~mstar_rt.distributed.kv_handoff` -- the walk boundary (``PrefillSide``, ``DecodeSide``);
+* :mod:`~mstar_rt.distributed.disagg` -- ``DisaggregatedLM``, two processes;
+* :mod:`~mstar_rt.distributed.disagg_worker` -- its decode process.
 """
 
 from mstar_rt.distributed.split import WHOLE, TensorSplit, check_split

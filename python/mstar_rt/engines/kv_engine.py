@@ -23,7 +23,7 @@ from mstar_rt.engines.attention import (
 from mstar_rt.engines.attention_base import SeqStep
 from mstar_rt.engines.base import Engine
 from mstar_rt.engines.masks import CAUSAL
-from mstar_rt.engines.paged_kv import KVLayout, OutOfPages, PagedKVCache
+from mstar_rt.engines.paged_kv import KVLayout, OutOfPages, PagedKVCache, SequenceKV
 from mstar_rt.model import NodeSubmodule
 
 
@@ -34,7 +34,9 @@ class KVWork:
     (else they read the cached prefix and vanish after the step). A missing label is created
     empty, or as a fork of ``fork_from``. ``reserve`` is the length the sequence may grow to:
     the engine admits it only when that many tokens' pages are free. ``payload`` is the
-    submodule's own data (token ids, embeddings, sampling state)."""
+    submodule's own data (token ids, embeddings, sampling state). ``kv_import``: the label's
+    K/V made elsewhere (another process's prefill); the engine writes it into its own pages
+    before the work's tokens, once, when the label does not exist yet."""
 
     num_tokens: int
     label: str = "main"
@@ -43,6 +45,7 @@ class KVWork:
     fork_from: Optional[str] = None
     reserve: int = 0
     payload: Any = None
+    kv_import: Optional[SequenceKV] = None
 
 
 class KVStep:
@@ -158,6 +161,40 @@ class KVCacheEngine(Engine):
         if self.cache is not None:
             self.cache.release(request_id)
 
+    # ---- KV transfer (prefill here, decode elsewhere) ----------------------------------------
+
+    def export_request(self, request_id: int, label: str = "main", free: bool = False,
+                       device: Optional[str] = None) -> SequenceKV:
+        """A copy of the request's cached K/V on ``label`` (see
+        :meth:`PagedKVCache.export_sequence`); ``free`` drops the label's pages afterwards.
+        Call it when no work of the request is in flight (e.g. at a walk's end: in
+        ``Model.next_walk``)."""
+        kv = self.attached_cache().export_sequence(request_id, label, device)
+        if free:
+            self.attached_cache().drop(request_id, label)
+        return kv
+
+    def import_request(self, request_id: int, kv: SequenceKV, label: str = "main",
+                       reserve: int = 0) -> None:
+        """Writes ``kv`` into pages of this engine's cache as the request's ``label``, now.
+        For a request not yet submitted here, or with no work in flight; a request that starts
+        with it gives it in its first :class:`KVWork` (``kv_import``) instead. Raises
+        :class:`OutOfPages` when the pages are not free (nothing is taken)."""
+        cache = self.attached_cache()
+        if cache.import_sequence(request_id, label, kv, reserve) is None:
+            need = -(-max(reserve, kv.reserve, kv.length) // cache.page_size)
+            raise OutOfPages(f"the KV cache of engine '{self.name}' cannot take {kv.length} "
+                             f"tokens (reserving {need} pages of {cache.page_size}) now: "
+                             f"{cache.free_pages} of {cache.num_pages} pages are free and some "
+                             "are promised to running requests; retry when requests end, or "
+                             "raise num_pages")
+
+    def attached_cache(self) -> PagedKVCache:
+        if self.cache is None:
+            raise RuntimeError(f"KV engine '{self.name}' has no cache yet: it gets one when a "
+                               "Runtime attaches it")
+        return self.cache
+
     # ---- the worker loop ---------------------------------------------------------------------
 
     def serve(self) -> None:
@@ -237,6 +274,11 @@ class KVCacheEngine(Engine):
                 waiting.append((node, item, work))
                 continue
             try:
+                if work.kv_import is not None and cache.sequence(rid, work.label) is None:
+                    reserve = max(work.reserve, work.kv_import.length + work.num_tokens)
+                    if cache.import_sequence(rid, work.label, work.kv_import, reserve) is None:
+                        waiting.append((node, item, work))  # its pages are not free yet
+                        continue
                 if work.persist:
                     seq = cache.admit(rid, work.label, work.num_tokens, work.reserve,
                                       work.fork_from)
@@ -244,7 +286,7 @@ class KVCacheEngine(Engine):
                     seq = cache.admit(rid, work.label, 0, 0, work.fork_from)
                 else:
                     seq = cache.sequence(rid, work.label)
-            except (OutOfPages, KeyError) as e:
+            except (OutOfPages, KeyError, ValueError) as e:
                 self._fail([item.id], str(e).strip("'\""))
                 continue
             if seq is None and work.persist:

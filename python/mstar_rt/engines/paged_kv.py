@@ -41,6 +41,29 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class SequenceKV:
+    """One sequence's K/V lifted out of a cache, to be written into another (another process's,
+    with other page ids and maybe another page size). ``data`` is
+    ``[num_layers, 2 (K, V), length, num_kv_heads, head_dim]``: token-major, so only the used
+    tokens travel and neither page size nor page ids do. ``reserve``: the tokens the sequence
+    may grow to (the receiver admits it only when that many tokens' pages are free)."""
+
+    data: torch.Tensor
+    reserve: int = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.data.shape[2])
+
+    def describe(self) -> dict:
+        """The layout as plain data (for a transfer's description)."""
+        n, _two, length, heads, dim = self.data.shape
+        return dict(num_layers=int(n), num_kv_heads=int(heads), head_dim=int(dim),
+                    dtype=str(self.data.dtype).removeprefix("torch."), length=int(length),
+                    reserve=self.reserve)
+
+
 class PagedKVCache:
     """K/V storage ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer, a page
     allocator with reference counts, and the block table of every live sequence.
@@ -163,6 +186,77 @@ class PagedKVCache:
             self.copy_log.append((old, new))
         self._decref(old)
         seq.pages[-1] = new
+
+    # ---- moving a sequence to another cache (KV transfer) -------------------------------------
+
+    def export_sequence(self, request: int, label: str = "main",
+                        device: Optional[str] = None) -> SequenceKV:
+        """A copy of (request, label)'s cached K/V (every layer; the used tokens only), on
+        ``device`` (default: the cache's). The sequence stays; :meth:`drop` frees it."""
+        self._check_unmirrored("export")
+        with self._lock:
+            seq = self._seqs.get((request, label))
+            if seq is None:
+                raise KeyError(f"request {request} has no KV label '{label}' to export; its "
+                               f"labels are {[lb for (r, lb) in self._seqs if r == request]}")
+            pages, length, reserve = list(seq.pages), seq.length, seq.reserve
+        lay = self.layout
+        out = torch.empty((lay.num_layers, 2, length, lay.num_kv_heads, lay.head_dim),
+                          dtype=lay.dtype, device=lay.device)
+        slots = self._slots(pages, length)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            flat = (-1, lay.num_kv_heads, lay.head_dim)
+            torch.index_select(k.view(flat), 0, slots, out=out[layer, 0])
+            torch.index_select(v.view(flat), 0, slots, out=out[layer, 1])
+        return SequenceKV(out if device is None else out.to(device), reserve)
+
+    def import_sequence(self, request: int, label: str, kv: SequenceKV,
+                        reserve: int = 0) -> Optional[Sequence]:
+        """Creates (request, label) holding ``kv``'s tokens in pages of this cache, reserved up
+        to ``max(reserve, kv.reserve)`` tokens. Returns the sequence, or None when the pages are
+        not free now (nothing taken; retry later). Raises :class:`OutOfPages` when the cache
+        could never hold it, ValueError when ``kv`` has another layout or the label exists."""
+        self._check_unmirrored("import")
+        self.check_layout(kv)
+        if self.sequence(request, label) is not None:
+            raise ValueError(f"request {request} already holds KV label '{label}'; a transfer "
+                             "creates the sequence, so drop it first")
+        seq = self.admit(request, label, kv.length, max(reserve, kv.reserve))
+        if seq is None:
+            return None
+        lay = self.layout
+        slots = self._slots(seq.pages, kv.length)
+        data = kv.data.to(lay.device)
+        flat = (-1, lay.num_kv_heads, lay.head_dim)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            k.view(flat).index_copy_(0, slots, data[layer, 0])
+            v.view(flat).index_copy_(0, slots, data[layer, 1])
+        self.commit(request, label, kv.length)
+        return seq
+
+    def check_layout(self, kv: SequenceKV) -> None:
+        """ValueError naming the difference when ``kv`` was cut from a cache of another layout
+        (page size and device may differ; layers, KV heads, head size and dtype may not)."""
+        lay, got = self.layout, kv.describe()
+        want = dict(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                    head_dim=lay.head_dim, dtype=str(lay.dtype).removeprefix("torch."))
+        diff = [f"{k} {got[k]} (here {v})" for k, v in want.items() if got[k] != v]
+        if diff or kv.data.dim() != 5 or kv.data.shape[1] != 2:
+            raise ValueError(f"the transferred KV does not fit this cache: it has "
+                             f"{', '.join(diff) or f'shape {tuple(kv.data.shape)}'}; both sides "
+                             "must serve the same model at the same dtype (page sizes may differ)")
+
+    def _slots(self, pages: list[int], length: int) -> torch.Tensor:
+        """Rows of the flattened ``[num_pages * page_size, ...]`` cache holding the tokens."""
+        ps = self.page_size
+        index = torch.tensor(pages, dtype=torch.long)[:, None] * ps + torch.arange(ps)
+        return index.reshape(-1)[:length].to(self.layout.device)
+
+    def _check_unmirrored(self, what: str) -> None:
+        if self.copy_log is not None:
+            raise ValueError(f"cannot {what} KV pages of a tensor-parallel cache: it holds one "
+                             "rank's share of the KV heads; serve the LM at tp_size 1 on both "
+                             "sides of a transfer")
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copies page ``src``'s K/V into page ``dst`` in every layer (contents only)."""

@@ -16,6 +16,7 @@ sampling (constrained decoding); it sees the request's state (``history``, ``gen
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -66,6 +67,9 @@ class LMNode(KVNodeSubmodule):
         self.static_decode = bool(cuda_graphs or compile)
         self.compile = compile
         self._graphs: Optional[DecodeGraphs] = None  # built on the first step (it needs the cache)
+        #: Where a decode side finds the handoffs of requests prefilled elsewhere (an object
+        #: with ``take(key) -> handoff or None``, e.g. kv_handoff.HandoffTable); None: never.
+        self.handoffs: Optional[Any] = None
 
     def kv_layout(self) -> KVLayout:
         return self.module.kv_layout()
@@ -103,8 +107,51 @@ class LMNode(KVNodeSubmodule):
                 given, ids = int(ids[-1]), ids[:-1]
             reserve = min(ids.numel() + params.max_tokens, self.max_seq_len)
             return KVWork(ids.numel(), reserve=reserve, payload=(ids.to(device), state, given))
+        if "params" not in state and self.handoffs is not None:  # prefill ran elsewhere
+            return self.resume(ctx, inputs)
         tok = torch.tensor([int(inputs["token"])], dtype=torch.long, device=device)
         return KVWork(1, payload=(tok, state, None))
+
+    def resume(self, ctx: WorkContext, inputs: dict) -> KVWork:
+        """A request's first decode step after a prefill elsewhere: its handoff (``state``,
+        ``kv``), taken from :attr:`handoffs` under ``inputs["handoff"]`` (else the request id),
+        restores the state and brings the K/V for the engine to write (``KVWork.kv_import``)."""
+        key = inputs.get("handoff", ctx.request.id)
+        handoff = self.handoffs.take(key) if self.handoffs is not None else None
+        if handoff is None:
+            raise KeyError(f"decode of request {ctx.request.id} found no handoff under key "
+                           f"{key!r}: its prefill's K/V never arrived here (or were taken)")
+        self.resume_state(ctx.request.state, handoff.state)
+        work = self.prepare_inputs(ctx, {"token": handoff.state["token"]})
+        kv = handoff.kv
+        work.reserve = min(max(kv.reserve, kv.length + 1), self.max_seq_len)
+        work.kv_import = kv
+        return work
+
+    def cleanup(self, request: RequestContext) -> None:
+        if self.handoffs is not None:  # a handoff whose decode never started
+            self.handoffs.take(request.inputs.get("handoff", request.id))
+
+    def handoff_state(self, state: dict) -> dict:
+        """What a decode elsewhere needs of a request's state after prefill, as plain data: the
+        next input ``token``, ``params``, ``history``, ``generated`` and the sampling
+        generator's ``generator_state`` (bytes, or None when greedy). See :meth:`resume_state`."""
+        g = state["generator"]
+        return dict(token=int(state["history"][-1]), params=dataclasses.asdict(state["params"]),
+                    history=list(state["history"]), generated=int(state["generated"]),
+                    generator_state=None if g is None else g.get_state().numpy().tobytes())
+
+    def resume_state(self, state: dict, data: Mapping[str, Any]) -> None:
+        """Fills a request's state from :meth:`handoff_state`'s data (on the decode side), so
+        its decode steps sample exactly as they would have where the prefill ran."""
+        params = dict(data["params"])
+        params["stop_token_ids"] = tuple(params.get("stop_token_ids", ()))
+        p = self.request_params(params)
+        g = make_generator(p, self.module.model.embed_tokens.weight.device)
+        if g is not None and data.get("generator_state") is not None:
+            g.set_state(torch.frombuffer(bytearray(data["generator_state"]), dtype=torch.uint8))
+        state.update(params=p, generator=g, history=list(data["history"]),
+                     generated=int(data["generated"]), done=False)
 
     def request_params(self, params: Any) -> SamplingParams:
         """The request's SamplingParams (a subclass may supply its own defaults)."""
