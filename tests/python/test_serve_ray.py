@@ -5,22 +5,16 @@ HTTP and the websocket are answered by both replicas; a replica killed mid-run i
 Ray while the other keeps serving; SIGTERM deletes the app and exits 0; bad replica settings are
 refused with a message naming the key.
 
-The cluster is started by a module fixture (``ray start --head`` + ``ray start --address``) and
-its processes (found by the cluster's own temp dir and GCS address) are ended at teardown, even
-after a failure."""
+The cluster is started by a module fixture (tests/python/ray_cluster.py: ``ray start --head`` +
+``ray start --address``) and its processes are ended at teardown, even after a failure."""
 
 from __future__ import annotations
 
 import base64
 import json
-import os
-import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,115 +26,32 @@ import numpy as np
 import pytest
 import yaml
 
-# Token auth with a token of this run's own: Ray's servers listen on every interface, and a
-# ~/.ray/auth_token left by some local ray.init() must not decide the mode. Set before Ray is
-# imported: Ray reads the mode and token once per process.
-AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-os.environ.update(AUTH)
+# The shared cluster helper sets this run's Ray token; it must come before Ray is imported.
+from ray_cluster import HEAD_IP, NODE2_IP, free_port, local_cluster
+
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mstar_rt[ray]'; CI "
                                         "installs it)")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install "
                                                 "'ray[serve]')")
 
-from child_env import child_env  # noqa: E402
 from mstar_rt.serve import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-RAY = str(Path(sys.executable).parent / "ray")
-HEAD_IP, NODE2_IP = "127.0.0.2", "127.0.0.3"  # loopback; 127.0.0.1 itself Ray swaps for the LAN IP
 KEY = "ray-key"
 APP = "mstar-test"
 START_TIMEOUT_S = 150.0
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used:DeprecationWarning")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pythonpath_absolute(env: dict[str, str]) -> dict[str, str]:
-    # Ray's workers start in their own directory: a relative entry would point nowhere.
-    parts = [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**env, "PYTHONPATH": os.pathsep.join(parts)}
-
-
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process we can read."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        out[int(d.name)] = (ppid, cmd)
-    return out
-
-
-def _cluster_pids(marks: tuple[str, ...]) -> set[int]:
-    """The processes of our cluster: those whose command line names its temp dir or GCS address
-    (GCS, raylets, monitors, client server), and everything under them (workers, agents)."""
-    procs = _processes()
-    found = {pid for pid, (_, cmd) in procs.items()
-             if any(m in cmd for m in marks) and pid != os.getpid()}
-    grew = True
-    while grew:
-        more = {pid for pid, (ppid, _) in procs.items() if ppid in found} - found
-        found |= more
-        grew = bool(more)
-    return found
-
-
-def _end(pids: set[int], grace_s: float = 5.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + grace_s
-        while time.monotonic() < end and any(Path(f"/proc/{p}").exists() for p in pids):
-            time.sleep(0.1)
-
-
-def _ray_start(args: list[str], env: dict[str, str]) -> None:
-    r = subprocess.run([RAY, "start", *args], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"ray start {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
+_free_port = free_port
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SimpleNamespace]:
-    """Two Ray nodes on this machine: the head (127.0.0.2) and a second node (127.0.0.3), each
-    with one ``replica_slot`` so two replicas land one per node."""
-    temp = tempfile.mkdtemp(prefix="mstar-ray-", dir="/tmp")  # short: Ray's socket paths
-    port = _free_port()
-    address = f"{HEAD_IP}:{port}"
+    """Two Ray nodes on this machine (tests/python/ray_cluster.py), each with one
+    ``replica_slot`` so two replicas land one per node."""
     # The proxy would otherwise send every request to the replica on its own node.
-    env = _pythonpath_absolute(child_env(RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING="0",
-                                         RAY_USAGE_STATS_ENABLED="0", **AUTH))
-    common = ["--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats",
-              f"--temp-dir={temp}"]
-    try:
-        _ray_start(["--head", f"--node-ip-address={HEAD_IP}", f"--port={port}",
-                    "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
-                    f"--dashboard-agent-listen-port={_free_port()}",
-                    '--resources={"replica_slot": 1}', *common], env)
-        _ray_start([f"--address={address}", f"--node-ip-address={NODE2_IP}",
-                    f"--dashboard-agent-listen-port={_free_port()}",
-                    '--resources={"replica_slot": 1, "second_node": 1}', *common], env)
-        ray.init(address=address, logging_level="error")
-        yield SimpleNamespace(address=address, env=env, temp=temp)
-    finally:
-        ray.shutdown()
-        marks = (temp, address)
-        _end(_cluster_pids(marks))
-        left = _cluster_pids(marks)
-        shutil.rmtree(temp, ignore_errors=True)
-        assert not left, f"Ray processes left behind: {sorted(left)}"
+    with local_cluster({"replica_slot": 1}, {"replica_slot": 1, "second_node": 1},
+                       RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING="0") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

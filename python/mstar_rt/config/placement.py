@@ -31,6 +31,9 @@ class NodeGroup(Section):
     NCCL on CUDA; docs/tensor_parallel.md): the model factory gets ``tp_size`` -- through this
     group's ``model_kwargs`` in a worker process, through ``model.args`` in the serving process
     (see :class:`ModelAndGroups`).
+    ``num_cpus``, ``num_gpus``, ``resources``: what the group's Ray actor asks the cluster
+    for, with ``launcher: ray`` (docs/placement.md, "Ranks on Ray"); a group on ``cuda`` asks
+    for one GPU unless ``num_gpus`` says otherwise.
 
     ``process`` defaults to true here and in the placement config file; the serving config
     defaults it to false (``mstar-rt serve`` runs in one process unless told)."""
@@ -45,6 +48,27 @@ class NodeGroup(Section):
     model_kwargs: JSONData = Field(default_factory=dict)
     request_inputs: Flag = True
     tp_size: PositiveInt = 1
+    num_cpus: Optional[float] = None
+    num_gpus: Optional[float] = None
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("num_cpus", "num_gpus", mode="before")
+    @classmethod
+    def _amount(cls, v: Any) -> Any:
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"must be a number >= 0, not {v!r}")
+        return v
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _resources(cls, v: Any) -> Any:
+        if v is None:
+            return {}
+        if not isinstance(v, Mapping) or not all(
+                isinstance(k, str) and isinstance(n, (int, float)) and not isinstance(n, bool)
+                and n >= 0 for k, n in v.items()):
+            raise ValueError(f"must map resource names to amounts >= 0, not {v!r}")
+        return dict(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -81,6 +105,11 @@ class NodeGroup(Section):
                                   "(a node per walk would move KV pages between processes); "
                                   "drop 'walks'")
             return
+        for key in ("num_cpus", "num_gpus", "resources"):
+            if getattr(self, key):
+                raise ConfigError(f"{where}.{key}: an in-process group runs in the serving "
+                                  "process and asks no cluster for resources; drop it or set "
+                                  "process: true")
         if self.walks is not None:
             raise ConfigError(f"{where}.walks: an in-process node runs on its one engine in "
                               "every walk; per-walk placement is not built yet, so 'walks' is "
@@ -116,6 +145,16 @@ class PlacementOptions(Section):
     poll_s: Optional[Seconds] = None
     heartbeat_timeout_s: Optional[Seconds] = None
     node_timeout_s: Optional[Seconds] = None
+    launcher: Optional[str] = None
+    ray_address: Optional[str] = None
+
+    @field_validator("launcher")
+    @classmethod
+    def _launcher(cls, v: Optional[str]) -> Optional[str]:
+        if v not in (None, "process", "ray"):
+            raise ValueError(f"must be 'process' (local worker processes) or 'ray' (Ray "
+                             f"actors), not {v!r}")
+        return v
 
     @field_validator("restart")
     @classmethod

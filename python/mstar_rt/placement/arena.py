@@ -154,6 +154,11 @@ class ShmArena:
         self._words[_HEAD // 8] = self._head
         return self._head
 
+    def take_frames(self) -> list:
+        """Frames to send after the payload: none, the bytes are in the segment (an
+        InlineArena, placement/inline.py, sends them as frames)."""
+        return []
+
     def data(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self.mm)[_DATA + offset:_DATA + offset + nbytes]
 
@@ -165,6 +170,10 @@ class ShmArena:
         return self._base + offset
 
     # ---- reader ------------------------------------------------------------------------------
+
+    def receive(self, frames: list) -> None:
+        """A message's frames after its payload: none over shared memory (the receiver's
+        socket already refused a message with more)."""
 
     def check_span(self, offset: int, nbytes: int) -> None:
         if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset
@@ -199,6 +208,17 @@ class ShmArena:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
             pass
+
+
+def arena_pair(base: str, capacity: int) -> tuple[ShmArena, ShmArena]:
+    """A worker's two arenas, ``<base>_p2w`` and ``<base>_w2p`` (neither if one fails)."""
+    p2w = ShmArena.create(f"{base}_p2w", capacity)
+    try:
+        return p2w, ShmArena.create(f"{base}_w2p", capacity)
+    except BaseException:
+        p2w.close()
+        p2w.unlink()
+        raise
 
 
 def unlink_quietly(name: str) -> None:

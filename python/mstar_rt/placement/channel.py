@@ -10,13 +10,16 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import zmq
 
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 from mstar_rt.placement.codec import CodecError, Encoder
-from mstar_rt.placement.protocol import TO_WORKER_HEADER, VERSION
+from mstar_rt.placement.inline import InlineArena
+from mstar_rt.placement.protocol import PARENT_ID, TO_WORKER_HEADER, VERSION
+
+Arena = Union[ShmArena, InlineArena]
 
 
 _HUB = threading.local()
@@ -39,11 +42,21 @@ class SendChannel:
         self.lock = threading.Lock()  # the socket, the arena and the encoder
         self.gen = -1
         self.dealer: Optional[zmq.Socket] = None
-        self.arena: Optional[ShmArena] = None
+        self.arena: Optional[Arena] = None
         self.encoder: Optional[Encoder] = None
         self.pending: collections.deque = collections.deque()
 
-    def attach(self, gen: int, dealer: zmq.Socket, arena: ShmArena) -> None:
+    def connect(self, zctx: zmq.Context, gen: int, endpoint: str, arena: Arena) -> None:
+        """A DEALER to generation ``gen``'s worker at ``endpoint``, with its outgoing arena."""
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.ROUTING_ID, PARENT_ID)
+        dealer.setsockopt(zmq.IMMEDIATE, 1)   # never queue for a worker that is not connected
+        dealer.setsockopt(zmq.SNDHWM, 100_000)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        self.attach(gen, dealer, arena)
+
+    def attach(self, gen: int, dealer: zmq.Socket, arena: Arena) -> None:
         with self.lock:
             self.gen, self.dealer, self.arena, self.encoder = gen, dealer, arena, Encoder(arena)
 
@@ -76,10 +89,12 @@ class SendChannel:
         except (CodecError, ArenaFull) as e:
             arena.rollback(mark)
             return f"cannot send its inputs to worker process rank {self.rank}: {e}"
-        frames = [TO_WORKER_HEADER.pack(gen, arena.publish()), payload]
+        span = arena.publish()
+        tensors = arena.take_frames()
+        frames = [TO_WORKER_HEADER.pack(gen, span), payload, *tensors]
         while True:
-            try:
-                dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+            try:  # copy=False: ZeroMQ sends the tensor buffers as they are
+                dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=not tensors)
                 return None
             except zmq.Again:
                 if not alive():

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from mstar_rt.config import ModelSpec, NodeGroup, check_groups, read_placement
 from mstar_rt.model import Model, node_engines
+from mstar_rt.placement.ray_rank import actor_options
 
 __all__ = ["ModelSpec", "NodeGroup", "Plan", "RankPlan", "make_plan", "read_config"]
 
@@ -28,6 +29,7 @@ class RankPlan:
     device: str
     model_kwargs: dict[str, Any]
     request_inputs: bool
+    ray_options: dict[str, Any]  # its Ray actor's resources (launcher="ray")
 
 
 @dataclass
@@ -64,12 +66,14 @@ def make_plan(model: Model, groups: Sequence[NodeGroup]) -> Plan:
                              "the groups different ranks")
         if g.process:
             plan = workers.get(g.rank)
+            ray_options = actor_options(g.num_cpus, g.num_gpus, g.resources, g.device)
             if plan is None:
                 workers[g.rank] = RankPlan(g.rank, list(g.nodes), g.device, dict(g.model_kwargs),
-                                           g.request_inputs)
-            elif (plan.device, plan.model_kwargs) != (g.device, dict(g.model_kwargs)):
-                raise ValueError(f"node groups of rank {g.rank} give different devices or "
-                                 "model_kwargs; one worker process builds one model")
+                                           g.request_inputs, ray_options)
+            elif ((plan.device, plan.model_kwargs, plan.ray_options)
+                  != (g.device, dict(g.model_kwargs), ray_options)):
+                raise ValueError(f"node groups of rank {g.rank} give different devices, "
+                                 "model_kwargs or resources; one worker process builds one model")
             else:
                 plan.nodes.extend(g.nodes)
                 plan.request_inputs |= g.request_inputs

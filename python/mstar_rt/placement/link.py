@@ -10,14 +10,16 @@ Threads: engine threads call :meth:`send_batch`; the hub's receiver thread calls
 :meth:`on_message` and :meth:`release` (through the Runtime) and never waits for the worker
 (placement/channel.py); a monitor thread per process waits for it to exit, a pump thread
 forwards its output, a watchdog (placement/watchdog.py) declares it hung.
+
+Launchers: a local worker process (placement/process.py; ``ipc://`` sockets, tensors in
+shared-memory arenas) or a Ray actor anywhere in a cluster (placement/ray_rank.py; ``tcp://``,
+tensors inside the messages). Both hand back a worker handle with the same interface.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import subprocess
 import threading
 import time
 import traceback
@@ -25,18 +27,20 @@ from typing import TYPE_CHECKING, Optional
 
 import zmq
 
-from mstar_rt.placement.arena import ShmArena
+from mstar_rt.placement.arena import ShmArena, arena_pair
+from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.codec import CodecError, Decoder, scalar_items
 from mstar_rt.placement.config import ModelSpec, RankPlan
 from mstar_rt.placement.channel import SendChannel, deferring
 from mstar_rt.placement.ledger import ItemLedger
 from mstar_rt.placement.replies import complete_from_reply, deliver_emits, fail_for_death
 from mstar_rt.placement.watchdog import Watchdog, heartbeat_period
-from mstar_rt.placement.process import WorkerProcess, WorkerStartError, describe_exit, say
-from mstar_rt.placement.protocol import (PARENT_ID, TO_PARENT, VERSION, ProtocolError,
+from mstar_rt.placement.process import ProcessLauncher, WorkerProcess, WorkerStartError, say
+from mstar_rt.placement.protocol import (TO_PARENT, VERSION, ProtocolError,
                                          check_header, field, int_list)
 
 if TYPE_CHECKING:
+    from mstar_rt.placement.ray_rank import RayLauncher, RayWorker
     from mstar_rt.placement.runtime import PlacedRuntime
 
 
@@ -44,7 +48,8 @@ class WorkerLink:
     def __init__(self, runtime: "PlacedRuntime", plan: RankPlan, spec: ModelSpec,
                  zctx: zmq.Context, workdir: str, parent_endpoint: str, tag: str,
                  shm_bytes: int, ready_timeout_s: float, progress: bool,
-                 engines: Optional[dict[str, dict]] = None) -> None:
+                 engines: Optional[dict[str, dict]] = None,
+                 ray: Optional["RayLauncher"] = None) -> None:
         self.rt, self.rank, self.plan, self.spec = runtime, plan.rank, plan, spec
         self._zctx, self._workdir, self._parent_endpoint, self._tag = zctx, workdir, \
             parent_endpoint, tag
@@ -52,8 +57,10 @@ class WorkerLink:
         self.engine_settings = dict(engines or {})
         self.state = "new"  # new | starting | up | down | closed
         self.gen = -1
-        self.proc: Optional[subprocess.Popen] = None
-        self.worker: Optional[WorkerProcess] = None
+        self._local = ray is None
+        self._launcher = ray or ProcessLauncher(self.rank, workdir, plan.device, progress)
+        self.worker: Optional[WorkerProcess | RayWorker] = None
+        self._p2w_next: Optional[InlineArena] = None
         self.endpoint = ""
         self.last_exit: Optional[str] = None
         self.restarts = self.error_replies = 0
@@ -67,7 +74,7 @@ class WorkerLink:
         self._watchdog: Optional[Watchdog] = None
         self._hang: tuple[int, str] = (-1, "")  # (generation, why it counts as hung)
         self._rx_gen = self._dead_gen = -1
-        self._w2p: Optional[ShmArena] = None
+        self._w2p: Optional[ShmArena | InlineArena] = None
         self._decoder: Optional[Decoder] = None
         self._ready = threading.Event()
         self._fatal: Optional[str] = None
@@ -87,42 +94,34 @@ class WorkerLink:
             self.state = "starting"
             self._ready.clear()
             self._fatal = None
-        base = f"{self._tag}_r{self.rank}_g{gen}"
-        p2w = ShmArena.create(f"{base}_p2w", self.shm_bytes)
-        try:
-            w2p = ShmArena.create(f"{base}_w2p", self.shm_bytes)
-        except BaseException:
-            p2w.close()
-            p2w.unlink()
-            raise
-        self.endpoint = f"ipc://{self._workdir}/rank{self.rank}-g{gen}.sock"
-        dealer = self._zctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.ROUTING_ID, PARENT_ID)
-        dealer.setsockopt(zmq.IMMEDIATE, 1)   # never queue for a worker that is not connected
-        dealer.setsockopt(zmq.SNDHWM, 100_000)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.endpoint)
-        self._channel.attach(gen, dealer, p2w)
+        # tensor bytes: in shared memory for a local process, in the messages for a Ray actor
+        # (which may be on another machine)
+        p2w, w2p = ((InlineArena(), InlineArena()) if not self._local
+                    else arena_pair(f"{self._tag}_r{self.rank}_g{gen}", self.shm_bytes))
+        if self._local:  # the worker binds where we say: connect now
+            self.endpoint = f"ipc://{self._workdir}/rank{self.rank}-g{gen}.sock"
+            self._channel.connect(self._zctx, gen, self.endpoint, p2w)
+        else:  # the actor picks its port: connect once it says which (wait_ready)
+            self.endpoint, self._p2w_next = "", p2w
         with self._rx:
             self._w2p, self._decoder = w2p, Decoder(w2p)
             self._rx_gen = gen
-        cfg = dict(rank=self.rank, gen=gen, parent_pid=os.getpid(), factory=self.spec.factory,
+        cfg = dict(rank=self.rank, gen=gen, factory=self.spec.factory,
                    kwargs={**self.spec.args, **self.plan.model_kwargs}, nodes=self.plan.nodes,
                    device=self.plan.device, engines=self.engine_settings, endpoint=self.endpoint,
                    parent=self._parent_endpoint, p2w=p2w.name, w2p=w2p.name,
                    heartbeat_s=heartbeat_period(self.rt.heartbeat_timeout_s),
                    node_rank=self.rt.plan.node_rank, worker_ranks=sorted(self.rt.plan.workers),
-                   segments=self.rt.segments_enabled)
-        config_path = os.path.join(self._workdir, f"rank{self.rank}-g{gen}.json")
-        with open(config_path, "w") as f:
-            json.dump(cfg, f)
-        worker = WorkerProcess(self.rank, config_path, self.plan.device, self.progress)
-        self.proc, self.worker = worker.proc, worker
+                   segments=self.rt.segments_enabled,
+                   parent_pid=os.getpid() if self._local else None,
+                   transport="ipc" if self._local else "tcp")
+        self.worker = worker = self._launcher.start(cfg)
         if self.progress:
-            self._say(f"started (pid {worker.pid}) for nodes {self.plan.nodes}")
-        monitor = threading.Thread(target=self._monitor, args=(worker.proc, gen), daemon=True,
+            self._say(f"started ({f'pid {worker.pid}' if self._local else 'its Ray actor'}) "
+                      f"for nodes {self.plan.nodes}")
+        monitor = threading.Thread(target=self._monitor, args=(worker, gen), daemon=True,
                                    name=f"mstar-worker{self.rank}-monitor")
-        self._threads = [t for t in self._threads if t.is_alive()] + [worker.pump, monitor]
+        self._threads = [t for t in self._threads if t.is_alive()] + worker.threads + [monitor]
         monitor.start()
         with self._lock:
             closed = self.state == "closed"
@@ -133,25 +132,25 @@ class WorkerLink:
 
     def wait_ready(self) -> None:
         """Blocks until the worker spawned last reports ready; WorkerStartError otherwise."""
-        proc, gen = self.proc, self.gen
-        assert proc is not None
+        worker, gen = self.worker, self.gen
+        assert worker is not None
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._ready.wait(0.05):
-            if proc.poll() is not None or self._fatal is not None:
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                reason = self._fatal or describe_exit(proc.returncode)
+            failure = worker.failure()
+            if failure is not None or self._fatal is not None:
+                worker.stop(graceful=True)
                 self._fail_start(gen)
                 raise WorkerStartError(f"worker process rank {self.rank} failed to start: "
-                                       f"{reason}\n{self.worker.last_output()}")
+                                       f"{self._fatal or failure}\n{worker.last_output()}")
             if time.monotonic() > deadline:
-                proc.kill()
+                worker.kill()
                 self._fail_start(gen)
                 raise WorkerStartError(f"worker process rank {self.rank} did not report ready "
                                        f"within {self.ready_timeout_s} s (ready_timeout_s)\n"
-                                       f"{self.worker.last_output()}")
+                                       f"{worker.last_output()}")
+        if not self._local:  # the actor picked its port; its start() returned as it got ready
+            self.endpoint = worker.endpoint(max(1.0, deadline - time.monotonic()))
+            self._channel.connect(self._zctx, gen, self.endpoint, self._p2w_next)
         with self._lock:
             if self.gen == gen and self.state == "starting":
                 self.state = "up"
@@ -201,15 +200,16 @@ class WorkerLink:
         self.wait_ready()
 
     def close(self) -> None:
-        proc = self.proc
+        worker = self.worker
         with self._lock:
             self.state = "closed"
             self._cond.notify_all()
             if self._watchdog is not None:
                 self._watchdog.stop()
-        if proc is not None and proc.poll() is None:
+        if worker is not None and worker.failure() is None:
             self._channel.post(self.gen, {"kind": "shutdown"})
-            self.worker.stop(graceful=True)
+            worker.stop(graceful=True)
+        self._launcher.close()  # no Ray actor outlives its runtime
         for t in self._threads:
             t.join(timeout=5)
         self._disconnect()
@@ -226,7 +226,7 @@ class WorkerLink:
                 self._w2p.unlink()
                 self._w2p.close()
             self._w2p, self._decoder = None, None
-        if self.endpoint:
+        if self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint.removeprefix("ipc://"))
             except OSError:
@@ -237,24 +237,23 @@ class WorkerLink:
 
     # ---- death ---------------------------------------------------------------------------------
 
-    def _monitor(self, proc: subprocess.Popen, gen: int) -> None:
-        code = proc.wait()
+    def _monitor(self, worker: "WorkerProcess | RayWorker", gen: int) -> None:
+        how = worker.wait_exit()
         try:
-            self._on_exit(proc, gen, code)
+            self._on_exit(worker, gen, how)
         except Exception:
             traceback.print_exc()
 
     def _on_hang(self, gen: int, why: str) -> None:
         """The watchdog says generation `gen` hangs: kill it; its death does the rest."""
         with self._lock:
-            if gen != self.gen or self.state != "up" or self.proc is None:
+            if gen != self.gen or self.state != "up" or self.worker is None:
                 return
-            self._hang, proc = (gen, why), self.proc
-        self._say(f"pid {proc.pid} {why}; killing it")
-        proc.kill()
+            self._hang, worker = (gen, why), self.worker
+        self._say(f"pid {worker.pid} {why}; killing it")
+        worker.kill()
 
-    def _on_exit(self, proc: subprocess.Popen, gen: int, code: int) -> None:
-        how = describe_exit(code)
+    def _on_exit(self, proc: "WorkerProcess | RayWorker", gen: int, how: str) -> None:
         with self._lock:
             if self._watchdog is not None:
                 self._watchdog.stop()
@@ -412,11 +411,12 @@ class WorkerLink:
 
     # ---- receiving (the hub's receiver thread) ------------------------------------------------
 
-    def on_message(self, gen: int, span: int, payload: bytes) -> None:
+    def on_message(self, gen: int, span: int, payload: bytes, tensors: list | tuple = ()) -> None:
         with self._rx:
             if gen != self.gen or self._decoder is None or self._w2p is None:
                 return  # from a generation that is gone: its arena and items went with it
             try:
+                self._w2p.receive(tensors)  # a Ray actor's tensor frames (placement/inline.py)
                 msg = self._decoder.unpack(payload)
                 kind = check_header(msg, TO_PARENT)
             except (ProtocolError, CodecError) as e:
@@ -455,8 +455,8 @@ class WorkerLink:
                 self._fatal = (f"it built a model whose nodes {nodes} / walks {walks} differ "
                                f"from the parent's {rt.node_names} / {rt.walk_names}; build "
                                "the same model in every process")
-                if self.proc is not None:
-                    self.proc.kill()
+                if self.worker is not None:
+                    self.worker.kill()
                 return
             self._ready.set()
         elif kind == "heartbeat":
@@ -486,13 +486,15 @@ class WorkerLink:
     # ---- introspection ------------------------------------------------------------------------
 
     def info(self) -> dict:
-        proc = self.proc
+        worker = self.worker
         with self._lock:
             inflight, known = len(self._ledger.inflight), len(self._ledger.known)
+        shm = [] if not self._local else [f"{self._tag}_r{self.rank}_g{self.gen}_{d}"
+                                    for d in ("p2w", "w2p")]
         return dict(rank=self.rank, nodes=list(self.plan.nodes), device=self.plan.device,
-                    state=self.state, pid=None if proc is None else proc.pid, gen=self.gen,
-                    endpoint=self.endpoint, shm=[f"{self._tag}_r{self.rank}_g{self.gen}_{d}"
-                                                 for d in ("p2w", "w2p")],
+                    state=self.state, pid=None if worker is None else worker.pid, gen=self.gen,
+                    node=None if worker is None else worker.node,
+                    endpoint=self.endpoint, shm=shm,
                     restarts=self.restarts, last_exit=self.last_exit,
                     error_replies=self.error_replies, inflight_items=inflight,
                     known_requests=known)

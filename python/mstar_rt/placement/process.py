@@ -1,13 +1,19 @@
-"""A worker's operating-system process: how it is started, what it prints, how it ended."""
+"""A worker's operating-system process: how it is started, what it prints, how it ended.
+
+:class:`WorkerProcess` is one of the two launchers' handles on a started worker (the other is
+placement/ray_rank.py's ``RayWorker``); the link uses only ``pid``, ``node``, ``threads``,
+``failure``, ``wait_exit``, ``kill``, ``stop`` and ``last_output``."""
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from typing import Optional
 
 
 class WorkerStartError(RuntimeError):
@@ -46,12 +52,14 @@ class WorkerProcess:
             [sys.executable, "-m", "mstar_rt.placement.worker", config_path],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
             start_new_session=True)
-        self.pid = self.proc.pid
+        self.pid: Optional[int] = self.proc.pid
+        self.node = "local"
         self._output: collections.deque = collections.deque(maxlen=30)
         self._progress = progress
         self.pump = threading.Thread(target=self._pump, daemon=True,
                                      name=f"mstar-worker{rank}-output")
         self.pump.start()
+        self.threads = [self.pump]
 
     def _pump(self) -> None:
         stdout = self.proc.stdout
@@ -68,6 +76,20 @@ class WorkerProcess:
         lines = list(self._output)
         return ("its last output:\n  " + "\n  ".join(lines)) if lines else "it printed nothing"
 
+    def endpoint(self, timeout: float) -> None:
+        return None  # the parent chose its ipc endpoint before starting it
+
+    def failure(self) -> Optional[str]:
+        """How it ended, or None while it runs."""
+        code = self.proc.poll()
+        return None if code is None else describe_exit(code)
+
+    def wait_exit(self) -> str:
+        return describe_exit(self.proc.wait())
+
+    def kill(self) -> None:
+        self.proc.kill()
+
     def stop(self, graceful: bool) -> None:
         """Waits up to 5 s for a graceful exit (if asked), then kills."""
         if graceful:
@@ -81,3 +103,20 @@ class WorkerProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+class ProcessLauncher:
+    """One rank's local worker processes: each start writes its generation's config into the
+    parent's private directory and runs the worker on it."""
+
+    def __init__(self, rank: int, workdir: str, device: str, progress: bool) -> None:
+        self.rank, self.workdir, self.device, self.progress = rank, workdir, device, progress
+
+    def start(self, cfg: dict) -> WorkerProcess:
+        path = os.path.join(self.workdir, f"rank{self.rank}-g{cfg['gen']}.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        return WorkerProcess(self.rank, path, self.device, self.progress)
+
+    def close(self) -> None:
+        pass  # each process was stopped by its link

@@ -25,6 +25,7 @@ from mstar_rt.placement.arena import sweep_stale
 from mstar_rt.placement.config import ModelSpec, NodeGroup, make_plan, read_config
 from mstar_rt.placement.channel import mark_hub_thread
 from mstar_rt.placement.link import WorkerLink
+from mstar_rt.placement.ray_rank import RayLauncher, connect_ray, disconnect_ray
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
 from mstar_rt.placement.protocol import TO_PARENT_HEADER
 from mstar_rt.model import RequestContext, node_engines
@@ -45,14 +46,16 @@ def _close_all() -> None:  # no orphan workers or shared memory, whatever the ca
 
 class _Hub:
     """The parent's one receiving socket: every worker pushes its replies here, tagged with its
-    rank and generation; one thread reads them and hands them to the worker's link."""
+    rank and generation; one thread reads them and hands them to the worker's link. With
+    ``inline`` (Ray actors, ``tcp://``) a message may carry tensor frames after its payload."""
 
-    def __init__(self, zctx: zmq.Context, endpoint: str) -> None:
-        self.endpoint = endpoint
+    def __init__(self, zctx: zmq.Context, endpoint: str, inline: bool = False) -> None:
+        self.inline = inline
         self.sock = zctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        self.sock.bind(endpoint)
+        self.sock.bind(endpoint)  # tcp: port * -- the one picked is in LAST_ENDPOINT
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.links: dict[int, WorkerLink] = {}
         self.bad_frames = 0
         self._stop = False
@@ -68,8 +71,13 @@ class _Hub:
         while not self._stop:
             if not sock.poll(100):
                 continue
-            frames = sock.recv_multipart()
-            if len(frames) != 2 or len(frames[0]) != header.size:
+            if self.inline:  # tensor frames stay in ZeroMQ's buffers until decoded
+                got = sock.recv_multipart(copy=False)
+                frames = [f.bytes for f in got[:2]] + [f.buffer for f in got[2:]]
+            else:
+                frames = sock.recv_multipart()
+            if (len(frames) != 2 and not self.inline) or len(frames) < 2 \
+                    or len(frames[0]) != header.size:
                 self.bad_frames += 1
                 continue
             rank, gen, span = header.unpack(frames[0])
@@ -78,7 +86,7 @@ class _Hub:
                 self.bad_frames += 1
                 continue
             try:
-                link.on_message(gen, span, frames[1])
+                link.on_message(gen, span, frames[1], frames[2:])
                 for each in self.links.values():  # releases it caused, now the caller woke
                     each.flush_posts()
             except Exception:  # a bug here must not stop every worker's replies
@@ -138,6 +146,11 @@ class PlacedRuntime(Runtime):
     whose nodes all sit on one worker run there whole, one round trip each
     (placement/segments.py); False sends every node across on its own.
 
+    ``launcher``: ``"process"`` (local worker processes) or ``"ray"``: each worker rank is a
+    Ray actor on any node of the cluster at ``ray_address`` (None: the cluster this process is
+    connected to, or Ray's default) with the CPUs, GPUs and resources its NodeGroup asks for;
+    control over ``tcp://``, tensors inside the messages (placement/ray_rank.py).
+
     A worker that dies fails the requests it was serving or held state for (RequestFailed
     naming the rank, node and exit status) within a second; other requests continue.
     """
@@ -147,14 +160,20 @@ class PlacedRuntime(Runtime):
                  engines: Optional[Mapping[str, Engine]] = None, shm_bytes: int = 64 << 20,
                  ready_timeout_s: float = 120.0, restart: str = "manual", max_restarts: int = 3,
                  progress: bool = True, heartbeat_timeout_s: float = 10.0,
-                 node_timeout_s: Optional[float] = None, segments: bool = True) -> None:
+                 node_timeout_s: Optional[float] = None, segments: bool = True,
+                 launcher: str = "process", ray_address: Optional[str] = None) -> None:
         self._links: dict[int, WorkerLink] = {}
         self._hub: Optional[_Hub] = None
         self._zctx: Optional[zmq.Context] = None
         self._workdir: Optional[str] = None
         self._runtime_started = False
         self._closed = False
+        self._ray_owned = False
         self.shm_prefix = ""
+        if launcher not in ("process", "ray"):
+            raise ValueError(f"launcher={launcher!r}; use 'process' (local worker processes) "
+                             "or 'ray' (Ray actors)")
+        self.launcher = launcher
         if heartbeat_timeout_s <= 0 or (node_timeout_s is not None and node_timeout_s <= 0):
             raise ValueError(f"heartbeat_timeout_s ({heartbeat_timeout_s}) and node_timeout_s "
                              f"({node_timeout_s}) must be > 0 seconds (node_timeout_s may be None)")
@@ -176,13 +195,18 @@ class PlacedRuntime(Runtime):
         try:
             self._workdir = tempfile.mkdtemp(prefix=f"mstar-placement-{os.getpid()}-")
             self._zctx = zmq.Context()
-            self._hub = _Hub(self._zctx, f"ipc://{self._workdir}/parent.sock")
+            if launcher == "ray":  # workers anywhere in the cluster reach this node's address
+                self._ray_owned, host = connect_ray(ray_address)
+                self._hub = _Hub(self._zctx, f"tcp://{host}:*", inline=True)
+            else:
+                self._hub = _Hub(self._zctx, f"ipc://{self._workdir}/parent.sock")
             self.shm_prefix = tag = f"mstar_{os.getpid()}_{secrets.token_hex(3)}"
             for rank, rank_plan in plan.workers.items():
+                ray = (RayLauncher(rank, rank_plan.ray_options) if launcher == "ray" else None)
                 self._links[rank] = WorkerLink(self, rank_plan, model, self._zctx, self._workdir,
                                                self._hub.endpoint, tag, shm_bytes,
                                                ready_timeout_s, progress,
-                                               worker_engines.get(rank, {}))
+                                               worker_engines.get(rank, {}), ray)
             remote: dict[str, Engine] = {}
             for n, rank in plan.node_rank.items():
                 if rank in plan.workers:
@@ -281,6 +305,8 @@ class PlacedRuntime(Runtime):
             self._zctx.term()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
+        if self._ray_owned:
+            disconnect_ray()
 
     def __enter__(self) -> "PlacedRuntime":
         return self

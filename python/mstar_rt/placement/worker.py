@@ -1,4 +1,5 @@
-"""A worker process: ``python -m mstar_rt.placement.worker CONFIG.json``.
+"""A worker process: ``python -m mstar_rt.placement.worker CONFIG.json``, or the same loop inside
+a rank's Ray actor (placement/ray_rank.py: :func:`start_worker`, then :meth:`Worker.serve`).
 
 Started by the parent (subprocess, never fork: torch's threads survive only a fresh
 interpreter). It builds the model from the config's import spec, keeps the engines of its node
@@ -25,6 +26,7 @@ from mstar_rt import _core
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder
 from mstar_rt.placement.config import ModelSpec
+from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.protocol import (
     PARENT_ID,
     TO_PARENT_HEADER,
@@ -48,7 +50,8 @@ def say(text: str) -> None:
 class Outbox:
     """Sends to the parent from any thread: one lock keeps arena allocations in message order."""
 
-    def __init__(self, sock: zmq.Socket, arena: Optional[ShmArena], rank: int, gen: int) -> None:
+    def __init__(self, sock: zmq.Socket, arena: Optional[ShmArena | InlineArena], rank: int,
+                 gen: int) -> None:
         self._sock, self._arena, self.rank, self.gen = sock, arena, rank, gen
         self._encoder = Encoder(arena)
         self._plain = Encoder(None)
@@ -75,8 +78,9 @@ class Outbox:
                     payload = None
             if payload is not None:
                 span = self._arena.publish()
+                tensors = self._arena.take_frames()
                 self._sock.send_multipart([TO_PARENT_HEADER.pack(self.rank, self.gen, span),
-                                           payload])
+                                           payload, *tensors], copy=not tensors)
                 return
         # isolate the culprit: one message per item, so only its request fails
         for i, item in enumerate(fields["items"]):
@@ -94,8 +98,11 @@ class Worker:
         self.push.setsockopt(zmq.SNDHWM, 100_000)
         self.push.setsockopt(zmq.LINGER, 2000)
         self.push.connect(cfg["parent"])
-        self.p2w: Optional[ShmArena] = None
-        self.w2p: Optional[ShmArena] = None
+        # tcp: the parent may be on another machine, so tensors travel in the messages
+        self.inline = cfg.get("transport") == "tcp"
+        self.endpoint = ""
+        self.p2w: Optional[ShmArena | InlineArena] = None
+        self.w2p: Optional[ShmArena | InlineArena] = None
         self.outbox = Outbox(self.push, None, self.rank, self.gen)
         self.router: Optional[zmq.Socket] = None
         self.host: Any = None
@@ -107,7 +114,10 @@ class Worker:
 
     def start(self) -> None:
         cfg, t0 = self.cfg, time.monotonic()
-        self.p2w, self.w2p = ShmArena.attach(cfg["p2w"]), ShmArena.attach(cfg["w2p"])
+        if self.inline:
+            self.p2w, self.w2p = InlineArena(), InlineArena()
+        else:
+            self.p2w, self.w2p = ShmArena.attach(cfg["p2w"]), ShmArena.attach(cfg["w2p"])
         self.outbox = Outbox(self.push, self.w2p, self.rank, self.gen)
         self.decoder, self.plain = Decoder(self.p2w), Decoder(None)
         say(f"building {cfg['factory']} for nodes {cfg['nodes']} on {cfg['device']}")
@@ -122,7 +132,8 @@ class Worker:
         engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.engines.items())
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(cfg["endpoint"])
+        self.router.bind(cfg["endpoint"])  # tcp: "tcp://<this node>:*", the port is ours
+        self.endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         g = self.host.graph
         self.outbox.send("ready", pid=os.getpid(), nodes=list(g.node_ids) + self.host.segment_names,
                          walks=list(g.walk_ids))
@@ -144,15 +155,20 @@ class Worker:
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
-        ppid = int(self.cfg["parent_pid"])
-        while True:
-            if os.getppid() != ppid:
+        # A Ray actor has no parent pid to watch: Ray ends it with the driver that owns it.
+        ppid = self.cfg["parent_pid"]
+        while not self.stopping.is_set():  # set by a Ray actor starting a newer generation
+            if ppid is not None and os.getppid() != ppid:
                 self.orphan_cleanup()
                 say("the parent process is gone; exiting")
                 return
             if not poller.poll(200):
                 continue
-            frames = self.router.recv_multipart()
+            if self.inline:  # the tensor frames stay in ZeroMQ's buffers until decoded
+                got = self.router.recv_multipart(copy=False)
+                frames = [f.bytes for f in got[:3]] + [f.buffer for f in got[3:]]
+            else:
+                frames = self.router.recv_multipart()
             ident, frames = frames[0], frames[1:]
             self.messages += 1
             try:
@@ -175,7 +191,8 @@ class Worker:
             self.router.send_multipart([ident, Encoder(None).pack(reply)])
 
     def handle(self, from_parent: bool, frames: list) -> Optional[str]:
-        if len(frames) != 2 or len(frames[0]) != TO_WORKER_HEADER.size:
+        if ((len(frames) != 2 and not (self.inline and from_parent)) or len(frames) < 2
+                or len(frames[0]) != TO_WORKER_HEADER.size):
             raise ProtocolError(f"a message is two frames, a {TO_WORKER_HEADER.size}-byte header "
                                 f"(generation, span end) and a msgpack map; got {len(frames)} "
                                 "frames")
@@ -187,6 +204,8 @@ class Worker:
         else:
             try:
                 try:
+                    if self.inline:
+                        self.p2w.receive(frames[2:])
                     msg = self.decoder.unpack(frames[1])
                 finally:  # copied out (or unusable): free the parent's arena up to here
                     try:
@@ -309,7 +328,7 @@ class Worker:
 
     # ---- shutdown ----------------------------------------------------------------------------
 
-    def orphan_cleanup(self) -> None:
+    def orphan_cleanup(self) -> None:  # a local worker process only
         """The parent died without closing us: remove what it would have removed -- our arenas
         and its socket directory (everything in it was the dead parent's)."""
         for arena in (self.p2w, self.w2p):
@@ -367,14 +386,9 @@ def _chunk(value: Any, stream_input: Any, node: str) -> Optional[tuple]:
                         "windows")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        say("usage: python -m mstar_rt.placement.worker CONFIG.json (the parent writes it)")
-        return 2
-    with open(argv[0]) as f:
-        cfg = json.load(f)
-    cfg["config_path"] = argv[0]
+def start_worker(cfg: dict) -> Worker:
+    """A started worker (model built, socket bound, ``ready`` sent), or, after telling the
+    parent why (``fatal``), the exception."""
     worker = Worker(cfg)
     try:
         worker.start()
@@ -385,6 +399,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                                             f"{cfg['nodes']}: {detail}")
         worker.push.close(2000)
         worker.ctx.term()
+        raise
+    return worker
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        say("usage: python -m mstar_rt.placement.worker CONFIG.json (the parent writes it)")
+        return 2
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    cfg["config_path"] = argv[0]
+    try:
+        worker = start_worker(cfg)
+    except BaseException:
         return 3
     try:
         worker.serve()

@@ -1,0 +1,163 @@
+"""Placement ranks as Ray actors (issue 17, item 4): ``PlacedRuntime(..., launcher="ray")`` runs
+each worker rank as a Ray actor on the node whose resources its NodeGroup asks for, on a
+two-node local cluster (tests/python/ray_cluster.py, every address on loopback). Control crosses
+over ZeroMQ ``tcp://`` and tensors inside the messages; the outputs equal the in-process
+Runtime's (the pipeline's every value kind, and greedy tokens and logits of a KV-cache LM); an
+actor killed mid-run fails only the requests it held and, restarted by Ray, serves again; a
+rank that cannot start fails clearly; close leaves no actor or process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Iterator
+
+import pytest
+
+# The shared cluster helper sets this run's Ray token; it must come before Ray is imported.
+from ray_cluster import HEAD_IP, NODE2_IP, local_cluster
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mstar_rt[ray]'; CI "
+                                        "installs it)")
+
+from mstar_rt import RequestFailed, Runtime  # noqa: E402
+from mstar_rt.config import ConfigError  # noqa: E402
+from mstar_rt.placement import (ModelSpec, NodeGroup, PlacedRuntime,  # noqa: E402
+                                WorkerStartError, read_config)
+
+import placement_models as pm  # noqa: E402
+from placement_support import (PROMPTS, T, alive, generate, pipeline_inputs,  # noqa: E402
+                               reference_outputs, same)
+from walk_models import wait_until  # noqa: E402
+
+# Each node: 2 CPUs and a slot resource that pins a rank to it.
+HEAD, NODE2 = {"head_slot": 4}, {"node2_slot": 4}
+ON_HEAD = dict(num_cpus=0.25, resources={"head_slot": 1})
+ON_NODE2 = dict(num_cpus=0.25, resources={"node2_slot": 1})
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(HEAD, NODE2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return reference_outputs()
+
+
+def _slots() -> dict[str, float]:
+    free = ray.available_resources()
+    return {k: free.get(k, 0.0) for k in ("head_slot", "node2_slot")}
+
+
+def _closed_cleanly(rt: PlacedRuntime, pids: list[int], before: dict[str, float]) -> None:
+    """Closes ``rt``: its actors' processes end and their resources are free again."""
+    rt.close()
+    assert wait_until(lambda: not [p for p in pids if alive(p)], timeout=T), \
+        "actor processes outlived close()"
+    assert wait_until(lambda: _slots() == before, timeout=T), (_slots(), before)
+
+
+@pytest.fixture(scope="module")
+def placed(cluster) -> Iterator[PlacedRuntime]:
+    """The pipeline with its encoder on the head node and its loop on the second node."""
+    before = _slots()
+    rt = PlacedRuntime("placement_models:pipeline",
+                       [NodeGroup(["encoder"], rank=1, **ON_HEAD),
+                        NodeGroup(["backbone", "collect"], rank=2, **ON_NODE2)],
+                       launcher="ray", ray_address=cluster.address, restart="auto",
+                       progress=False)
+    yield rt
+    _closed_cleanly(rt, [w["pid"] for w in rt.workers.values()], before)
+
+
+def test_ranks_run_as_actors_on_the_nodes_their_resources_name(placed):
+    w = placed.workers
+    assert (w[1]["node"], w[2]["node"]) == (HEAD_IP, NODE2_IP)
+    assert w[1]["endpoint"].startswith(f"tcp://{HEAD_IP}:")
+    assert w[2]["endpoint"].startswith(f"tcp://{NODE2_IP}:")
+    assert w[1]["shm"] == [] and w[2]["shm"] == []  # tensors travel inside the messages
+    assert w[1]["pid"] != os.getpid() and alive(w[1]["pid"]) and alive(w[2]["pid"])
+    assert _slots() == {"head_slot": 3, "node2_slot": 3}
+
+
+def test_cross_actor_outputs_equal_in_process(placed, reference):
+    inputs = pipeline_inputs(6)
+    handles = [placed.submit(inp) for inp in inputs]  # concurrent: batched across requests
+    for handle, want in zip(handles, reference["walk"]):
+        assert same(handle.result(T), want)
+    stats = placed.worker_stats(2)
+    assert stats["live_requests"] == 0 and stats["p2w_bytes_in_use"] == 0
+
+
+def test_a_kv_cache_lm_on_the_second_node_equals_in_process(cluster, reference):
+    before = _slots()
+    rt = PlacedRuntime("placement_models:tiny_llama",
+                       [NodeGroup(["prefill", "decode"], rank=1, **ON_NODE2)],
+                       launcher="ray", progress=False)  # joins the connected cluster
+    try:
+        assert rt.workers[1]["node"] == NODE2_IP
+        got = generate(rt, PROMPTS)  # one at a time, as the reference ran (same batches)
+        for g, want in zip(got, reference["lm"]):
+            assert same(g, want)  # tokens and float32 logits, exactly
+        assert rt.worker_stats(1)["kv_pages_in_use"] == 0
+    finally:
+        _closed_cleanly(rt, [rt.workers[1]["pid"]], before)
+
+
+def test_a_killed_actor_fails_only_its_requests_and_ray_restarts_it(placed, reference):
+    inp = pipeline_inputs(1)[0]
+    victim = placed.submit({**inp, "delay": 5.0})  # in the encoder, on rank 1
+    assert wait_until(lambda: placed.workers[1]["inflight_items"] == 1, timeout=T)
+    other = placed.submit({"x": inp["x"], "mode": "direct", "pause": 0.2})  # rank 2 only
+    old_pid, old_gen = placed.workers[1]["pid"], placed.workers[1]["gen"]
+    t0 = time.monotonic()
+    os.kill(old_pid, signal.SIGKILL)
+    with pytest.raises(RequestFailed) as err:
+        victim.result(T)
+    took = time.monotonic() - t0
+    assert "node 'encoder'" in str(err.value) and "rank 1" in str(err.value), err.value
+    assert "Ray actor" in str(err.value), err.value
+    assert took < 5.0, f"the request failed {took:.2f} s after the kill"
+    with Runtime(pm.pipeline()) as rt:
+        assert same(other.result(T), rt.submit({"x": inp["x"], "mode": "direct",
+                                                "pause": 0.2}).result(T))
+    # Ray restarts the actor's process; the link (restart="auto") rebuilds the rank there
+    assert wait_until(lambda: placed.workers[1]["state"] == "up"
+                      and placed.workers[1]["gen"] > old_gen, timeout=90)
+    assert placed.workers[1]["pid"] != old_pid and not alive(old_pid)
+    assert placed.workers[1]["node"] == HEAD_IP
+    assert same(placed.submit(inp).result(T), reference["walk"][0])
+    # by hand: ray.kill ends the process, Ray starts another, the rank is rebuilt there
+    second = placed.workers[1]["pid"]
+    placed.restart_worker(1)
+    assert placed.workers[1]["state"] == "up" and placed.workers[1]["pid"] != second
+    assert same(placed.submit(inp).result(T), reference["walk"][0])
+
+
+def test_a_rank_that_cannot_start_fails_clearly_and_leaves_no_actor(cluster):
+    before = _slots()
+    with pytest.raises(WorkerStartError, match=r"rank 1 failed to start.*missing_dependency"):
+        PlacedRuntime(ModelSpec("placement_models:pipeline"),
+                      [NodeGroup(["backbone"], rank=1, model_kwargs={"fail": True}, **ON_NODE2)],
+                      launcher="ray", progress=False)
+    assert wait_until(lambda: _slots() == before, timeout=T), (_slots(), before)
+
+
+def test_the_config_names_the_launcher_and_each_ranks_resources():
+    kwargs = read_config({"model": "placement_models:pipeline", "launcher": "ray",
+                          "ray_address": "10.0.0.5:6379",
+                          "node_groups": [{"nodes": ["encoder"], "rank": 1, "num_gpus": 0.5,
+                                           "resources": {"vision_box": 1}}]})
+    assert kwargs["launcher"] == "ray" and kwargs["ray_address"] == "10.0.0.5:6379"
+    group = kwargs["node_groups"][0]
+    assert (group.num_gpus, group.resources) == (0.5, {"vision_box": 1.0})
+    with pytest.raises(ConfigError, match="launcher: must be 'process'"):
+        read_config({"model": "placement_models:pipeline", "launcher": "slurm"})
+    with pytest.raises(ConfigError, match=r"node_groups\[0\].resources: an in-process group"):
+        read_config({"model": "placement_models:pipeline", "node_groups": [
+            {"nodes": ["encoder"], "process": False, "resources": {"x": 1}}]})
