@@ -104,7 +104,9 @@ def local_cluster(head_resources: dict[str, float], node2_resources: dict[str, f
     temp = tempfile.mkdtemp(prefix="mstar-ray-", dir="/tmp")  # short: Ray's socket paths
     port = free_port()
     address = f"{HEAD_IP}:{port}"
-    env = _pythonpath_absolute(child_env(RAY_USAGE_STATS_ENABLED="0", **AUTH, **env_overrides))
+    # Ray's workers import the tests' model modules (placement_models): CI sets no PYTHONPATH.
+    env = _pythonpath_absolute(child_env(Path(__file__).resolve().parent,
+                                         RAY_USAGE_STATS_ENABLED="0", **AUTH, **env_overrides))
     common = [f"--num-cpus={num_cpus}", "--object-store-memory=100000000",
               "--disable-usage-stats", f"--temp-dir={temp}"]
     try:
