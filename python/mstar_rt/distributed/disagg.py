@@ -24,15 +24,14 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import socket
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 from mstar_rt.distributed import disagg_worker as dw
+from mstar_rt.distributed.child import spawn_child
 from mstar_rt.distributed.group import open_store
 from mstar_rt.distributed.kv_handoff import PrefillSide
 from mstar_rt.distributed.kv_transfer import KVChannel
@@ -375,19 +374,6 @@ class DisaggregatedLM:
 def spawn_decode_process(settings: dict,
                          import_path: Sequence[str] = ()) -> tuple[subprocess.Popen, Connection]:
     """Starts ``python -m mstar_rt.distributed.disagg_worker FD`` and sends it ``settings``."""
-    import mstar_rt
-
-    ours, theirs = socket.socketpair()
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mstar_rt.__file__)))
-    env = dict(os.environ)
-    first = [package_root] + [os.path.abspath(p) for p in import_path]
-    env["PYTHONPATH"] = os.pathsep.join(first + [
-        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "mstar_rt.distributed.disagg_worker",
-                                 str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
-    finally:
-        theirs.close()
-    conn = Connection(ours.detach())
+    proc, conn = spawn_child("mstar_rt.distributed.disagg_worker", import_path)
     dw.put(conn, settings)
     return proc, conn

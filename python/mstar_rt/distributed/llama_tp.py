@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -33,6 +31,7 @@ import torch
 from torch import nn
 
 from mstar_rt.distributed import follower as fl
+from mstar_rt.distributed.child import spawn_child
 from mstar_rt.distributed.group import TPGroup, open_store
 from mstar_rt.distributed.llama_shards import checked_config, load_llama_shard
 from mstar_rt.distributed.split import TensorSplit
@@ -84,19 +83,8 @@ def stop_followers(followers: list[Follower], wait_s: float = 5.0) -> None:
 
 def spawn_follower(rank: int, settings: dict[str, Any]) -> Follower:
     """Starts rank ``rank``'s process and sends it its settings."""
-    import mstar_rt
-
-    ours, theirs = socket.socketpair()
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mstar_rt.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([package_root] + [
-        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "mstar_rt.distributed.follower",
-                                 str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
-    finally:
-        theirs.close()
-    f = Follower(rank, proc, Connection(ours.detach()))
+    proc, conn = spawn_child("mstar_rt.distributed.follower")
+    f = Follower(rank, proc, conn)
     f.conn.send({**settings, "rank": rank})
     return f
 
