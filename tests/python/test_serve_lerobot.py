@@ -86,3 +86,67 @@ def test_the_default_mapping_takes_lerobot_keys_and_jpeg_cameras(tmp_path):
         with pytest.raises(Exception, match="observation.state"):
             client.infer({k: v for k, v in obs.items() if k != "observation.state"})
         assert settled(s)["requests"] == 0
+
+
+def _rtc_config(tmp_path: Path, family: str) -> Path:
+    """The family's fixture checkpoint with its ``rtc/config.json`` (an ``rtc_config``)."""
+    import shutil
+
+    d = FIXTURES / family
+    ckpt = tmp_path / "rtc_checkpoint"
+    shutil.copytree(d / "checkpoint", ckpt)
+    shutil.copy(d / "rtc" / "config.json", ckpt / "config.json")
+    path = _config(tmp_path, family)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"]["checkpoint"] = str(ckpt)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("family", ["pi0", "smolvla"])
+def test_real_time_chunking_over_the_websocket_is_lerobots_guided_chunk(tmp_path, family):
+    """A client that adds the previous reply's left-over actions and its inference delay gets
+    LeRobot's guided chunk (the RTC fixture); without them, the plain one -- on one connection."""
+    model = build_model(load_config(_rtc_config(tmp_path, family)))
+    io = load_file(str(FIXTURES / family / "rtc" / "io.safetensors"))
+    meta = json.loads((FIXTURES / family / "rtc" / "io.json").read_text())
+    spec = model.openpi_defaults()
+    spec["observation"]["noise"] = "noise"
+    with serving(model, name=family, policy=PolicySpec(**spec)) as s:
+        client = WebsocketClientPolicy("127.0.0.1", s.port)
+        info = client.get_server_metadata()
+        assert info["rtc"]["schedule"] == meta["rtc_config"]["prefix_attention_schedule"]
+        assert info["observation"]["prev_actions"]["optional"] is True
+        obs, _ = _observation(family, with_noise=False)
+        obs["noise"] = io["input.noise"][0].numpy()
+        guided = client.infer({**obs, "prev_actions": io["input.prev_actions"].numpy(),
+                               "inference_delay": meta["inference_delay"]})["actions"]
+        assert float(np.abs(guided - io["output.action_chunk"][0].numpy()).max()) < TOL
+        plain = client.infer(obs)["actions"]
+        assert float(np.abs(plain - io["output.unguided.action_chunk"][0].numpy()).max()) < TOL
+        with pytest.raises(Exception, match=r"prev_actions.*shape \(4, 5\)"):
+            client.infer({**obs, "prev_actions": np.zeros((4, 5), np.float32)})
+        with pytest.raises(Exception, match="needs 'prev_actions'"):
+            client.infer({**obs, "inference_delay": 2})
+        assert float(np.abs(client.infer(obs)["actions"] - plain).max()) < TOL
+        assert settled(s)["requests"] == 0
+
+
+def test_left_over_actions_are_refused_by_name_where_guidance_is_disabled(tmp_path):
+    from mstar_rt.models.lerobot_pi0 import LeRobotPi0Policy
+    from mstar_rt.models.lerobot_rtc import RtcSettings
+
+    d = FIXTURES / "pi0"
+    default = build_model(load_config(_config(tmp_path, "pi0")))  # no rtc_config: LeRobot's
+    assert default.openpi_defaults()["metadata"]["rtc"]["schedule"] == RtcSettings().schedule
+    model = LeRobotPi0Policy.from_pretrained(d / "checkpoint", tokenizer=d / "tokenizer",
+                                             sizes={"vision_heads": 2}, max_batch=4,
+                                             rtc=RtcSettings(enabled=False))
+    with serving(model, name="pi0", policy=PolicySpec(**model.openpi_defaults())) as s:
+        client = WebsocketClientPolicy("127.0.0.1", s.port)
+        assert client.get_server_metadata()["rtc"] is None
+        obs, _ = _observation("pi0", with_noise=False)
+        with pytest.raises(Exception, match="real-time chunking"):
+            client.infer({**obs, "prev_actions": np.zeros((4, 6), np.float32)})
+        client.infer(obs)  # the connection still serves
+        assert settled(s)["requests"] == 0

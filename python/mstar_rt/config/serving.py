@@ -113,11 +113,14 @@ class PolicySpec(Section):
     as encoded bytes (JPEG/PNG), ``shapes`` / ``dtypes`` check and cast inputs by model input
     name (``null`` in a shape = any size), ``actions`` is the EMIT returned as ``actions``,
     ``outputs`` maps further EMITs to reply keys, ``metadata`` is sent on connect. A target
-    ``input/key`` puts the value under ``key`` of a dict input (a LeRobot policy's cameras)."""
+    ``input/key`` puts the value under ``key`` of a dict input (a LeRobot policy's cameras).
+    ``optional`` observation keys may be left out (the model's default applies), e.g. the
+    previous chunk's left-over actions that ask for real-time chunking."""
 
     noun: ClassVar[str] = "policy"
     observation: dict[str, str] = Field(default_factory=dict)
     images: Names = ()
+    optional: Names = ()
     shapes: dict[str, tuple[Optional[int], ...]] = Field(default_factory=dict)
     dtypes: dict[str, str] = Field(default_factory=dict)
     actions: str = "actions"

@@ -51,16 +51,30 @@ def load_lerobot_policy(path: PathLike, **kwargs: Any) -> Any:
                      f"here ({', '.join(FAMILIES)}): its config.json has no such 'type'")
 
 
-def openpi_defaults(config: Any, family: str) -> dict[str, Any]:
+def openpi_defaults(config: Any, family: str, rtc: Any = None) -> dict[str, Any]:
     """The openpi websocket's mapping for a LeRobot policy (a PolicySpec's fields): the
     observation keys are LeRobot's own -- each camera key (an image: an array, or JPEG/PNG
     bytes) into the ``images`` input, ``observation.state`` into ``state``, ``task`` (the
-    instruction) into ``task`` -- and the reply's ``actions`` are the unnormalised chunk."""
+    instruction) into ``task`` -- and the reply's ``actions`` are the unnormalised chunk.
+
+    Real-time chunking over the socket: a client may add ``prev_actions`` (the previous reply's
+    actions not yet executed, ``[N, action_dim]``, as they were sent) and ``inference_delay``
+    (the actions it will execute while this chunk is computed); the server guides the new
+    chunk as LeRobot's ``predict_action_chunk(inference_delay=, prev_chunk_left_over=)`` does
+    with ``rtc`` (the model's guidance settings: the checkpoint's ``rtc_config``, else LeRobot's
+    defaults; the metadata gives them). Without them a chunk is plain; with them on a model
+    whose guidance is disabled the request is refused by name."""
     observation = {cam: f"images/{cam}" for cam in config.cameras}
-    observation.update({"observation.state": "state", "task": "task"})
+    observation.update({"observation.state": "state", "task": "task",
+                        "prev_actions": "prev_actions", "inference_delay": "delay"})
     return {"observation": observation, "images": tuple(config.cameras),
-            "shapes": {"state": (config.state_dim,)}, "dtypes": {"state": "float32"},
+            "optional": ("prev_actions", "inference_delay"),
+            "shapes": {"state": (config.state_dim,), "prev_actions": (None, config.action_dim)},
+            "dtypes": {"state": "float32", "prev_actions": "float32"},
             "actions": "actions",
             "metadata": {"policy": family, "cameras": list(config.cameras),
                          "state_dim": config.state_dim, "action_dim": config.action_dim,
-                         "action_horizon": config.chunk_size}}
+                         "action_horizon": config.chunk_size,
+                         "rtc": None if rtc is None or not rtc.enabled else
+                         {"schedule": rtc.schedule, "execution_horizon": rtc.execution_horizon,
+                          "max_guidance_weight": rtc.max_guidance_weight}}}

@@ -195,7 +195,7 @@ class LeRobotPi0Policy(Model):
         """How the openpi websocket maps LeRobot's observation keys onto the inputs."""
         from mstar_rt.models.lerobot import openpi_defaults
 
-        return openpi_defaults(self.policy.config, self.policy.config.family)
+        return openpi_defaults(self.policy.config, self.policy.config.family, self.rtc)
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         r = check_request(self.policy.processor, inputs, "cpu", self.rtc)

@@ -141,9 +141,14 @@ class PolicyAdapter:
             raise ValueError(f"policy.observation maps to {unknown}, which are not inputs of the "
                              f"model; its inputs are {list(model_inputs)}")
         self.mapping = dict(spec.observation) or {k: k for k in model_inputs}
+        stray = [k for k in spec.optional if k not in self.mapping]
+        if stray:
+            raise ValueError(f"policy.optional names {stray}, which are not observation keys; "
+                             f"those are {list(self.mapping)}")
         self.metadata = {"server": "mstar_rt", "model": name,
                          "observation": {k: {"input": v, "shape": _shape_text(spec.shapes.get(v)),
-                                             "dtype": spec.dtypes.get(v)}
+                                             "dtype": spec.dtypes.get(v),
+                                             "optional": k in spec.optional}
                                          for k, v in self.mapping.items()},
                          "actions": spec.actions, **spec.metadata}
 
@@ -154,6 +159,8 @@ class PolicyAdapter:
         out = {}
         for key, name in self.mapping.items():
             value = _lookup(obs, key)
+            if value is None and key in self.spec.optional:
+                continue
             if value is None:
                 raise ObservationError(f"the observation has no {key!r} (model input {name!r}); "
                                        f"it has {sorted(map(str, obs))}")
