@@ -194,6 +194,8 @@ def run_turns(kind, system, wavs, mic, spk, records, all_turns) -> None:
                         "v2v_s": v2v, "underruns": under,
                         "own_clock_v2v_s": turn.latency_dac if turn is not None else None,
                         "preemptive": bool(turn is not None and turn.preemptive),
+                        "guessed": bool(getattr(turn, "guessed", False)),
+                        "partial": getattr(turn, "partial", ""),
                         "wasted_preemptive_s": turn.wasted_preemptive_s if turn else 0.0,
                         "stages_s": stages})
         print(f"  {kind:<9}{cmd!r:<30} heard {text!r:<30} v2v {1e3 * v2v:7.0f} ms  "
@@ -271,6 +273,7 @@ def main() -> int:
     figures["v2v_p50_ms"] = a
     figures["wasted_preemptive_ms_per_turn"] = stats["agent"]["wasted_preemptive_ms_per_turn"]
     figures["preemptive_share"] = stats["agent"]["preemptive_share"]
+    figures["guessed_share"] = stats["agent"]["guessed_share"]
     figures["endpoint_p50_ms_agent"] = stats["agent"]["endpoint_p50_ms"]
     ratios = {"v2v_latency_baseline_over_agent": (b / a) if a and b else None}
     result = {"name": "voice_loop", "quick": args.quick, "machine": machine(),
@@ -292,7 +295,8 @@ def main() -> int:
           f"{stats['baseline']['v2v_p50_ms'] or float('nan'):>10.0f}")
     print(f"wasted preemptive work: {figures['wasted_preemptive_ms_per_turn'] or 0:.0f} ms per "
           f"turn; preemptive replies used in {100 * (figures['preemptive_share'] or 0):.0f}% of "
-          "turns")
+          f"turns, replies started from the streaming recognizer's text in "
+          f"{100 * (figures['guessed_share'] or 0):.0f}%")
     r = ratios["v2v_latency_baseline_over_agent"]
     print(f"v2v_latency_baseline_over_agent: {r:.2f}" if r else "ratio: n/a")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -189,6 +189,12 @@ def test_a_reply_started_from_a_guess_plays_only_if_the_recognition_agrees():
         assert wrong.wasted_preemptive_s > 0
         assert wrong.text == "open the gripper" and wrong.reply == "Opening the gripper.", wrong
         assert len(got) == 1  # only the reply to what was said
+        # The retry starts from the recognition it already has: nothing is recognized twice.
+        names = {e.get("name") for t in (right, wrong) for e in t.trace["traceEvents"]}
+        assert "tts" in names and "respond" in names, names
+        assert "asr" in {e.get("name") for e in right.trace["traceEvents"]}
+        assert "asr" not in {e.get("name") for e in wrong.trace["traceEvents"]}
+        assert wrong.submitted <= wrong.recognized_at <= wrong.replied_at
         _wait(lambda: not any(agent.runtime.live.values()), 10, "the requests to end")
     finally:
         agent.runtime.close()

@@ -257,11 +257,13 @@ class VoiceAgent:
             self._utterances.put((turn, np.asarray(ev.audio, np.float32), stream))
 
     def _submit(self, audio: np.ndarray, pause: Optional[int] = None,
-                guess: Optional[str] = None) -> ReplyStream:
+                guess: Optional[str] = None, text: Optional[str] = None) -> ReplyStream:
         assert self.runtime is not None
         inputs: dict[str, Any] = {"audio": audio}
         if guess is not None:
             inputs["guess"] = guess
+        if text is not None:  # already recognized: the reply starts from it
+            inputs["text"] = text
         return ReplyStream(self.runtime.submit(inputs), pause, self._on_text, guess)
 
     def _guess(self) -> Optional[str]:
@@ -363,7 +365,8 @@ class VoiceAgent:
         if stream is None:
             stream = self._submit(audio)
         while True:
-            turn.submitted = stream.submitted
+            if turn.submitted != turn.submitted:  # NaN: the first request counts (a retry
+                turn.submitted = stream.submitted  # after a wrong guess keeps its recognition)
             self.track_reply(stream.handle)
             # A watchdog turns a hung request into a cancelled one instead of a hung thread.
             timer = threading.Timer(self.reply_timeout, stream.handle.cancel)
@@ -402,7 +405,8 @@ class VoiceAgent:
             turn.wasted_preemptive_s += stream.cancel()
             turn.cancelled_preemptive += 1
             turn.reply, turn.replied_at, turn.first_audio = "", float("nan"), float("nan")
-            stream = self._submit(audio)
+            stream = self._submit(audio, text=turn.text if "said" in self.runtime.model.walks
+                                  else None)
 
     def _reply(self, turn: Turn, audio: np.ndarray, stream: Optional[ReplyStream]) -> None:
         out = self.output

@@ -43,10 +43,12 @@ class ReplyModel(Model):
     A ``guess`` input (the streaming recognizer's hypothesis; deterministic responders only)
     starts the walk ``guess = Parallel(asr, respond_guess -> DynamicLoop(tts))``: the reply to
     the guess is spoken while the batch recognition runs beside it (on its own engine) and
-    EMITs ``text``, which the caller compares with the guess before playing anything."""
+    EMITs ``text``, which the caller compares with the guess before playing anything. A
+    ``text`` input (a recognition already made: the guess was wrong) starts the walk
+    ``said = respond -> DynamicLoop(tts)``, which does not recognize again."""
 
-    inputs = ("audio", "guess")
-    input_defaults = {"guess": None}
+    inputs = ("audio", "guess", "text")
+    input_defaults = {"guess": None, "text": None}
 
     def __init__(self, asr: Any, responder: Callable[[str], str], tts: TTS,
                  max_sentences: int = 2**31 - 1) -> None:
@@ -66,7 +68,8 @@ class ReplyModel(Model):
         self.walks = {"reply": Sequential("asr", "respond",
                                           DynamicLoop("tts", max_sentences, "speak")),
                       "guess": Parallel("asr", Sequential(
-                          "respond_guess", DynamicLoop("tts", max_sentences, "speak")))}
+                          "respond_guess", DynamicLoop("tts", max_sentences, "speak"))),
+                      "said": Sequential("respond", DynamicLoop("tts", max_sentences, "speak"))}
 
     def _lm_walks(self, asr: NodeSubmodule, lm: Any, tts: TTS) -> None:
         from mstar_rt.audio.lm_responder import ChatPrompt, SentenceSplitter
@@ -93,8 +96,11 @@ class ReplyModel(Model):
         self.engine_specs = {"lm": lm.engine()}
 
     def initial_walk(self, request: Any) -> str:
-        return "guess" if request.inputs.get("guess") is not None and "guess" in self.walks \
-            else "reply"
+        for walk in ("said", "guess"):
+            if request.inputs.get("text" if walk == "said" else walk) is not None \
+                    and walk in self.walks:
+                return walk
+        return "reply"
 
     def next_walk(self, request: Any, finished_walk: str, persisted: Any) -> Optional[str]:
         if finished_walk == "reply" and "speak" in self.walks:

@@ -129,6 +129,8 @@ class VoiceStats:
                 out[f"{s}_p{q}_ms"] = self._pct([t.stages()[s] for t in self.turns], q)
         out["preemptive_share"] = (sum(t.preemptive for t in self.turns) / len(self.turns)
                                    if self.turns else None)
+        out["guessed_share"] = (sum(t.guessed for t in self.turns) / len(self.turns)
+                                if self.turns else None)
         out["wasted_preemptive_ms_per_turn"] = (
             1e3 * sum(t.wasted_preemptive_s for t in self.all) / len(self.all) if self.all else None)
         return out
