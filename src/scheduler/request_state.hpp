@@ -2,10 +2,10 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <vector>
 
 #include "mstar/conductor.hpp"
+#include "scheduler/handle_ring.hpp"
 
 namespace mstar::detail {
 
@@ -34,7 +34,7 @@ struct Request;
 struct StreamState {
   explicit StreamState(const StreamSpec& s) : spec(&s), cursor(s.policy) {}
   const StreamSpec* spec;
-  std::deque<Handle> items;  // items[i] is stream position base + i
+  HandleRing items;  // items[i] is stream position base + i
   std::uint64_t base = 0;
   std::uint64_t written = 0;
   bool ended = false;
@@ -69,10 +69,28 @@ struct Request {
   // node-based set would allocate once per loop iteration.
   std::vector<Activation*> live;
   std::vector<StreamState> streams;      // of the current walk
+  std::vector<HandleRing> spare_rings;   // streams' storage kept for the next walk and request
   std::uint64_t emitted = 0;             // Emits made, in all walks
   std::size_t queued = 0;                // items in ready queues
   std::size_t inflight = 0;
   std::vector<TimelineEvent> timeline;
+
+  /// Starts a stream of the walk on storage a finished stream left (no allocation once warm).
+  void open_stream(const StreamSpec& spec) {
+    streams.emplace_back(spec);
+    if (!spare_rings.empty()) {
+      streams.back().items = std::move(spare_rings.back());
+      spare_rings.pop_back();
+    }
+  }
+  /// Drops the walk's streams (their handles already released), keeping their storage.
+  void close_streams() {
+    for (StreamState& s : streams) {
+      s.items.clear();
+      spare_rings.push_back(std::move(s.items));
+    }
+    streams.clear();
+  }
 };
 
 }  // namespace mstar::detail

@@ -18,9 +18,9 @@ void Conductor::Impl::begin_walk(Request& r, WalkId w, Outcome* out) {
   if (w >= g.walks.size()) throw std::invalid_argument("unknown walk id " + std::to_string(w));
   r.walk = w;
   r.state = Request::State::running;
-  r.streams.clear();
+  r.close_streams();
   r.streams.reserve(g.walks[w].streams.size());
-  for (const StreamSpec& spec : g.walks[w].streams) r.streams.emplace_back(spec);
+  for (const StreamSpec& spec : g.walks[w].streams) r.open_stream(spec);
   start(r, new_act(r, g.walks[w].root, nullptr), out);
 }
 
@@ -64,7 +64,7 @@ std::unique_ptr<Request> Conductor::Impl::new_request() {
   r->walk = 0;
   r->state = Request::State::running;
   r->live.clear();
-  r->streams.clear();
+  r->close_streams();
   r->queued = r->inflight = 0;
   r->emitted = 0;
   r->timeline.clear();

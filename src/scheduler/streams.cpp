@@ -21,7 +21,7 @@ void Conductor::Impl::restart_streams(Request& r, std::uint32_t section, Outcome
   for (int st : index[r.walk].restarts_streams[section]) {
     StreamState& s = r.streams[static_cast<std::size_t>(st)];
     if (s.written == 0 && !s.ended) continue;  // first use: nothing to reset
-    for (Handle h : s.items) release(h, out);
+    for (std::size_t i = 0; i < s.items.size(); ++i) release(s.items[i], out);
     s.items.clear();
     s.base = s.written = 0;
     s.ended = s.inflight = s.last_sent = false;
@@ -93,8 +93,8 @@ void Conductor::Impl::pump(Request& r, std::size_t st, Outcome* out) {
 
 void Conductor::Impl::clear_streams(Request& r, Outcome* out) {
   for (StreamState& s : r.streams)
-    for (Handle h : s.items) release(h, out);
-  r.streams.clear();
+    for (std::size_t i = 0; i < s.items.size(); ++i) release(s.items[i], out);
+  r.close_streams();
 }
 
 }  // namespace mstar
