@@ -30,13 +30,16 @@ from typing import Any
 import numpy as np
 import torch
 
-import mstar_rt
-from mstar_rt.engines import KVCacheEngine
-from mstar_rt.models.pi0 import Pi0Policy, sample_actions_recompute
-from mstar_rt.models.pi0_layers import Pi0Config, random_pi0
-from mstar_rt.models.siglip import SiglipConfig
+from bench_common import machine, use_source_tree  # noqa: E402  (benchmarks/ is on sys.path)
 
-from bench_common import machine  # noqa: E402  (benchmarks/ is on sys.path)
+# this checkout's package when it is built in place (as vla_lerobot.py, which the LeRobot
+# section imports: both must see the same mstar_rt, or that import fails)
+use_source_tree()
+import mstar_rt  # noqa: E402
+from mstar_rt.engines import KVCacheEngine  # noqa: E402
+from mstar_rt.models.pi0 import Pi0Policy, sample_actions_recompute  # noqa: E402
+from mstar_rt.models.pi0_layers import Pi0Config, random_pi0  # noqa: E402
+from mstar_rt.models.siglip import SiglipConfig  # noqa: E402
 
 try:
     from tqdm import tqdm

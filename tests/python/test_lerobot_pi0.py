@@ -225,3 +225,17 @@ def test_prev_actions_are_refused_when_guidance_is_disabled(serve, fx):
     rt = serve(LeRobotPi0Policy(fx.policy, rtc=RtcSettings(enabled=False)))
     with pytest.raises(ValueError, match="real-time chunking"):
         rt.submit(fx.observation(prev_actions=torch.zeros(4, 6)))
+
+
+def test_flow_steps_through_the_engines_attention_give_the_same_chunk(serve, fx, monkeypatch):
+    """Where the cache cannot hand a prefix out (a tensor-parallel share), the flow steps attend
+    through the engine's paged attention every step instead of a snapshot taken once: same
+    chunk."""
+    import mstar_rt.models.lerobot_pi0 as served
+
+    monkeypatch.setattr(served, "prefix_snapshot", lambda step, request_id: None)
+    engine = KVCacheEngine(page_size=16, num_pages=64)
+    rt = serve(LeRobotPi0Policy(fx.policy, engine=engine))
+    close(rt.submit(fx.observation()).result(timeout=TIMEOUT)["actions"][0], fx.chunk,
+          "chunk through the engine's attention")
+    assert pages_back(engine)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar_rt.models.rope import RopeConfig, Rotary
+from mstar_rt.models.siglip import gelu_tanh
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, cond: Optional[Cond] = None
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.dense is None and x.dtype == torch.float32:  # one fused op, the same numbers
+            return F.rms_norm(x, x.shape[-1:], 1.0 + self.weight, self.eps), None
         var = x.float().square().mean(-1, keepdim=True)
         normed = x * torch.rsqrt(var + self.eps)  # float32
         if self.dense is None:
@@ -100,7 +103,7 @@ class GemmaMLP(nn.Module):
         self.down_proj = nn.Linear(s.mlp_dim, s.width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(gelu_tanh(self.gate_proj(x), self.up_proj(x)))
 
 
 class GemmaLayer(nn.Module):
@@ -114,14 +117,15 @@ class GemmaLayer(nn.Module):
         self.mlp = GemmaMLP(s)
 
     def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         cond: Optional[Cond]) -> tuple[torch.Tensor, ...]:
-        """``x [T, width]`` -> q ``[T, heads, D]``, k, v ``[T, kv_heads, D]`` (rotated) and the
-        gate of the attention residual."""
+                         cond: Optional[Cond], queries: bool = True) -> tuple[Any, ...]:
+        """``x [T, width]`` -> q ``[T, heads, D]`` (None unless ``queries``), k, v ``[T,
+        kv_heads, D]`` (rotated by the tables of :func:`rope_tables`) and the gate of the
+        attention residual."""
         a = self.self_attn
         h, gate = self.input_layernorm(x, cond)
         t = x.shape[0]
-        q = Rotary.apply(a.q_proj(h).view(t, a.heads, a.head_dim), cos, sin)
-        k = Rotary.apply(a.k_proj(h).view(t, a.kv_heads, a.head_dim), cos, sin)
+        q = rotate(a.q_proj(h).view(t, a.heads, a.head_dim), cos, sin) if queries else None
+        k = rotate(a.k_proj(h).view(t, a.kv_heads, a.head_dim), cos, sin)
         v = a.v_proj(h).view(t, a.kv_heads, a.head_dim)
         return q, k, v, gate
 
@@ -168,29 +172,52 @@ def make_rope(head_dim: int, theta: float = 10000.0) -> Rotary:
     return Rotary(RopeConfig(theta=theta), head_dim)
 
 
+def rope_tables(rope: Rotary, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions``' cos ``[T, 1, D]`` and sin with its first half negated, for
+    :func:`rotate`."""
+    cos, sin = rope.tables(positions, dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding with the halves rotated, ``x cos + [-x2, x1] sin``, as ``x cos +
+    [x2, x1] [-sin1, sin2]``: a roll and one fused multiply-add instead of slices, a negation, a
+    concatenation and two more ops."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
 def run_streams(streams: Sequence[Stream], positions: torch.Tensor, attend: Any, rope: Rotary,
-                final: bool = True) -> list[Optional[torch.Tensor]]:
+                final: bool = True, tables: Optional[tuple] = None
+                ) -> list[Optional[torch.Tensor]]:
     """Runs the streams' stacks layer by layer, all their tokens in one attention call per layer
     (``attend.attend(layer, q, k, v)`` over ``positions.numel()`` flat tokens; with several
     streams each gives its ``rows``). Returns each stream's final-normed hidden states; with
     ``final=False`` only the keys and values matter (a prefix written to a cache): the last
-    layer stops after its attention and None is returned."""
+    layer stops after its attention and None is returned. ``tables``: :func:`rope_tables` of
+    ``positions`` if the caller keeps them (every flow step of a chunk has the same positions)."""
     total = positions.numel()
-    cos, sin = rope.tables(positions, streams[0].x.dtype)
+    cos, sin = tables if tables is not None else rope_tables(rope, positions, streams[0].x.dtype)
     tables = [(cos, sin) if s.rows is None else (cos[s.rows], sin[s.rows]) for s in streams]
     depth = len(streams[0].stack.layers)
     xs = [s.x for s in streams]
     for li in range(depth):
         layers = [cast(GemmaLayer, s.stack.layers[li]) for s in streams]
-        parts = [layer.attention_inputs(x, c, si, s.cond)
+        kv_only = li == depth - 1 and not final
+        parts = [layer.attention_inputs(x, c, si, s.cond, queries=not kv_only)
                  for layer, s, x, (c, si) in zip(layers, streams, xs, tables)]
         if len(streams) == 1 and streams[0].rows is None:
             q, k, v, _gate = parts[0]
         else:
-            q, k, v = (_scatter([p[i] for p in parts], streams, total) for i in range(3))
-        out = attend.attend(li, q, k, v)
-        if li == depth - 1 and not final:
+            k, v = (_scatter([p[i] for p in parts], streams, total) for i in (1, 2))
+            q = None if kv_only else _scatter([p[0] for p in parts], streams, total)
+        if kv_only:
+            # Only the writes of k and v matter here: the keys stand in for the queries (one
+            # head per KV head), which spares the query projection and most of the attention.
+            attend.attend(li, k, k, v)
             return [None] * len(streams)
+        out = attend.attend(li, q, k, v)
         xs = [layer.finish(x, out if s.rows is None else out[s.rows], p[3], s.cond)
               for layer, s, x, p in zip(layers, streams, xs, parts)]
     return [s.stack.norm(x, s.cond)[0] for s, x in zip(streams, xs)]

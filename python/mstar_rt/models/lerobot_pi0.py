@@ -43,6 +43,7 @@ from mstar_rt.models.lerobot_inputs import camera_images
 from mstar_rt.models.lerobot_pi0_io import preprocess_image, unit_image
 from mstar_rt.models.lerobot_pi0_load import LeRobotPi0, load_lerobot_pi0
 from mstar_rt.models.lerobot_pi0_request import PiRequest, check_request
+from mstar_rt.models.lerobot_pi0_suffix import SuffixAttention, prefix_snapshot
 from mstar_rt.models.lerobot_rtc import RtcSettings, guidance, guided_velocity
 
 
@@ -110,10 +111,14 @@ class PrefixNode(KVNodeSubmodule):
 
 
 class DenoiseNode(KVNodeSubmodule):
-    """One Euler step of the expert per request, reading the cached prefix."""
+    """One Euler step of the expert per request, reading the cached prefix: through a
+    :class:`~mstar_rt.models.lerobot_pi0_suffix.SuffixAttention` set up at the chunk's first step
+    and kept while the batch holds the same requests."""
 
     def __init__(self, policy: LeRobotPi0, rtc: Optional[RtcSettings], max_batch: int) -> None:
         self.policy, self.rtc, self.max_batch = policy, rtc, max_batch
+        self.suffix: Optional[SuffixAttention] = None
+        self.times: dict[float, torch.Tensor] = {}  # flow time -> its sine-cosine embedding
 
     def kv_layout(self) -> KVLayout:
         return self.policy.module.kv_layout()
@@ -123,7 +128,34 @@ class DenoiseNode(KVNodeSubmodule):
         h = self.policy.config.chunk_size
         # The action tokens see every cached token and each other; nothing is written.
         return KVWork(h, persist=False, mask=BlockCausal(h, start=s["cached"]),
-                      payload=(inputs["x"], ctx.iteration, s["request"]))
+                      payload=(inputs["x"], ctx.iteration, s["request"], ctx.request.id))
+
+    def attention(self, works: list[KVWork], step: KVStep) -> Optional[SuffixAttention]:
+        """The batch's suffix attention: the last one while the batch holds the same request
+        objects (compared by identity: a request prefixed again brings a new one), else a new one
+        over their prefix snapshots, each taken from the pages at its request's first step; None
+        where the cache cannot hand the K/V out."""
+        requests: list[PiRequest] = [w.payload[2] for w in works]
+        last = self.suffix
+        if last is not None and len(last.key) == len(requests) and \
+                all(a is b for a, b in zip(last.key, requests)):
+            return last
+        for w, r in zip(works, requests):
+            if r.prefix_kv is None:
+                r.prefix_kv = prefix_snapshot(step, w.payload[3])
+                if r.prefix_kv is None:
+                    return None
+        m = self.policy.module
+        self.suffix = SuffixAttention(tuple(requests), [r.prefix_kv for r in requests],
+                                      self.policy.config.chunk_size, m.rope, m.dtype)
+        return self.suffix
+
+    def time_embedding(self, times: list[float]) -> torch.Tensor:
+        m = self.policy.module
+        for t in times:
+            if t not in self.times:
+                self.times[t] = m.time_embedding(torch.tensor([t], device=m.device))
+        return torch.cat([self.times[t] for t in times])
 
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
@@ -133,10 +165,15 @@ class DenoiseNode(KVNodeSubmodule):
         # requests of one step may be at different iterations: each carries its own time
         times = [1.0 + w.payload[1] * dt for w in works]
         t = torch.tensor(times, dtype=torch.float32, device=m.device)
-        rows = torch.arange(len(works), device=m.device).repeat_interleave(h)
         x = torch.cat([w.payload[0] for w in works])
-        tokens, cond = m.action_tokens(x, t, rows)
-        v = m.velocity(tokens, step.positions, step, cond)
+        suffix = self.attention(works, step)
+        if suffix is None:  # through the engine's paged attention
+            rows = torch.arange(len(works), device=m.device).repeat_interleave(h)
+            tokens, cond = m.action_tokens(x, t, rows)
+            v = m.velocity(tokens, step.positions, step, cond)
+        else:
+            tokens, cond = m.action_tokens(x, t, suffix.rows, self.time_embedding(times))
+            v = m.velocity(tokens, suffix.positions, suffix, cond, suffix.tables)
         requests: list[PiRequest] = [w.payload[2] for w in works]
         guide = guidance(requests, times, self.rtc, h, c.max_action_dim, m.device)
         if guide is not None:  # the batch's unguided requests have weight 0
@@ -148,7 +185,10 @@ class DenoiseNode(KVNodeSubmodule):
             out: dict[str, Any] = {"x": chunk}
             if w.payload[1] == n - 1:  # done: stream the chunk (earlier steps EMIT nothing)
                 out["actions"] = self.policy.processor.actions(chunk).cpu()
+                requests[i].prefix_kv = None  # the copies live only while the flow steps run
             outs.append(out)
+        if all(w.payload[1] == n - 1 for w in works):
+            self.suffix = None
         return outs
 
 

@@ -127,12 +127,13 @@ class PiModule(nn.Module):
         c = self.config
         return sincos_time(t, c.expert.width, c.min_period, c.max_period)
 
-    def action_tokens(self, x_t: torch.Tensor, t: torch.Tensor, rows: torch.Tensor
-                      ) -> tuple[torch.Tensor, Optional[Cond]]:
+    def action_tokens(self, x_t: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+                      time: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[Cond]]:
         """Noisy actions ``[T, max_action_dim]`` of requests at flow times ``t [B]`` (``rows
-        [T]``: each token's request) -> expert tokens, and pi0.5's adaRMS condition."""
+        [T]``: each token's request) -> expert tokens, and pi0.5's adaRMS condition. ``time``:
+        ``time_embedding(t)`` if the caller has it already (a flow step's times recur)."""
         a = self.action_in_proj(x_t)
-        time = self.time_embedding(t.float()).to(a.dtype)
+        time = (self.time_embedding(t.float()) if time is None else time).to(a.dtype)
         if self.config.adarms:
             cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time))))
             return a, Cond(cond, rows)
@@ -140,18 +141,18 @@ class PiModule(nn.Module):
         return self.action_time_mlp_out(F.silu(self.action_time_mlp_in(fused))), None
 
     def expert_out(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Any,
-                   cond: Optional[Cond]) -> torch.Tensor:
+                   cond: Optional[Cond], tables: Optional[tuple] = None) -> torch.Tensor:
         """The expert over suffix tokens, attending to the prefix through ``attend`` -> its
-        final-normed hidden states."""
+        final-normed hidden states (``tables``: the positions' rotary tables, if at hand)."""
         out = run_streams([Stream(self.expert, tokens, None, cond)], positions, attend,
-                          self.rope)[0]
+                          self.rope, tables=tables)[0]
         assert out is not None
         return out
 
     def velocity(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Any,
-                 cond: Optional[Cond]) -> torch.Tensor:
+                 cond: Optional[Cond], tables: Optional[tuple] = None) -> torch.Tensor:
         """Action tokens -> the flow velocity ``[T, max_action_dim]``."""
-        return self.action_out_proj(self.expert_out(tokens, positions, attend, cond))
+        return self.action_out_proj(self.expert_out(tokens, positions, attend, cond, tables))
 
 
 def meta_pi_module(config: PiConfig) -> PiModule:

@@ -31,7 +31,9 @@ __all__ = ["PiRequest", "camera_images", "check_request", "Guidance", "RtcSettin
 class PiRequest:
     """A request's checked inputs: ``images`` as (camera index, image) in LeRobot's order,
     the normalised ``state``, the prompt's token ``ids`` (unpadded), ``noise [H, D]``, and for
-    RTC the ``delay`` and the normalised, padded ``prev [N, D]`` (None: no guidance)."""
+    RTC the ``delay`` and the normalised, padded ``prev [N, D]`` (None: no guidance).
+    ``prefix_kv``: the cached prefix's K/V as the flow steps read it, once they have copied it
+    out of the pages (a new request object comes with each prefix, so it never outlives it)."""
 
     images: list
     state: torch.Tensor
@@ -39,6 +41,7 @@ class PiRequest:
     noise: torch.Tensor
     delay: int
     prev: Optional[torch.Tensor]
+    prefix_kv: Optional[torch.Tensor] = None
 
 
 def check_request(processor: PiProcessor, inputs: Mapping[str, Any], device: Any = "cpu",

@@ -8,8 +8,9 @@ kept, black bars), then scale to [-1, 1] -- with OpenCV, on uint8 ``[H, W, 3]`` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
@@ -65,6 +66,30 @@ def preprocess_image(image: Any, size: int) -> torch.Tensor:
     return x / 127.5 - 1.0
 
 
+#: 2 * sqrt(2 / pi): tanh(z) = 2 sigmoid(2 z) - 1 folds GELU's 0.5 (1 + tanh(.)) into a sigmoid.
+_GELU_TANH_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")`` (times ``up``, a gated MLP's other half, if given),
+    written as ``x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``: the same function, and on CPU
+    torch's sigmoid runs about three times faster than its tanh (agrees within 1e-6 in float32;
+    other dtypes keep torch's kernel, which rounds once where this rounds at every op). Without
+    autograd it works in one new buffer: at a few hundred tokens these tensors outgrow the
+    core's cache, and every fresh buffer is another trip to memory."""
+    if x.dtype != torch.float32:
+        out = F.gelu(x, approximate="tanh")
+        return out if up is None else out * up
+    if torch.is_grad_enabled():
+        inner = torch.addcmul(x, x * x, x, value=0.044715).mul_(_GELU_TANH_SCALE)
+        out = torch.sigmoid(inner) * x  # not in place: autograd keeps sigmoid's output
+        return out if up is None else out * up
+    u = x * x  # u <- C (x + 0.044715 x^3), computed as x (C + 0.044715 C x^2)
+    u.mul_(0.044715 * _GELU_TANH_SCALE).add_(_GELU_TANH_SCALE).mul_(x)
+    out = torch.sigmoid(u, out=u).mul_(x)
+    return out if up is None else out.mul_(up)
+
+
 class SiglipEmbeddings(nn.Module):
     def __init__(self, c: SiglipConfig) -> None:
         super().__init__()
@@ -100,7 +125,7 @@ class SiglipMLP(nn.Module):
         self.fc2 = nn.Linear(c.intermediate_size, c.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(gelu_tanh(self.fc1(x)))
 
 
 class SiglipLayer(nn.Module):
