@@ -6,7 +6,8 @@ The same pi0 checkpoint served two ways, alternating in one run: LeRobot 0.6.1's
 ``PI0Policy.predict_action_chunk`` (with its pre/post-processors) in its venv, a child process
 (benchmarks/vla_lerobot_worker.py builds the checkpoint there, with LeRobot's classes, and saves
 it), and ours (``LeRobotPi0Policy`` loading that directory, served by the Runtime). One torch
-thread each. Latency per action chunk with 1 robot; throughput with 8 robots asking at once
+thread each, and both processes on one and the same CPU core: ours has an engine thread per
+engine (vision, the KV engine), which could otherwise overlap on a second core. Latency per action chunk with 1 robot; throughput with 8 robots asking at once
 (LeRobot serves them one after another -- it has no request batching; ours batches them).
 Every chunk pair is compared (``max_abs_diff_actions``).
 
@@ -92,6 +93,10 @@ def ours_round(rt: mstar_rt.Runtime, robots: int, seed: int) -> tuple[list[float
 
 def run(quick: bool) -> dict:
     torch.set_num_threads(1)
+    # Pinned before any thread or child exists, so that every one of ours and the LeRobot
+    # process inherit it: the comparison is core for core.
+    core = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
     reps, rounds = (3, 2) if quick else (10, 5)
     have_venv = (VENV / "bin" / "python").exists()
     tmp = tempfile.TemporaryDirectory(prefix="mstar-vla-lerobot-")
@@ -142,6 +147,7 @@ def run(quick: bool) -> dict:
         "ours_chunks_per_s_8robots": round(med(ours8), 2),
         "params_millions": round(params / 1e6, 2), "reps": reps, "rounds": rounds,
         "kv_pages_leaked": leaked, "reference": "lerobot==0.6.1" if worker else "not run",
+        "cores_per_side": len(os.sched_getaffinity(0)),
     }
     ratios: dict[str, float] = {}
     if worker:
@@ -155,8 +161,8 @@ def run(quick: bool) -> dict:
 
 def report(result: dict) -> None:
     f, r = result["figures"], result["ratios"]
-    print(f"\npi0 ({f['params_millions']} M params), one torch thread per side; reference: "
-          f"{f['reference']}")
+    print(f"\npi0 ({f['params_millions']} M params), one torch thread and one core per side; "
+          f"reference: {f['reference']}")
     print(f"{'':<28}{'ours':>12}{'LeRobot':>12}")
     print(f"{'chunk ms, 1 robot':<28}{f['ours_chunk_ms_1robot']:>12}"
           f"{f.get('lerobot_chunk_ms_1robot', '-'):>12}")
