@@ -200,6 +200,45 @@ def test_a_reply_started_from_a_guess_plays_only_if_the_recognition_agrees():
         agent.runtime.close()
 
 
+def test_a_batch_decode_that_never_reached_the_grammars_end_does_not_overrule_a_whole_guess():
+    """PocketSphinx returns the path it got to when its search misses the grammar's end
+    ("close the"): no command, so the streaming recognizer's whole one ("close the gripper")
+    is played; a batch result that is a whole command still overrules a guess."""
+    from types import SimpleNamespace
+
+    from mstar_rt.audio.agent import VoiceAgent
+    from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, Recognition
+    from mstar_rt.audio.commands import CommandResponder
+    from mstar_rt.audio.grammar import CommandGrammar
+    from mstar_rt.audio.tts import EspeakTTS
+    from mstar_rt.audio.turns import Turn
+    from mstar_rt.audio.vad import Endpointer
+
+    require_tool("espeak-ng")
+    heard = ["close the"]
+    asr = SimpleNamespace(recognize=lambda audio: Recognition(heard[0], 0.5, 0.0))
+    tts = EspeakTTS()
+    agent = VoiceAgent(SimpleNamespace(target_rate=16000),
+                       SimpleNamespace(source_rate=tts.sample_rate), None, Endpointer(), asr,
+                       CommandResponder(), tts,
+                       complete=CommandGrammar(ROBOT_COMMANDS_JSGF).complete)
+    audio = np.zeros(8000, np.float32)
+    try:
+        failed = Turn(0, 0.0, 0.0, 0.0)
+        got = list(agent._chunks(failed, audio, agent._submit(audio, guess="close the gripper")))
+        assert failed.guessed and failed.cancelled_preemptive == 0
+        assert failed.text == "close the gripper" and failed.reply == "Closing the gripper."
+        assert len(got) == 1
+        heard[0] = "open the gripper"  # a whole command: the recognition decides
+        other = Turn(1, 0.0, 0.0, 0.0)
+        got = list(agent._chunks(other, audio, agent._submit(audio, guess="close the gripper")))
+        assert not other.guessed and other.cancelled_preemptive == 1
+        assert other.text == "open the gripper" and other.reply == "Opening the gripper."
+        _wait(lambda: not any(agent.runtime.live.values()), 10, "the requests to end")
+    finally:
+        agent.runtime.close()
+
+
 # ---- on the virtual devices ------------------------------------------------------------------
 
 def _gapped(tmp_path: Path, first: str, second: str, gap_s: float) -> Path:

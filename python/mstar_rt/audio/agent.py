@@ -61,8 +61,9 @@ class VoiceAgent:
     pauses (needs the Runtime; the endpointer is switched to report pauses); ``complete(text)``
     says whether a recognition is a whole utterance (adaptive endpointing; None: never), asked
     of the streaming ``partial`` recognizer's hypotheses when there is one (a grammar's batch
-    decode always lands on a whole sentence, so only a live decode can tell), else of the
-    preemptive recognition.
+    decode lands on a whole sentence unless its search failed, so only a live decode can tell),
+    else of the preemptive recognition; a batch result that is not whole does not overrule a
+    whole guess.
     """
 
     def __init__(self, input: Any, output: Any, vad: Any, endpointer: Any, asr: Any,
@@ -284,6 +285,12 @@ class VoiceAgent:
             self._wasted += stream.cancel()
             self._cancelled += 1
 
+    def _trusted(self, text: str) -> bool:
+        """Whether a batch recognition overrules the guess (a whole command by construction).
+        A grammar decode whose search never reached the grammar's end returns the path it got
+        to ("close the"): no sentence of the grammar, so the live decode's whole one stands."""
+        return self.complete is None or self.complete(text)
+
     def _on_text(self, stream: ReplyStream, text: str) -> None:
         """A preemptive recognition (without a streaming recognizer): a whole utterance ends
         the turn sooner."""
@@ -378,9 +385,10 @@ class VoiceAgent:
                 for name, value in stream:
                     if name == "text":
                         turn.text, turn.recognized_at = value, stream.recognized_at
-                        if not confirmed and value != stream.guess:
+                        if not confirmed and value != stream.guess and self._trusted(value):
                             break
-                        if not confirmed:
+                        if not confirmed:  # agreed, or a failed decode against a whole guess
+                            turn.text = stream.guess
                             confirmed = turn.guessed = True
                             yield from held
                     elif name == "reply":
