@@ -101,6 +101,18 @@ class SendChannel:
                     return None  # its death reports the items
                 time.sleep(0.0005)
 
+    def send_small(self, gen: int, msg: dict, defer: bool,
+                   alive: Optional[Callable[[], bool]] = None) -> None:
+        """:meth:`defer` or :meth:`post` ``msg``; with ``alive``, sends it now, waiting while the
+        worker still connects (a post would be dropped then) as long as ``alive()``."""
+        if alive is None:
+            (self.defer if defer else self.post)(gen, msg)
+            return
+        with self.lock:
+            if self.is_open(gen):
+                self.send_locked(gen, {"v": VERSION, **msg}, alive)
+        self.flush()
+
     def post(self, gen: int, msg: dict) -> None:
         """Queues a small message (no tensors) and sends it if the lock is free; never waits."""
         self.pending.append((gen, {"v": VERSION, **msg}))

@@ -10,11 +10,12 @@ own; ``process=False`` the parent, on an engine thread of its own) -- lives in
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 from mstar_rt.config import ModelSpec, NodeGroup, check_groups, read_placement
 from mstar_rt.model import Model, node_engines
+from mstar_rt.placement.kv_moves import plan_moves
 from mstar_rt.placement.ray_rank import actor_options
 
 __all__ = ["ModelSpec", "NodeGroup", "Plan", "RankPlan", "make_plan", "read_config"]
@@ -37,6 +38,7 @@ class Plan:
     node_rank: dict[str, int]        # every node -> its rank (0: the parent)
     workers: dict[int, RankPlan]     # process ranks
     parent_engines: dict[str, str]   # node -> engine name in the parent's runtime
+    kv_moves: dict[str, dict[str, int]] = field(default_factory=dict)  # engine -> walk -> rank
 
 
 def make_plan(model: Model, groups: Sequence[NodeGroup]) -> Plan:
@@ -77,24 +79,17 @@ def make_plan(model: Model, groups: Sequence[NodeGroup]) -> Plan:
             else:
                 plan.nodes.extend(g.nodes)
                 plan.request_inputs |= g.request_inputs
-    # An engine object with state (a KV cache) lives in exactly one process.
+    # An engine object with state (a KV cache) lives in one process per walk: a KV engine's
+    # walks may sit on different workers, its requests' K/V moving between them (kv_moves.py).
     engine_of = node_engines(model)
-    engine_ranks: dict[str, set[int]] = {}
-    for n in names:
-        engine_ranks.setdefault(engine_of[n], set()).add(node_rank[n])
-    for engine, ranks in engine_ranks.items():
-        if engine in model.engine_specs and len(ranks) > 1:
-            members = [n for n in names if engine_of[n] == engine]
-            raise ValueError(f"nodes {members} share engine '{engine}' (its state, e.g. a KV "
-                             f"cache, lives in one process) but are placed on ranks "
-                             f"{sorted(ranks)}; put them in one node group")
+    moves = plan_moves(model, node_rank, set(workers), groups)
     parent_engines = {}
     for n in names:
         engine, rank = engine_of[n], node_rank[n]
         remote = rank in workers
         split = rank != 0 and (remote or engine not in model.engine_specs)
         parent_engines[n] = f"{engine}@rank{rank}" if split else engine
-    return Plan(node_rank, workers, parent_engines)
+    return Plan(node_rank, workers, parent_engines, moves)
 
 
 def read_config(source: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> dict[str, Any]:

@@ -1,19 +1,17 @@
 """The parent's end of one worker process: start and restart it, send it batches, account for
 every work item it holds, and fail exactly those requests when it dies.
 
-Accounting: each work item the parent's Conductor hands to a :class:`RemoteEngine` is reported
-back exactly once, through the link's :class:`~mstar_rt.placement.ledger.ItemLedger`; a death
-fails the items and the requests the worker held state for, and an ended request tells the
-worker to free its pages.
+Accounting: each work item handed to a :class:`RemoteEngine` is reported back exactly once
+(:class:`~mstar_rt.placement.ledger.ItemLedger`); a death fails the items and the requests the
+worker held state for; an ended request tells the worker to free its pages.
 
 Threads: engine threads call :meth:`send_batch`; the hub's receiver thread calls
 :meth:`on_message` and :meth:`release` (through the Runtime) and never waits for the worker
 (placement/channel.py); a monitor thread per process waits for it to exit, a pump thread
 forwards its output, a watchdog (placement/watchdog.py) declares it hung.
 
-Launchers: a local worker process (placement/process.py; ``ipc://`` sockets, tensors in
-shared-memory arenas) or a Ray actor anywhere in a cluster (placement/ray_rank.py; ``tcp://``,
-tensors inside the messages). Both hand back a worker handle with the same interface.
+Launchers: a local worker process (placement/process.py; ``ipc://``, tensors in shared memory)
+or a Ray actor anywhere in a cluster (placement/ray_rank.py; ``tcp://``, tensors inline).
 """
 
 from __future__ import annotations
@@ -376,9 +374,14 @@ class WorkerLink:
             gen = self.gen
         if ids:
             self.rt.report(self.rt.conductor.fail_items(sorted(ids), "the request ended"))
-        # From the hub's thread it leaves after the caller woke (flush_posts), else at once.
-        send = self._channel.defer if deferring() else self._channel.post
-        send(gen, {"kind": "release", "requests": [rid]})
+        self.post({"kind": "release", "requests": [rid]}, gen)
+
+    def post(self, msg: dict, gen: Optional[int] = None, wait: bool = False) -> None:
+        """A small message (release, kv_moves.py's); the hub's thread sends it after waking;
+        ``wait`` (not on the hub's thread): until the worker took it or its generation ended."""
+        gen = self.gen if gen is None else gen
+        alive = (lambda: self._alive(gen)) if wait else None
+        self._channel.send_small(gen, msg, deferring(), alive)
 
     def flush_posts(self) -> None:
         """Sends the small messages queued meanwhile (the hub, after each reply)."""
@@ -489,12 +492,9 @@ class WorkerLink:
         worker = self.worker
         with self._lock:
             inflight, known = len(self._ledger.inflight), len(self._ledger.known)
-        shm = [] if not self._local else [f"{self._tag}_r{self.rank}_g{self.gen}_{d}"
-                                    for d in ("p2w", "w2p")]
+        shm = [f"{self._tag}_r{self.rank}_g{self.gen}_{d}" for d in ("p2w", "w2p")] * self._local
         return dict(rank=self.rank, nodes=list(self.plan.nodes), device=self.plan.device,
                     state=self.state, pid=None if worker is None else worker.pid, gen=self.gen,
-                    node=None if worker is None else worker.node,
-                    endpoint=self.endpoint, shm=shm,
-                    restarts=self.restarts, last_exit=self.last_exit,
-                    error_replies=self.error_replies, inflight_items=inflight,
-                    known_requests=known)
+                    node=None if worker is None else worker.node, endpoint=self.endpoint,
+                    shm=shm, restarts=self.restarts, last_exit=self.last_exit,
+                    error_replies=self.error_replies, inflight_items=inflight, known_requests=known)

@@ -16,6 +16,8 @@ parent -> worker (worker's ROUTER socket)::
     release  gen requests=[request]
     stats    gen token
     shutdown gen
+    kv_send  gen request engine peer key port timeout_s   (export the request's K/V to rank
+    kv_recv  gen request engine peer key port timeout_s    peer / expect them: kv_moves.py)
 
 worker -> parent (the parent's PULL socket)::
 
@@ -40,7 +42,7 @@ PARENT_ID = b"parent"                        # the parent's routing id at a work
 TO_WORKER_HEADER = struct.Struct("<IQ")     # generation, span end of the parent's arena
 TO_PARENT_HEADER = struct.Struct("<IIQ")    # rank, generation, span end of the worker's arena
 
-TO_WORKER = ("batch", "release", "stats", "shutdown")
+TO_WORKER = ("batch", "release", "stats", "shutdown", "kv_send", "kv_recv")
 TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error", "heartbeat", "emit")
 
 

@@ -47,6 +47,7 @@ class PlacedModel(Model):
                  parent_engines: Mapping[str, str],
                  segments: Optional[SegmentPlan] = None) -> None:
         self.inner = model
+        self.kv_moves: Any = None  # kv_moves.ParentMoves when a KV engine's walks are split
         # The nodes without the submodules they may carry: those below (stand-ins) run them here.
         self.nodes = [dataclasses.replace(n, submodule=None, engine=None) for n in model.nodes]
         self.walks = model.walks
@@ -74,7 +75,10 @@ class PlacedModel(Model):
 
     def next_walk(self, request: RequestContext, finished_walk: str,
                   persisted: Mapping[str, Any]) -> Optional[str]:
-        return self.inner.next_walk(request, finished_walk, persisted)
+        walk = self.inner.next_walk(request, finished_walk, persisted)
+        if self.kv_moves is not None:  # before the walk starts: its K/V may live elsewhere
+            self.kv_moves.begin(request, finished_walk, walk)
+        return walk
 
     def next_part_walk(self, request: RequestContext, part: str,
                        finished: Optional[str]) -> Optional[str]:

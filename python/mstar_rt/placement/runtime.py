@@ -105,25 +105,30 @@ def split_engines(model: Any, plan: Any, engines: Mapping[str, Engine]
     settings of the KVCacheEngines it should build instead of the model's (an engine object
     cannot cross processes; its settings can)."""
     engine_of = node_engines(model)
-    rank_of = {engine_of[n]: r for n, r in plan.node_rank.items() if r in plan.workers}
+    ranks_of: dict[str, set[int]] = {}  # several when a KV engine's walks are split
+    for n, r in plan.node_rank.items():
+        if r in plan.workers:
+            ranks_of.setdefault(engine_of[n], set()).add(r)
     local: dict[str, Engine] = {}
     remote: dict[int, dict[str, dict]] = {}
     for name, engine in engines.items():
-        if name not in rank_of:
+        if name not in ranks_of:
             local[name] = engine
             continue
         from mstar_rt.engines.kv_engine import KVCacheEngine
 
         if type(engine) is not KVCacheEngine:
             raise ValueError(f"engine '{name}' serves nodes placed in worker rank "
-                             f"{rank_of[name]}; only a KVCacheEngine's settings can be sent "
+                             f"{sorted(ranks_of[name])}; only a KVCacheEngine's settings can be "
+                             "sent "
                              f"there, not a {type(engine).__name__}; configure it in the "
                              "model's engine_specs, which every worker builds")
-        remote.setdefault(rank_of[name], {})[name] = dict(
-            page_size=engine.page_size, num_pages=engine.num_pages, max_batch=engine.max_batch,
-            max_tokens_per_step=engine.max_tokens_per_step,
-            attention_backend=engine.attention_backend,
-            num_threads="auto" if engine.auto_threads else engine.num_threads)
+        for rank in ranks_of[name]:
+            remote.setdefault(rank, {})[name] = dict(
+                page_size=engine.page_size, num_pages=engine.num_pages,
+                max_batch=engine.max_batch, max_tokens_per_step=engine.max_tokens_per_step,
+                attention_backend=engine.attention_backend,
+                num_threads="auto" if engine.auto_threads else engine.num_threads)
     return local, remote
 
 
@@ -146,6 +151,11 @@ class PlacedRuntime(Runtime):
     whose nodes all sit on one worker run there whole, one round trip each
     (placement/segments.py); False sends every node across on its own.
 
+    A KV engine's walks may sit on different workers (``NodeGroup(["prefill"], rank=1)``,
+    ``NodeGroup(["decode"], rank=2)``): when a request's walk moves to the other worker its K/V
+    and decode state move with it, over a gloo channel between the two workers that gives up
+    after ``kv_timeout_s`` (placement/kv_moves.py, docs/disaggregation.md).
+
     ``launcher``: ``"process"`` (local worker processes) or ``"ray"``: each worker rank is a
     Ray actor on any node of the cluster at ``ray_address`` (None: the cluster this process is
     connected to, or Ray's default) with the CPUs, GPUs and resources its NodeGroup asks for;
@@ -161,8 +171,10 @@ class PlacedRuntime(Runtime):
                  ready_timeout_s: float = 120.0, restart: str = "manual", max_restarts: int = 3,
                  progress: bool = True, heartbeat_timeout_s: float = 10.0,
                  node_timeout_s: Optional[float] = None, segments: bool = True,
-                 launcher: str = "process", ray_address: Optional[str] = None) -> None:
+                 launcher: str = "process", ray_address: Optional[str] = None,
+                 kv_timeout_s: float = 60.0) -> None:
         self._links: dict[int, WorkerLink] = {}
+        self.kv_moves: Any = None
         self._hub: Optional[_Hub] = None
         self._zctx: Optional[zmq.Context] = None
         self._workdir: Optional[str] = None
@@ -188,6 +200,10 @@ class PlacedRuntime(Runtime):
         self.spec = model
         self.user_model = model.build(model.parent_kwargs)
         self.plan = plan = make_plan(self.user_model, node_groups)
+        if plan.kv_moves and launcher == "ray":  # the KV channels meet at the parent's loopback
+            raise ValueError(f"KV engines {sorted(plan.kv_moves)} have walks on different "
+                             "ranks, which moves K/V between workers of one machine; "
+                             "launcher='ray' is not supported for that (use 'process')")
         local_engines, worker_engines = split_engines(self.user_model, plan, engines or {})
         seg_plan = self._segment_plan(plan) if segments else None
         self.segments_enabled = seg_plan is not None
@@ -216,6 +232,11 @@ class PlacedRuntime(Runtime):
                                   RemoteEngine(self._links[seg.rank]))
             placed = PlacedModel(self.user_model, plan.node_rank, set(plan.workers),
                                  plan.parent_engines, seg_plan)
+            if plan.kv_moves:
+                from mstar_rt.placement.kv_moves import ParentMoves
+
+                self.kv_moves = placed.kv_moves = ParentMoves(plan.kv_moves, self._links,
+                                                              kv_timeout_s)
             super().__init__(placed, poll_s, {**remote, **local_engines})
             self._runtime_started = True
             self._hub.start(self._links)
@@ -254,6 +275,11 @@ class PlacedRuntime(Runtime):
         """Starts a PlacedRuntime from a placement config (YAML path or mapping; see
         :func:`mstar_rt.placement.read_config`); ``overrides`` win over the config."""
         return cls(**{**read_config(source), **overrides})
+
+    def ended(self, handle: Any, error: Optional[BaseException]) -> None:
+        if self.kv_moves is not None:
+            self.kv_moves.ended(handle.context.id)
+        super().ended(handle, error)
 
     # ---- workers -------------------------------------------------------------------------------
 
@@ -301,6 +327,8 @@ class PlacedRuntime(Runtime):
                 traceback.print_exc()
         if self._hub is not None:
             self._hub.close()
+        if self.kv_moves is not None:
+            self.kv_moves.close()
         if self._zctx is not None:
             self._zctx.term()
         if self._workdir is not None:

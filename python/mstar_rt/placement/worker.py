@@ -106,6 +106,7 @@ class Worker:
         self.outbox = Outbox(self.push, None, self.rank, self.gen)
         self.router: Optional[zmq.Socket] = None
         self.host: Any = None
+        self.moves: Any = None
         self.bad_messages = 0
         self.messages = 0
         self.stopping = threading.Event()
@@ -129,6 +130,10 @@ class Worker:
                     if cfg.get("segments") else [])
         self.host = WorkerHost(model, cfg["nodes"], self.outbox.send, cfg.get("engines") or {},
                                segments=segments, rank=self.rank)
+        from mstar_rt.placement.kv_moves import WorkerMoves
+
+        self.moves = WorkerMoves(self.host, self.rank, lambda ids, message: self.outbox.send(
+            "failed", items=ids, message=message))
         engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.engines.items())
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -223,6 +228,7 @@ class Worker:
             self.only_parent(from_parent, kind)
             for rid in rids:
                 self.host.release(rid)
+                self.moves.release(rid)
         elif kind == "stats":
             token = field(msg, "token", int)
             self.only_parent(from_parent, kind)
@@ -230,6 +236,9 @@ class Worker:
         elif kind == "shutdown":
             self.only_parent(from_parent, kind)
             return "shutdown"
+        elif kind in ("kv_send", "kv_recv"):
+            self.only_parent(from_parent, kind)
+            self.moves.notice(kind, msg)
         return None
 
     def fail_named_items(self, payload: bytes, error: Exception) -> None:
@@ -319,11 +328,13 @@ class Worker:
             if refused:
                 self.outbox.send("failed", items=refused, message="the request ended")
         elif known:
-            host.conductor.put(node, walk, known)
+            known = self.moves.hold(node, walk, known)  # K/V still on the way from another rank
+            if known:
+                host.conductor.put(node, walk, known)
 
     def stats(self) -> dict:
-        return dict(self.host.stats(), pid=os.getpid(), rank=self.rank, gen=self.gen,
-                    messages=self.messages, bad_messages=self.bad_messages,
+        return dict(self.host.stats(), **self.moves.stats(), pid=os.getpid(), rank=self.rank,
+                    gen=self.gen, messages=self.messages, bad_messages=self.bad_messages,
                     p2w_bytes_in_use=self.p2w.in_use, w2p_bytes_in_use=self.w2p.in_use)
 
     # ---- shutdown ----------------------------------------------------------------------------
@@ -340,6 +351,8 @@ class Worker:
 
     def close(self) -> None:
         self.stopping.set()
+        if self.moves is not None:
+            self.moves.close()
         if self.host is not None:
             self.host.close()
         if self.router is not None:

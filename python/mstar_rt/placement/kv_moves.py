@@ -1,0 +1,373 @@
+"""Walk-level placement of a KV engine's nodes (prefill on one worker, decode on another): when a
+request's walk changes from one placed on worker A to one on worker B, its K/V and its LM
+node's decode state move from A to B (docs/disaggregation.md, *walk-level placement*).
+
+The parent (:class:`ParentMoves`) sees the walk end before the next walk starts. It queues
+``kv_recv`` for B and ``kv_send`` for A (small control messages on the usual links, sent by a
+thread of its own) and marks the request's state, then starts the next walk at once: the hub's
+thread never waits for a worker. The bytes go straight from A to B over a
+:class:`~mstar_rt.distributed.kv_transfer.KVChannel` (gloo send/recv on a two-rank process
+group per (sender, receiver) pair and generation, rendezvous on a ``TCPStore`` the parent
+opens), not through the parent. B (:class:`WorkerMoves`) holds the next walk's items of a
+request whose K/V have not arrived yet, and puts them on its queue when they do; the first one
+imports them through ``KVWork.kv_import`` (:meth:`LMNode.resume`).
+
+Failures stay per request: a failed export or a refused import fails that request; a broken
+channel (a peer died, a timeout) fails the requests expected on it. A request that ends while
+its K/V travel leaves no pages: A freed them at export, B drops a handoff that arrives for a
+request it no longer knows.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from typing import Any, Callable, Mapping, Optional
+
+from mstar_rt.graph import Loop, Parallel, SectionLike, Sequential
+from mstar_rt.model import Model, RequestContext, node_engines, node_submodules
+from mstar_rt.placement.protocol import ProtocolError, field
+
+#: Set in a moving request's state (mirrored to the receiving worker with its first items), so
+#: items that overtake the ``kv_recv`` notice are held too.
+MOVING = "placement_kv_moving"
+HANDOFF_API = ("handoff_state", "resume_state", "handoffs")
+
+
+def section_nodes(s: SectionLike) -> list[str]:
+    if isinstance(s, str):
+        return [s]
+    if isinstance(s, Sequential):
+        return [n for p in s.parts for n in section_nodes(p)]
+    if isinstance(s, Parallel):
+        return [n for b in s.branches for n in section_nodes(b)]
+    if isinstance(s, Loop):
+        return section_nodes(s.section)
+    return []  # a Part's sub-walks are chosen per request: no move is planned across them
+
+
+def plan_moves(model: Model, node_rank: Mapping[str, int], workers: set[int],
+               groups: Any = ()) -> dict[str, dict[str, int]]:
+    """For each KV engine whose nodes sit on several ranks: walk -> the worker rank that runs
+    the engine's nodes in that walk. ValueError (naming the node groups) when such a split
+    cannot move K/V: a side in the parent, a walk using two ranks, a node without handoff."""
+    engine_of, subs = node_engines(model), node_submodules(model)
+    ranks: dict[str, set[int]] = {}
+    for n, e in engine_of.items():
+        ranks.setdefault(e, set()).add(node_rank[n])
+    where = "; node groups: " + ", ".join(
+        f"{list(g.nodes)} on rank {g.rank}" for g in groups) if groups else ""
+    moves: dict[str, dict[str, int]] = {}
+    for engine, used in ranks.items():
+        if engine not in model.engine_specs or len(used) < 2:
+            continue
+        members = [n for n, e in engine_of.items() if e == engine]
+        from mstar_rt.engines.kv_engine import KVCacheEngine
+
+        if not isinstance(model.engine_specs[engine], KVCacheEngine):
+            raise ValueError(f"nodes {members} share engine '{engine}' (its state lives in one "
+                             f"process) but are placed on ranks {sorted(used)}; only a "
+                             f"KVCacheEngine's requests can move between ranks{where}")
+        if not used <= workers:
+            raise ValueError(f"nodes {members} share engine '{engine}' but are placed on ranks "
+                             f"{sorted(used)}; a request's K/V move between walks only from a "
+                             "worker process to another (rank 0 / process=False is the "
+                             f"parent): give each walk a worker, or put them in one node "
+                             f"group{where}")
+        lacking = sorted({type(subs[n]).__name__ for n in members
+                          if not all(hasattr(subs[n], a) for a in HANDOFF_API)})
+        if lacking:
+            raise ValueError(f"nodes {members} share engine '{engine}' but are placed on ranks "
+                             f"{sorted(used)}, so a request's K/V must move between walks, but "
+                             f"{lacking} has no KV handoff ({', '.join(HANDOFF_API)}; see "
+                             f"LMNode); put them in one node group{where}")
+        per_walk: dict[str, int] = {}
+        for walk, root in model.walks.items():
+            walk_ranks = {node_rank[n] for n in section_nodes(root) if engine_of.get(n) == engine}
+            if len(walk_ranks) > 1:
+                raise ValueError(f"walk '{walk}' runs nodes of KV engine '{engine}' on ranks "
+                                 f"{sorted(walk_ranks)}; K/V move only between walks, so place "
+                                 f"each walk's nodes of one engine on one rank{where}")
+            if walk_ranks:
+                per_walk[walk] = walk_ranks.pop()
+        moves[engine] = per_walk
+    return moves
+
+
+class ParentMoves:
+    """The parent's half: decides at each walk change whether a request's K/V move and tells
+    both workers. ``links``: rank -> WorkerLink (its ``gen`` and ``post``)."""
+
+    def __init__(self, moves: Mapping[str, Mapping[str, int]], links: Mapping[int, Any],
+                 timeout_s: float) -> None:
+        from mstar_rt.distributed.group import open_store
+
+        self.moves, self.links, self.timeout_s = moves, links, timeout_s
+        self.store = open_store(len(links) + 1, timeout_s)
+        self.lock = threading.Lock()
+        self.receivers: dict[int, set[int]] = {}  # request -> ranks it moved to
+        # (request, engine) -> the rank of the last walk that used the engine: a walk between
+        # two (one without the engine) must not hide a move
+        self.where: dict[tuple[int, str], int] = {}
+        self.moved = 0  # requests whose K/V were told to move (tests, stats)
+        # The notices leave from a thread of their own: a post right after a worker started is
+        # dropped while its socket connects, and the hub's thread must never wait for that.
+        self.outbox: "queue.Queue[Any]" = queue.Queue()
+        threading.Thread(target=self.send_notices, daemon=True,
+                         name="mstar-kv-notices").start()
+
+    def send_notices(self) -> None:
+        while True:
+            job = self.outbox.get()
+            if job is None:
+                return
+            link, gen, msg = job
+            try:
+                link.post(msg, gen, wait=True)
+            except Exception:  # a closed link: its worker's death failed the requests
+                traceback.print_exc()
+
+    def begin(self, request: RequestContext, finished: str, walk: Optional[str]) -> None:
+        """Called where ``next_walk`` chose ``walk`` after ``finished`` (before it starts)."""
+        if walk is None:
+            return
+        for engine, ranks in self.moves.items():
+            with self.lock:
+                src = ranks.get(finished, self.where.get((request.id, engine)))
+                dst = ranks.get(walk)
+                if dst is not None:
+                    self.where[(request.id, engine)] = dst
+            if src is None or dst is None or src == dst:
+                continue
+            a, b = self.links[src], self.links[dst]
+            key = f"{src}g{a.gen}-{dst}g{b.gen}"  # a restarted worker meets on a new channel
+            common = dict(request=request.id, engine=engine, key=key, port=self.store.port,
+                          timeout_s=self.timeout_s)
+            request.state[MOVING] = src
+            with self.lock:
+                self.receivers.setdefault(request.id, set()).add(dst)
+                self.moved += 1
+            self.outbox.put((b, b.gen, {"kind": "kv_recv", "peer": src, **common}))
+            self.outbox.put((a, a.gen, {"kind": "kv_send", "peer": dst, **common}))
+
+    def ended(self, rid: int) -> None:
+        """The request ended: a receiver that never got its items still frees its handoff."""
+        with self.lock:
+            ranks = self.receivers.pop(rid, ())
+            for engine in self.moves:
+                self.where.pop((rid, engine), None)
+        for rank in ranks:  # after its kv_recv (one queue): never a handoff left behind
+            link = self.links[rank]
+            self.outbox.put((link, link.gen, {"kind": "release", "requests": [rid]}))
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.store = None
+
+
+class _Entry:
+    __slots__ = ("arrived", "error", "held")
+
+    def __init__(self) -> None:
+        self.arrived, self.error = False, None
+        self.held: list[tuple[int, int, list]] = []  # (node, walk, work items)
+
+
+class _Pair:
+    """One KVChannel end and the thread that uses it (a channel's constructor waits for the
+    peer, and every send or recv may wait: never on the worker's message loop)."""
+
+    def __init__(self, moves: "WorkerMoves", key: str, rank: int, port: int,
+                 timeout_s: float) -> None:
+        self.moves, self.key, self.rank = moves, key, rank
+        self.port, self.timeout_s = port, timeout_s
+        self.jobs: "queue.Queue[Any]" = queue.Queue()
+        self.expected: set[int] = set()  # receiver: requests whose message is still due
+        self.broken: Optional[str] = None
+        threading.Thread(target=self.run, daemon=True, name=f"mstar-kv-{key}").start()
+
+    def run(self) -> None:
+        from mstar_rt.distributed.group import join_store
+        from mstar_rt.distributed.kv_transfer import KVChannel
+
+        try:
+            store = join_store(self.port, 2, self.timeout_s)
+            channel = KVChannel(store, self.key, self.rank, "cpu", self.timeout_s)
+        except Exception as e:
+            self.fail_all(f"the KV channel {self.key} could not be set up: "
+                          f"{type(e).__name__}: {e}")
+            return
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                if self.rank == 0:
+                    description, kv = job
+                    if kv is None:
+                        channel.send(description)
+                    else:
+                        channel.send_kv(description, kv)
+                    continue
+                description, tensors = channel.recv()
+            except Exception as e:  # the channel is broken for good (kv_transfer.py)
+                traceback.print_exc()
+                self.fail_all(str(e))
+                return
+            try:
+                self.moves.received(self, description, tensors)
+            except Exception as e:  # one request's bad handoff is its own failure
+                traceback.print_exc()
+                self.moves.failed(int(description.get("request", -1)),
+                                  f"its K/V could not be taken: {type(e).__name__}: {e}")
+
+    def fail_all(self, message: str) -> None:
+        with self.moves.lock:  # no notice may add a request this thread will never receive
+            self.broken, due = message, list(self.expected)
+        for rid in due:
+            self.moves.failed(rid, f"its K/V never arrived: {message}")
+
+
+class WorkerMoves:
+    """A worker's half (placement/worker.py): exports and sends on ``kv_send``, receives on
+    ``kv_recv``, holds items until their K/V arrived. ``fail(ids, message)`` reports items."""
+
+    def __init__(self, host: Any, rank: int, fail: Callable[[list[int], str], None]) -> None:
+        self.host, self.rank, self.fail_items = host, rank, fail
+        self.lock = threading.Lock()
+        self.incoming: dict[int, _Entry] = {}
+        self.pairs: dict[str, _Pair] = {}
+        self.sent = self.received_count = 0
+
+    def lm_nodes(self, engine: str) -> list:
+        host = self.host
+        return list({id(host.nodes[i].submodule): host.nodes[i].submodule
+                     for i in host.node_ids if host.nodes[i].engine == engine}.values())
+
+    def pair(self, key: str, rank: int, msg: dict) -> _Pair:
+        p = self.pairs.get(key)
+        if p is None:
+            p = self.pairs[key] = _Pair(self, key, rank, int(msg["port"]),
+                                        float(msg["timeout_s"]))
+        return p
+
+    def notice(self, kind: str, msg: dict) -> None:
+        rid, engine, key = field(msg, "request", int), field(msg, "engine", str), \
+            field(msg, "key", str)
+        field(msg, "port", int), field(msg, "timeout_s", (int, float))  # checked, read later
+        if engine not in self.host.engines:
+            raise ProtocolError(f"'{kind}' names engine '{engine}', which this worker does not "
+                                f"run (it runs {sorted(self.host.engines)})")
+        if kind == "kv_recv":
+            for sub in self.lm_nodes(engine):
+                if sub.handoffs is None:  # this worker is a decode side from now on
+                    from mstar_rt.distributed.kv_handoff import HandoffTable
+
+                    sub.handoffs = HandoffTable()
+            with self.lock:
+                self.incoming.setdefault(rid, _Entry())
+            p = self.pair(key, 1, msg)
+            with self.lock:
+                broken = p.broken
+                if broken is None:
+                    p.expected.add(rid)
+            if broken is not None:
+                self.failed(rid, f"its K/V cannot arrive: {broken}")
+                return
+            p.jobs.put(rid)
+            return
+        p = self.pair(key, 0, msg)
+        try:  # on the message loop, not the channel's thread: no later 'release' races it
+            handle = self.host.requests.get(rid)
+            if handle is None:
+                raise RuntimeError(f"worker rank {self.rank} no longer holds request {rid}")
+            subs, kv_engine = self.lm_nodes(engine), self.host.engines[engine]
+            state = subs[0].handoff_state(handle.context.state)
+            kv = kv_engine.export_request(rid, free=True, device="cpu")
+            p.jobs.put(({"request": rid, "engine": engine, "state": state}, kv))
+            self.sent += 1
+        except Exception as e:
+            self.host.engines[engine].release(rid)
+            p.jobs.put(({"request": rid, "engine": engine,
+                         "error": f"export on worker rank {self.rank} failed: "
+                                  f"{type(e).__name__}: {e}"}, None))
+
+    def received(self, pair: _Pair, description: dict, tensors: list) -> None:
+        rid = int(description["request"])
+        with self.lock:
+            pair.expected.discard(rid)
+        if "error" in description:
+            self.failed(rid, str(description["error"]))
+            return
+        from mstar_rt.distributed.kv_handoff import Handoff
+        from mstar_rt.engines.paged_kv import SequenceKV
+
+        kv = SequenceKV(tensors[0], int(description["kv"]["reserve"]))
+        with self.lock:
+            entry = self.incoming.get(rid)
+            if entry is None:  # the request ended meanwhile: its K/V take no page here
+                return
+            for sub in self.lm_nodes(str(description["engine"])):
+                sub.handoffs.put(rid, Handoff(description["state"], kv))
+            entry.arrived, held, entry.held = True, entry.held, []
+            self.received_count += 1
+        for node, walk, items in held:
+            self.host.conductor.put(node, walk, items)
+
+    def failed(self, rid: int, message: str) -> None:
+        with self.lock:
+            entry = self.incoming.get(rid)
+            if entry is None:
+                return
+            entry.error, held, entry.held = message, entry.held, []
+        ids = [w.id for _n, _w, items in held for w in items]
+        if ids:
+            self.fail_items(ids, message)
+
+    def hold(self, node: int, walk: int, items: list) -> list:
+        """The items to queue now; those of requests whose K/V are still travelling are kept
+        (and queued when they arrive) or failed (when they never will)."""
+        if not self.incoming and not any(self.marked(w.request) for w in items):
+            return items
+        now, failed = [], []
+        with self.lock:
+            for w in items:
+                entry = self.incoming.get(w.request)
+                if entry is None and self.marked(w.request):  # ahead of its kv_recv notice
+                    entry = self.incoming[w.request] = _Entry()
+                if entry is None or entry.arrived:
+                    now.append(w)
+                elif entry.error is not None:
+                    failed.append((w.id, entry.error))
+                else:
+                    entry.held.append((node, walk, [w]))
+        for item, message in failed:
+            self.fail_items([item], message)
+        return now
+
+    def marked(self, rid: int) -> bool:
+        handle = self.host.requests.get(rid)
+        return handle is not None and handle.context.state.get(MOVING) is not None \
+            and "params" not in handle.context.state
+
+    def release(self, rid: int) -> None:
+        with self.lock:
+            entry = self.incoming.pop(rid, None)
+        if entry is not None:
+            for sub in self.lm_nodes_all():
+                sub.handoffs.take(rid)
+
+    def lm_nodes_all(self) -> list:
+        host = self.host
+        return [host.nodes[i].submodule for i in host.node_ids
+                if getattr(host.nodes[i].submodule, "handoffs", None) is not None]
+
+    def stats(self) -> dict:
+        with self.lock:
+            waiting = sum(1 for e in self.incoming.values() if not e.arrived)
+        return dict(kv_sent=self.sent, kv_received=self.received_count, kv_waiting=waiting)
+
+    def close(self) -> None:
+        for p in self.pairs.values():
+            p.jobs.put(None)

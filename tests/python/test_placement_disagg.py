@@ -1,0 +1,181 @@
+"""Prefill/decode disaggregation through placement (issue 17, item 2): a CausalLM's ``prefill``
+walk on worker 1 and its ``decode`` walk on worker 2 (one KV engine, two workers). At the walk
+change the request's K/V and decode state move from worker 1 to worker 2 over a gloo channel
+(placement/kv_moves.py). Greedy tokens equal and float32 logits within 1e-4 of the in-process
+Runtime and of the colocated placement, concurrent requests of different lengths, pages freed on
+both workers, a cancel mid-decode or during the move leaving nothing, a request done at prefill
+moving nothing, one the decode cache can never hold failing alone, the config form, a killed
+decode worker failing its requests clearly (and a restart serving again), and splits that
+cannot move K/V refused at start naming the groups."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import pytest
+import torch
+
+from mstar_rt import RequestCancelled, RequestFailed, Runtime
+from mstar_rt.engines import KVCacheEngine, SamplingParams
+from mstar_rt.engines.kv_engine import KVNodeSubmodule
+from mstar_rt.engines.paged_kv import KVLayout
+from mstar_rt.placement import NodeGroup, PlacedRuntime
+from mstar_rt.placement.config import make_plan
+
+import placement_models as pm
+from placement_support import T, idle, our_segments
+
+TOL = 1e-4
+SPLIT = [NodeGroup(["prefill"], rank=1), NodeGroup(["decode"], rank=2)]
+COLOCATED = [NodeGroup(["prefill", "decode"], rank=1)]
+# different prompt lengths (partial last pages of 4 tokens) and different max_tokens
+CASES = [([1, 2, 3], 9), ([5] * 9, 4), ([7, 8, 9, 10, 11], 12), ([100, 3, 64, 2, 9, 17, 40], 7),
+         (list(range(20, 33)), 10), ([42], 6)]
+
+
+def run_all(rt, cases=CASES) -> list[dict]:
+    handles = [rt.submit({"prompt": p, "params": SamplingParams(max_tokens=n)}) for p, n in cases]
+    return [h.result(T) for h in handles]
+
+
+def assert_close(got: list[dict], want: list[dict]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g["token"] == w["token"]
+        assert len(g["logits"]) == len(w["logits"])
+        for a, b in zip(g["logits"], w["logits"]):
+            assert a.dtype == torch.float32 and torch.allclose(a, b, atol=TOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with Runtime(pm.tiny_llama()) as rt:
+        return run_all(rt)
+
+
+@pytest.fixture(scope="module")
+def split():
+    rt = PlacedRuntime("placement_models:tiny_llama", SPLIT, progress=False,
+                       engines={"lm": KVCacheEngine(page_size=4, num_pages=96, max_batch=8)})
+    yield rt
+    rt.close()
+    assert our_segments(rt) == []
+
+
+def both_idle(rt) -> tuple[dict, dict]:
+    return idle(rt, 1), idle(rt, 2)
+
+
+def test_split_walks_equal_the_in_process_and_colocated_runs(split, reference):
+    before = split.worker_stats(1)["kv_sent"]
+    got = run_all(split)
+    assert_close(got, reference)
+    with PlacedRuntime("placement_models:tiny_llama", COLOCATED, progress=False) as rt:
+        assert_close(run_all(rt), got)
+    one, two = both_idle(split)
+    assert one["kv_pages_in_use"] == two["kv_pages_in_use"] == 0
+    assert one["kv_sent"] - before == len(CASES)  # every request went on to decode
+    assert two["kv_waiting"] == 0 and one["live_requests"] == two["live_requests"] == 0
+    assert split.plan.kv_moves == {"lm": {"prefill": 1, "decode": 2}}
+
+
+def test_a_request_done_at_prefill_moves_nothing(split, reference):
+    sent, (received, batches) = split.worker_stats(1)["kv_sent"], \
+        [split.worker_stats(2)[k] for k in ("kv_received", "batches")]
+    out = split.submit({"prompt": [1, 2, 3], "params": SamplingParams(max_tokens=1)}).result(T)
+    assert out["token"] == reference[0]["token"][:1]
+    one, two = both_idle(split)
+    assert (one["kv_sent"], two["kv_received"]) == (sent, received)
+    assert two["batches"] == batches  # worker 2 never saw it
+
+
+def test_cancel_mid_decode_and_during_the_move_leave_no_pages(split, reference):
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    handle = split.submit({"prompt": list(range(1, 20)), "params": params})
+    tokens = iter(handle)
+    for _ in range(3):  # the prefill's token, then two decoded on worker 2
+        next(tokens)
+    assert split.worker_stats(2)["kv_pages_in_use"] >= 5  # 21+ tokens, 4 a page
+    assert handle.cancel()
+    with pytest.raises(RequestCancelled):
+        handle.result(T)
+    # cancelled as soon as the prefill's token is out: the K/V may still be on the way
+    for k in range(4):
+        h = split.submit({"prompt": [9, 8, 7, 6, 5][:k + 2], "params": params})
+        next(iter(h))
+        h.cancel()
+        with pytest.raises(RequestCancelled):
+            h.result(T)
+    one, two = both_idle(split)
+    assert one["kv_pages_in_use"] == two["kv_pages_in_use"] == 0 and two["kv_waiting"] == 0
+    assert_close(run_all(split, CASES[:2]), reference[:2])  # and it still serves
+
+
+def test_config_form():
+    config = {"model": {"class": "placement_models:tiny_llama", "args": {"num_pages": 64}},
+              "node_groups": [{"nodes": ["prefill"], "rank": 1}, {"nodes": ["decode"], "rank": 2}],
+              "progress": False}
+    with PlacedRuntime.from_config(config) as rt:
+        assert rt.plan.kv_moves == {"lm": {"prefill": 1, "decode": 2}}
+        with Runtime(pm.tiny_llama(num_pages=64)) as ref:
+            assert_close(run_all(rt, CASES[2:4]), run_all(ref, CASES[2:4]))
+        both_idle(rt)
+
+
+def test_a_killed_decode_worker_fails_its_requests_and_a_restart_serves_again(reference):
+    with PlacedRuntime("placement_models:tiny_llama", SPLIT, progress=False) as rt:
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        handles = [rt.submit({"prompt": [3, 1, 4, 1, 5][:k + 1], "params": params})
+                   for k in range(3)]
+        for h in handles:
+            it = iter(h)
+            next(it), next(it)  # decoding on worker 2
+        os.kill(rt.workers[2]["pid"], signal.SIGKILL)
+        for h in handles:
+            with pytest.raises(RequestFailed, match="worker process rank 2"):
+                h.result(T)
+        assert idle(rt, 1)["kv_pages_in_use"] == 0
+        rt.restart_worker(2)  # a new generation: a new channel between the two
+        assert_close(run_all(rt, CASES[:3]), reference[:3])
+        both_idle(rt)
+
+
+def test_a_request_the_decode_cache_can_never_hold_fails_alone(reference):
+    small = [NodeGroup(["prefill"], rank=1),
+             NodeGroup(["decode"], rank=2, model_kwargs={"num_pages": 6})]
+    with PlacedRuntime("placement_models:tiny_llama", small, progress=False) as rt:
+        big = rt.submit({"prompt": list(range(1, 20)),
+                         "params": SamplingParams(max_tokens=60, ignore_eos=True)})
+        fits = rt.submit({"prompt": [1, 2, 3], "params": SamplingParams(max_tokens=9)})
+        with pytest.raises(RequestFailed, match="num_pages"):
+            big.result(T)
+        assert_close([fits.result(T)], reference[:1])
+        one, two = both_idle(rt)
+        assert one["kv_pages_in_use"] == two["kv_pages_in_use"] == 0 and two["kv_waiting"] == 0
+
+
+# ---- refused at start --------------------------------------------------------------------------
+
+class NoHandoff(KVNodeSubmodule):
+    """A KV node with no handoff: its requests' K/V cannot move."""
+
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
+
+    def forward_kv(self, works, step):
+        raise AssertionError("never run")
+
+
+def no_handoff_lm():
+    lm = pm.tiny_llama()
+    lm.nodes = [dataclasses.replace(n, submodule=NoHandoff()) for n in lm.nodes]
+    return lm
+
+
+def test_splits_that_cannot_move_kv_are_refused_naming_the_groups():
+    with pytest.raises(ValueError, match=r"NoHandoff.*no KV handoff.*\['prefill'\] on rank 1, "
+                                         r"\['decode'\] on rank 2"):
+        PlacedRuntime("test_placement_disagg:no_handoff_lm", SPLIT, progress=False)
+    with pytest.raises(ValueError, match="share engine 'lm'.*rank 0.*parent"):
+        make_plan(pm.tiny_llama(num_pages=8), [NodeGroup(["prefill"], rank=1)])
