@@ -25,26 +25,14 @@ import threading
 import traceback
 from typing import Any, Callable, Mapping, Optional
 
-from mstar_rt.graph import Loop, Parallel, SectionLike, Sequential
 from mstar_rt.model import Model, RequestContext, node_engines, node_submodules
 from mstar_rt.placement.protocol import ProtocolError, field
+from mstar_rt.placement.segments import section_nodes
 
 #: Set in a moving request's state (mirrored to the receiving worker with its first items), so
 #: items that overtake the ``kv_recv`` notice are held too.
 MOVING = "placement_kv_moving"
 HANDOFF_API = ("handoff_state", "resume_state", "handoffs")
-
-
-def section_nodes(s: SectionLike) -> list[str]:
-    if isinstance(s, str):
-        return [s]
-    if isinstance(s, Sequential):
-        return [n for p in s.parts for n in section_nodes(p)]
-    if isinstance(s, Parallel):
-        return [n for b in s.branches for n in section_nodes(b)]
-    if isinstance(s, Loop):
-        return section_nodes(s.section)
-    return []  # a Part's sub-walks are chosen per request: no move is planned across them
 
 
 def plan_moves(model: Model, node_rank: Mapping[str, int], workers: set[int],

@@ -108,7 +108,7 @@ class _Finder:
     @staticmethod
     def worth_it(s: SectionLike) -> bool:
         """More than one node execution per run: a Loop, or two nodes or more."""
-        return not isinstance(s, str) and (isinstance(s, Loop) or len(_node_names(s)) > 1)
+        return not isinstance(s, str) and (isinstance(s, Loop) or len(section_nodes(s)) > 1)
 
     # ---- rewriting -------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ class _Finder:
         self.count += 1
         inputs: list[str] = []
         made = self.flow(section, set(), inputs)
-        members = set(_node_names(section))
+        members = set(section_nodes(section))
         outputs: list[Any] = []
         needed = {x for n, xs in self.readers.items() if n not in members for x in xs}
         for x in sorted(made):
@@ -196,15 +196,16 @@ class _Finder:
             set(s.accumulated_outputs)
 
 
-def _node_names(s: SectionLike) -> list[str]:
+def section_nodes(s: SectionLike) -> list[str]:
+    """The nodes a walk section runs, in order (a Part's sub-walks are chosen per request: none)."""
     if isinstance(s, str):
         return [s]
     if isinstance(s, Sequential):
-        return [n for p in s.parts for n in _node_names(p)]
+        return [n for p in s.parts for n in section_nodes(p)]
     if isinstance(s, Parallel):
-        return [n for b in s.branches for n in _node_names(b)]
+        return [n for b in s.branches for n in section_nodes(b)]
     if isinstance(s, Loop):
-        return _node_names(s.section)
+        return section_nodes(s.section)
     return []
 
 
