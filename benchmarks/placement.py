@@ -133,60 +133,63 @@ t.join()
 """
 
 
-def zmq_floor(n: int, workdir: str) -> list[float]:
+class ZmqFloor:
     """Round trips through the sockets and thread hand-offs placement uses (caller -> sender
     thread -> DEALER -> worker's ROUTER reader -> its engine thread -> PUSH -> the parent's PULL
-    reader -> caller), with a 1-element tensor's worth of message and nothing else."""
-    zctx = zmq.Context()
-    pull = zctx.socket(zmq.PULL)
-    pull.bind(f"ipc://{workdir}/floor-pull")
-    proc = subprocess.Popen([sys.executable, "-c", ECHO, f"ipc://{workdir}/floor-router",
-                             f"ipc://{workdir}/floor-pull"],
-                            env={"PYTHONPATH": child_pythonpath()})
-    dealer = zctx.socket(zmq.DEALER)
-    dealer.connect(f"ipc://{workdir}/floor-router")
-    import queue
+    reader -> caller), with a 1-element tensor's worth of message and nothing else; timed
+    alternately with the crossings, so both see the same machine."""
 
-    out: queue.SimpleQueue = queue.SimpleQueue()
-    done = threading.Event()
-    got: list = []
+    def __init__(self, workdir: str) -> None:
+        import queue
 
-    def sender() -> None:
-        while (frames := out.get()) is not None:
-            dealer.send_multipart(frames)
+        self.zctx = zmq.Context()
+        self.pull = self.zctx.socket(zmq.PULL)
+        self.pull.bind(f"ipc://{workdir}/floor-pull")
+        self.proc = subprocess.Popen([sys.executable, "-c", ECHO, f"ipc://{workdir}/floor-router",
+                                      f"ipc://{workdir}/floor-pull"],
+                                     env={"PYTHONPATH": child_pythonpath()})
+        self.dealer = self.zctx.socket(zmq.DEALER)
+        self.dealer.connect(f"ipc://{workdir}/floor-router")
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._sender, daemon=True),
+                        threading.Thread(target=self._receiver, daemon=True)]
+        for t in self.threads:
+            t.start()
+        time.sleep(0.3)  # the echo process connects
+        for _ in range(20):
+            self.one()
 
-    def receiver() -> None:
+    def _sender(self) -> None:
+        while (frames := self.out.get()) is not None:
+            self.dealer.send_multipart(frames)
+
+    def _receiver(self) -> None:
         while True:
-            if not pull.poll(100):
-                if proc.poll() is not None:
+            if not self.pull.poll(100):
+                if self.proc.poll() is not None:
                     return
                 continue
-            frames = pull.recv_multipart()
+            frames = self.pull.recv_multipart()
             if frames[1] == b"stop":
                 return
-            got.append(frames)
-            done.set()
+            self.done.set()
 
-    threads = [threading.Thread(target=sender, daemon=True),
-               threading.Thread(target=receiver, daemon=True)]
-    for t in threads:
-        t.start()
-    body = b"\x00" * 96  # about a one-item batch message
-    times = []
-    time.sleep(0.3)  # the worker connects
-    for _ in range(n):
-        done.clear()
+    def one(self) -> float:
+        """Seconds for one round trip."""
+        self.done.clear()
         t0 = time.perf_counter()
-        out.put([b"\x00" * 12, body])
-        done.wait(5)
-        times.append(time.perf_counter() - t0)
-    out.put([b"", b"stop"])
-    out.put(None)
-    proc.wait(5)
-    for t in threads:
-        t.join(5)
-    zctx.destroy(0)
-    return times
+        self.out.put([b"\x00" * 12, b"\x00" * 96])  # about a one-item batch message
+        self.done.wait(5)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.out.put([b"", b"stop"])
+        self.out.put(None)
+        self.proc.wait(5)
+        for t in self.threads:
+            t.join(5)
+        self.zctx.destroy(0)
 
 
 def alternate(cases: list[tuple[str, Callable[[], float]]], reps: int, label: str
@@ -216,20 +219,22 @@ def main() -> None:
         for walk in Walks.nodes_per_request:  # warm-up: first-use costs stay out
             for rt in (local, placed):
                 run_batch(rt, walk, 4)
+        floor = ZmqFloor(placed.workers[1]["endpoint"].removeprefix("ipc://").rsplit("/", 1)[0])
         for n_req, reps in ((1, reps_1), (16, reps_16)):
             for walk, count in Walks.nodes_per_request.items():
-                t = alternate([("inproc", lambda: run_batch(local, walk, n_req)),
-                               ("placed", lambda: run_batch(placed, walk, n_req))],
-                              reps[walk], f"{walk} x{n_req}")
+                cases = [("inproc", lambda: run_batch(local, walk, n_req)),
+                         ("placed", lambda: run_batch(placed, walk, n_req))]
+                if walk == "one" and n_req == 1:
+                    cases.append(("floor", floor.one))
+                t = alternate(cases, reps[walk], f"{walk} x{n_req}")
                 for side in ("inproc", "placed"):
                     per_node = statistics.median(t[side]) / (n_req * count) * 1e6
                     figures[f"{side}_us_per_node_{walk}_{n_req}req"] = per_node
                 if walk == "one" and n_req == 1:
                     figures["crossing_us_1req"] = (statistics.median(t["placed"])
                                                    - statistics.median(t["inproc"])) * 1e6
-        floor = zmq_floor(200 * scale, placed.workers[1]["endpoint"].removeprefix("ipc://")
-                          .rsplit("/", 1)[0])
-        figures["zmq_floor_us"] = statistics.median(floor) * 1e6
+                    figures["zmq_floor_us"] = statistics.median(t["floor"]) * 1e6
+        floor.close()
     finally:
         placed.close()
         local.close()

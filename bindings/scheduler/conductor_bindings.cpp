@@ -275,7 +275,13 @@ class PyConductor {
                   std::vector<const WorkItem*>* batch) {
     batch->clear();
     bool ready;
-    {
+    if (timeout_s <= 0) {
+      // A look, not a wait: keep the GIL, so that a worker woken meanwhile cannot take the GIL
+      // and the batch from under the caller (the placed runtime sends a request's first batch
+      // from the submitting thread). The Conductor's lock is never held by a thread that waits
+      // for the GIL.
+      ready = c_->wait_ready(engine, std::chrono::nanoseconds(0));
+    } else {
       py::gil_scoped_release nogil;
       ready = c_->wait_ready(engine, to_timeout(timeout_s));
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -25,6 +26,8 @@ class Engine(abc.ABC):
         self.engine_id = -1
         self.nodes: tuple[int, ...] = ()
         self.name = ""
+        # Held while a batch runs: one batch of an engine at a time, on whichever thread runs it
+        self.running = threading.Lock()
 
     def attach(self, host: "EngineHost", engine_id: int, name: str, nodes: Sequence[int]) -> None:
         if self.host is not None and not self.host.closed:
@@ -64,34 +67,47 @@ class StatelessEngine(Engine):
         queue = host.queue
         engine, max_batch, poll = self.engine_id, self.max_batch, host.poll_s
         while not host.closed:
-            # Nodes the queue can run itself (the Conductor's bound nodes) come back as an
-            # outcome; the others come back here as a batch.
             try:
-                batch, outcome, finished = queue.run_batch(engine, max_batch, poll)
+                got = queue.run_batch(engine, max_batch, poll)
             except Exception:  # a bug in the runtime itself: keep the worker alive
                 traceback.print_exc()
                 continue
-            if batch is None:
-                if outcome is not None:
-                    self._report(host, [outcome])
-                if finished:
-                    host.requests_ended(finished)
-                continue
-            node, _walk, items = batch
-            if outcome is None:
-                try:
-                    self._report(host, [host.run(node, items)])
-                    continue
-                except Exception:
-                    pass
-            # The batch failed: retry one by one so only the culprit's request fails.
-            outcomes = []
-            for item in items:
-                try:
-                    outcomes.append(host.run(node, [item]))
-                except Exception as e:
-                    outcomes.append(queue.fail_items([item.id], f"{type(e).__name__}: {e}"))
-            self._report(host, outcomes)
+            if got[0] is None:
+                self.turn(host, got)
+            else:  # a batch for this thread to run; another thread may run this engine's too
+                with self.running:
+                    self.turn(host, got)
+
+    def turn(self, host: "EngineHost", got: tuple) -> None:
+        """Acts on one ``run_batch`` answer: reports what the queue ran itself (the Conductor's
+        bound nodes), runs a batch it handed back (hold ``running``)."""
+        batch, outcome, finished = got
+        if batch is None:
+            if outcome is not None:
+                self._report(host, [outcome])
+            if finished:
+                host.requests_ended(finished)
+            return
+        node, _walk, items = batch
+        self.run_items(host, node, items, outcome is None)
+
+    def run_items(self, host: "EngineHost", node: int, items: list, whole: bool = True) -> None:
+        """Runs a batch taken from the queue and reports it (hold ``running``); ``whole=False``
+        (a hook already failed on the batch): item by item, so only the culprit's request
+        fails."""
+        if whole:
+            try:
+                self._report(host, [host.run(node, items)])
+                return
+            except Exception:
+                pass  # then one by one: only the culprit's request fails
+        outcomes = []
+        for item in items:
+            try:
+                outcomes.append(host.run(node, [item]))
+            except Exception as e:
+                outcomes.append(host.queue.fail_items([item.id], f"{type(e).__name__}: {e}"))
+        self._report(host, outcomes)
 
     @staticmethod
     def _report(host: "EngineHost", outcomes: list) -> None:

@@ -45,6 +45,10 @@ class SendChannel:
         self.arena: Optional[Arena] = None
         self.encoder: Optional[Encoder] = None
         self.pending: collections.deque = collections.deque()
+        # Requests ended on the hub's thread, (gen, request): their release rides in the next
+        # batch message, or leaves on its own once the hub is idle (flush_releases): a message of
+        # its own costs both processes a wake-up while the next request is on its way.
+        self.released: collections.deque = collections.deque()
 
     def connect(self, zctx: zmq.Context, gen: int, endpoint: str, arena: Arena) -> None:
         """A DEALER to generation ``gen``'s worker at ``endpoint``, with its outgoing arena."""
@@ -121,6 +125,27 @@ class SendChannel:
     def defer(self, gen: int, msg: dict) -> None:
         """Queues a small message for the next :meth:`flush` (the caller's, or a sender's)."""
         self.pending.append((gen, {"v": VERSION, **msg}))
+
+    def take_releases(self, gen: int) -> list[int]:
+        """The held releases of generation ``gen``, for a batch message (hold ``lock``)."""
+        rids = []
+        while self.released:
+            g, rid = self.released.popleft()
+            if g == gen:
+                rids.append(rid)
+        return rids
+
+    def flush_releases(self) -> None:
+        """Sends the held releases as one message (the hub, when idle)."""
+        if self.released and self.lock.acquire(blocking=False):
+            try:
+                gen = self.gen
+                rids = self.take_releases(gen)
+                if rids and self.is_open(gen):
+                    self.pending.append((gen, {"v": VERSION, "kind": "release", "requests": rids}))
+            finally:
+                self.lock.release()
+            self.flush()
 
     def flush(self) -> None:
         # Whoever holds the lock drains; a poster that misses it is drained by the holder, which

@@ -263,17 +263,14 @@ class Decoder:
                 self.arena.check_span(offset, nbytes)
             except ValueError as e:
                 raise CodecError(str(e)) from None
+        np_dtype = dtype if kind == _NUMPY else _NP_OF_TORCH.get(dt, np.dtype(np.uint16))
+        # One copy out of the arena into an array numpy allocates; torch adopts it: no torch op,
+        # which would drop and retake the GIL among the process's busy threads (bfloat16, which
+        # numpy lacks, takes one).
+        arr = (self.arena.array(offset, np_dtype, count).reshape(shape).copy() if nbytes
+               else np.empty(shape, dtype=np_dtype))
         if kind == _NUMPY:
-            out = np.empty(shape, dtype=dtype)
-            if nbytes:
-                ctypes.memmove(out.ctypes.data, self.arena.address(offset), nbytes)
-            return out
-        # numpy allocates and torch adopts the array: no torch op, which would drop and retake
-        # the GIL among the process's busy threads (bfloat16, which numpy lacks, takes one).
-        np_dtype = _NP_OF_TORCH.get(dt, np.dtype(np.uint16))
-        arr = np.empty(shape, dtype=np_dtype)
-        if nbytes:
-            ctypes.memmove(arr.ctypes.data, self.arena.address(offset), nbytes)
+            return arr
         out = sys.modules["torch"].from_numpy(arr)
         return out if dt in _NP_OF_TORCH else out.view(dtype)
 

@@ -74,6 +74,9 @@ class InlineArena:
     def address(self, offset: int) -> int:
         return int(self._chunks[offset].ctypes.data)
 
+    def array(self, offset: int, dtype: Any, count: int) -> np.ndarray:
+        return np.frombuffer(self._chunks[offset], dtype, count)
+
     def free_to(self, span_end: int) -> None:
         """The message was decoded: drop its frames."""
         self._chunks, self._size = {}, 0

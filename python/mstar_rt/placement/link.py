@@ -16,7 +16,6 @@ or a Ray actor anywhere in a cluster (placement/ray_rank.py; ``tcp://``, tensors
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 import zmq
 
 from mstar_rt.placement.arena import ShmArena, arena_pair
+from mstar_rt.placement.asks import Asks
 from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.codec import CodecError, Decoder, scalar_items
 from mstar_rt.placement.config import ModelSpec, RankPlan
@@ -77,8 +77,7 @@ class WorkerLink:
         self._ready = threading.Event()
         self._fatal: Optional[str] = None
         self._threads: list[threading.Thread] = []
-        self._waiters: dict[int, list] = {}
-        self._tokens = itertools.count(1)
+        self._asks = Asks(self.rank)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -348,7 +347,7 @@ class WorkerLink:
                                if any(it.request == rid for it in group)}
                 msg = {"v": VERSION, "kind": "batch", "node": node, "walk": walk,
                        "items": [[it.id, it.request, it.iteration, it.inputs, it.chunk] for it in group],
-                       "open": group_opens}
+                       "open": group_opens, "release": channel.take_releases(gen)}
                 error = channel.send_locked(gen, msg, lambda: self._alive(gen))
                 if error is None:
                     continue
@@ -374,7 +373,10 @@ class WorkerLink:
             gen = self.gen
         if ids:
             self.rt.report(self.rt.conductor.fail_items(sorted(ids), "the request ended"))
-        self.post({"kind": "release", "requests": [rid]}, gen)
+        if deferring():  # the hub's: with the next batch, or once the hub is idle
+            self._channel.released.append((gen, rid))
+        else:
+            self.post({"kind": "release", "requests": [rid]}, gen)
 
     def post(self, msg: dict, gen: Optional[int] = None, wait: bool = False) -> None:
         """A small message (release, kv_moves.py's); the hub's thread sends it after waking;
@@ -383,8 +385,15 @@ class WorkerLink:
         alive = (lambda: self._alive(gen)) if wait else None
         self._channel.send_small(gen, msg, deferring(), alive)
 
-    def flush_posts(self) -> None:
-        """Sends the small messages queued meanwhile (the hub, after each reply)."""
+    @property
+    def holds_releases(self) -> bool:
+        return bool(self._channel.released)
+
+    def flush_posts(self, releases: bool = False) -> None:
+        """Sends the small messages queued meanwhile (the hub, after each reply), and with
+        ``releases`` the held releases (the hub, when idle)."""
+        if releases and self._channel.released:
+            self._channel.flush_releases()
         if self._channel.pending:
             self._channel.flush()
 
@@ -394,23 +403,7 @@ class WorkerLink:
                 raise RuntimeError(f"worker process rank {self.rank} is not running "
                                    f"({self.last_exit or self.state})")
             gen = self.gen
-        token = next(self._tokens)
-        waiter: list = [threading.Event(), None]
-        self._waiters[token] = waiter
-        try:
-            # Posted again until answered: a post is dropped while the socket still connects
-            # (right after start), and answering twice is harmless.
-            deadline = time.monotonic() + timeout
-            while True:
-                self._channel.post(gen, {"kind": "stats", "token": token})
-                left = deadline - time.monotonic()
-                if waiter[0].wait(max(0.0, min(0.2, left))):
-                    return waiter[1]
-                if left <= 0.2:
-                    raise TimeoutError(f"worker process rank {self.rank} did not answer a stats "
-                                       f"request within {timeout} s")
-        finally:
-            self._waiters.pop(token, None)
+        return self._asks.ask(lambda msg: self._channel.post(gen, msg), "stats", timeout)
 
     # ---- receiving (the hub's receiver thread) ------------------------------------------------
 
@@ -468,10 +461,7 @@ class WorkerLink:
         elif kind == "fatal":
             self._fatal = field(msg, "message", str)
         elif kind == "stats":
-            waiter = self._waiters.get(field(msg, "token", int))
-            if waiter is not None:
-                waiter[1] = field(msg, "stats", dict)
-                waiter[0].set()
+            self._asks.answer(field(msg, "token", int), field(msg, "stats", dict))
         elif kind == "error":
             self.error_replies += 1
             self.last_error = field(msg, "message", str)

@@ -13,6 +13,7 @@ parent -> worker (worker's ROUTER socket)::
     batch    gen node walk items=[[item, request, iteration, {input: value}, chunk|None]]
              open={request: {"inputs": {..}|None, "state": {..},
                              "order": [deadline_ns, priority]}}
+             release=[request]   (requests that ended since: released before the batch)
     release  gen requests=[request]
     stats    gen token
     shutdown gen

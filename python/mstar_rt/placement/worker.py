@@ -23,6 +23,7 @@ import msgpack
 import zmq
 
 from mstar_rt import _core
+from mstar_rt.malloc_tuning import tune_malloc
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder
 from mstar_rt.placement.config import ModelSpec
@@ -222,13 +223,11 @@ class Worker:
                 raise
         kind = check_header(msg, TO_WORKER)
         if kind == "batch":
+            if msg.get("release"):  # requests that ended since the last batch
+                self.release(int_list(msg, "release"), from_parent, kind)
             self.batch(msg, from_parent)
         elif kind == "release":
-            rids = int_list(msg, "requests")
-            self.only_parent(from_parent, kind)
-            for rid in rids:
-                self.host.release(rid)
-                self.moves.release(rid)
+            self.release(int_list(msg, "requests"), from_parent, kind)
         elif kind == "stats":
             token = field(msg, "token", int)
             self.only_parent(from_parent, kind)
@@ -240,6 +239,12 @@ class Worker:
             self.only_parent(from_parent, kind)
             self.moves.notice(kind, msg)
         return None
+
+    def release(self, rids: list[int], from_parent: bool, kind: str) -> None:
+        self.only_parent(from_parent, kind)
+        for rid in rids:
+            self.host.release(rid)
+            self.moves.release(rid)
 
     def fail_named_items(self, payload: bytes, error: Exception) -> None:
         """The parent's message could not be taken as a whole (its tensors, or its span end, are
@@ -330,7 +335,7 @@ class Worker:
         elif known:
             known = self.moves.hold(node, walk, known)  # K/V still on the way from another rank
             if known:
-                host.conductor.put(node, walk, known)
+                host.dispatch(node, walk, known)
 
     def stats(self) -> dict:
         return dict(self.host.stats(), **self.moves.stats(), pid=os.getpid(), rank=self.rank,
@@ -402,6 +407,7 @@ def _chunk(value: Any, stream_input: Any, node: str) -> Optional[tuple]:
 def start_worker(cfg: dict) -> Worker:
     """A started worker (model built, socket bound, ``ready`` sent), or, after telling the
     parent why (``fatal``), the exception."""
+    tune_malloc(arenas=False)  # tensors copied out of the arena land in warm heap pages
     worker = Worker(cfg)
     try:
         worker.start()

@@ -13,13 +13,14 @@ deployment of N replicas instead (mstar_rt.serve.ray_serve).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
 import threading
 import time
 from typing import Any, Optional
+
+from mstar_rt.malloc_tuning import tune_malloc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,42 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# mallopt parameters, each set unless its environment variable (glibc reads it) is set.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-_MALLOC_SETTINGS = (
-    # glibc gives each thread that allocates under contention its own arena, up to eight per
-    # core; a server with a thread per streaming request then grows for minutes as the arenas
-    # fill (the soak benchmark saw +4-6 MB over the first minutes). Two, as gunicorn recommends
-    # for threaded Python servers.
-    (_M_ARENA_MAX, 2, "MALLOC_ARENA_MAX"),
-    # By default glibc raises its mmap threshold to the largest block freed and then trims the
-    # heap's top whenever twice that is free: a server whose batches allocate a few MB returns
-    # and refaults them every few batches, its RSS swinging by +-3 MB from second to second
-    # with nothing in use growing (the soak's 60 s RSS slope read up to 4.5 MB/min from the
-    # swings alone), at three times the page faults. Fixed: blocks under 4 MB come from the heap,
-    # which keeps up to 64 MB free at its top; larger ones are mapped and unmapped.
-    (_M_MMAP_THRESHOLD, 4 << 20, "MALLOC_MMAP_THRESHOLD_"),
-    (_M_TRIM_THRESHOLD, 64 << 20, "MALLOC_TRIM_THRESHOLD_"),
-)
-
-
-def _tune_malloc() -> None:
-    """glibc's allocator set for a threaded server that allocates batch tensors
-    (_MALLOC_SETTINGS)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (musl): nothing to tune
-        return
-    for param, value, env in _MALLOC_SETTINGS:
-        if not os.environ.get(env):
-            mallopt(param, value)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    _tune_malloc()
+    tune_malloc()
     from mstar_rt.serve.config import ConfigError, build_model, build_runtime, load_config
 
     t0 = time.monotonic()
