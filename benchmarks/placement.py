@@ -6,12 +6,15 @@ EMITs a token per step -- served by a Runtime in this process and by a PlacedRun
 node on worker rank 1, for 1 request at a time and 16 at once. The two runtimes alternate so
 machine noise hits both alike. Also timed: one parent -> worker -> parent crossing (a one-node
 walk, placed minus in-process) and the bare ZeroMQ round trip it rides on (the same sockets and
-thread hand-offs, no runtime), the floor a crossing can approach.
+thread hand-offs, no runtime), timed alternately with it: the floor a crossing can approach.
+Last, a chain of 8 nodes placed alternately on ranks 1 and 2, each copying a 1 MiB tensor: per
+hop through the parent (``direct_bytes=None``) against worker to worker (placement/direct.py).
 
     python benchmarks/placement.py [--quick]   # table + benchmarks/results/placement.{json,png}
 
 Ratios (issue 17): ``placed_over_inproc_per_node_1req`` (the worst of the three walks; < 3
-wanted) and ``crossing_over_zmq_floor`` (< 1.5 wanted); lower is better for both.
+wanted) and ``crossing_over_zmq_floor`` (< 1.5 wanted), lower is better for both;
+``direct_over_star_speedup`` (>= 1.5 wanted), higher is better.
 """
 
 from __future__ import annotations
@@ -96,6 +99,65 @@ class Walks(Model):
 def walks() -> Walks:
     """The factory the worker imports (``placement:walks``, this file on its sys.path)."""
     return Walks()
+
+
+HOPS = 8  # nodes of the alternating chain
+
+
+class Copy(NodeSubmodule):
+    """``dst = src.clone()``: a new tensor of the same size, as a real node would make."""
+
+    def __init__(self, src: str, dst: str) -> None:
+        self.src, self.dst = src, dst
+
+    def forward(self, batch: list[dict]) -> list[dict]:
+        return [{self.dst: item[self.src].clone()} for item in batch]
+
+
+class Alternating(Model):
+    """A chain of HOPS nodes, placed alternately on ranks 1 and 2: every hop is a tensor from
+    one worker to the other."""
+
+    inputs = ("x",)
+
+    def __init__(self) -> None:
+        names = [f"h{i}" for i in range(HOPS)]
+        src = ["x"] + [f"t{i}" for i in range(1, HOPS)]
+        dst = src[1:] + ["y"]
+        self.nodes = [GraphNode(n, [a], [GraphEdge(EMIT, b) if b == "y" else b],
+                                submodule=Copy(a, b)) for n, a, b in zip(names, src, dst)]
+        self.walks = {"main": Sequential(*names)}
+
+
+def alternating() -> Alternating:
+    return Alternating()
+
+
+def direct_vs_star(reps: int, nbytes: int = 1 << 20) -> dict[str, float]:
+    """µs per hop of the alternating chain with ``nbytes`` tensors, through the parent (star)
+    and worker to worker (direct), the two runtimes alternating."""
+    names = [f"h{i}" for i in range(HOPS)]
+    groups = [NodeGroup(names[0::2], rank=1), NodeGroup(names[1::2], rank=2)]
+    rts = {mode: PlacedRuntime("placement:alternating", groups, progress=False,
+                               shm_bytes=64 << 20, direct_bytes=bytes_)
+           for mode, bytes_ in (("star", None), ("direct", 64 << 10))}
+    x = torch.randn(nbytes // 4)
+    try:
+        for rt in rts.values():
+            for _ in range(5):
+                rt.submit({"x": x}).result(60)
+
+        def one(rt: Any) -> float:
+            t0 = time.perf_counter()
+            rt.submit({"x": x}).result(60)
+            return time.perf_counter() - t0
+
+        t = alternate([(mode, lambda rt=rt: one(rt)) for mode, rt in rts.items()], reps,
+                      "1 MiB hops")
+    finally:
+        for rt in rts.values():
+            rt.close()
+    return {f"{mode}_us_per_hop_1mib": statistics.median(v) / HOPS * 1e6 for mode, v in t.items()}
 
 
 def run_batch(rt: Any, walk: str, n: int) -> float:
@@ -235,6 +297,7 @@ def main() -> None:
                                                    - statistics.median(t["inproc"])) * 1e6
                     figures["zmq_floor_us"] = statistics.median(t["floor"]) * 1e6
         floor.close()
+        figures.update(direct_vs_star(30 * scale))
     finally:
         placed.close()
         local.close()
@@ -248,6 +311,8 @@ def main() -> None:
         ratios[f"placed_over_inproc_per_node_{w}_1req"] for w in ("chain10", "loop100",
                                                                  "decode256"))
     ratios["crossing_over_zmq_floor"] = figures["crossing_us_1req"] / figures["zmq_floor_us"]
+    ratios["direct_over_star_speedup"] = (figures["star_us_per_hop_1mib"]
+                                          / figures["direct_us_per_hop_1mib"])
 
     print(f"{'walk':>10} {'req':>4} {'in-process':>12} {'placed':>12} {'ratio':>6}   (µs per node)")
     for n_req in (1, 16):
@@ -258,6 +323,10 @@ def main() -> None:
     print(f"crossing (1 request, 1-element tensor): {figures['crossing_us_1req']:.0f} µs; "
           f"bare ZeroMQ round trip: {figures['zmq_floor_us']:.0f} µs; "
           f"ratio {ratios['crossing_over_zmq_floor']:.2f}")
+    print(f"1 MiB tensor per hop between two workers: through the parent "
+          f"{figures['star_us_per_hop_1mib']:.0f} µs, worker to worker "
+          f"{figures['direct_us_per_hop_1mib']:.0f} µs; direct_over_star_speedup "
+          f"{ratios['direct_over_star_speedup']:.2f}")
     print(f"placed_over_inproc_per_node_1req (worst walk): "
           f"{ratios['placed_over_inproc_per_node_1req']:.2f}")
     out = HERE / "results" / "placement.json"

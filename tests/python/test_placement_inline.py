@@ -69,7 +69,7 @@ def run(rt: PlacedRuntime, walk: str, x: float = 1.0) -> dict:
 
 
 def test_quick_node_runs_on_the_receiving_thread(placed):
-    for _ in range(3):
+    for _ in range(5):
         out = run(placed, "quick")
     assert out["thread"] == ["MainThread"]  # the worker's receiving loop
     assert torch.equal(out["y"][0], torch.tensor([2.0]))
@@ -77,7 +77,7 @@ def test_quick_node_runs_on_the_receiving_thread(placed):
 
 def test_slow_node_runs_on_its_engine_thread(placed):
     threads_seen = [run(placed, "slow")["thread"][0] for _ in range(4)]
-    # the first run may go inline (nothing measured yet); once measured, the engine's thread
+    # the first runs may go inline (the first is not counted); once measured, its engine's thread
     assert threads_seen[-1].startswith("mstar-engine-"), threads_seen
 
 

@@ -45,10 +45,11 @@ class SendChannel:
         self.arena: Optional[Arena] = None
         self.encoder: Optional[Encoder] = None
         self.pending: collections.deque = collections.deque()
-        # Requests ended on the hub's thread, (gen, request): their release rides in the next
-        # batch message, or leaves on its own once the hub is idle (flush_releases): a message of
-        # its own costs both processes a wake-up while the next request is on its way.
-        self.released: collections.deque = collections.deque()
+        # (gen, field, value) for the next batch message, or a message of their own once the hub
+        # is idle (flush_held): requests ended on the hub's thread ("release": a message of its
+        # own costs both processes a wake-up while the next request is on its way) and exports
+        # whose last handle died ("unexport", placement/direct.py).
+        self.held: collections.deque = collections.deque()
 
     def connect(self, zctx: zmq.Context, gen: int, endpoint: str, arena: Arena) -> None:
         """A DEALER to generation ``gen``'s worker at ``endpoint``, with its outgoing arena."""
@@ -118,7 +119,10 @@ class SendChannel:
         self.flush()
 
     def post(self, gen: int, msg: dict) -> None:
-        """Queues a small message (no tensors) and sends it if the lock is free; never waits."""
+        """Queues a small message (no tensors) and sends it if the lock is free; never waits.
+        The held fields go first: a caller asking for stats after its request ended must find
+        the request released."""
+        self._held_to_pending()
         self.pending.append((gen, {"v": VERSION, **msg}))
         self.flush()
 
@@ -126,26 +130,25 @@ class SendChannel:
         """Queues a small message for the next :meth:`flush` (the caller's, or a sender's)."""
         self.pending.append((gen, {"v": VERSION, **msg}))
 
-    def take_releases(self, gen: int) -> list[int]:
-        """The held releases of generation ``gen``, for a batch message (hold ``lock``)."""
-        rids = []
-        while self.released:
-            g, rid = self.released.popleft()
+    def take_held(self, gen: int) -> dict[str, list]:
+        """The held fields of generation ``gen`` (the others are dropped), for a message."""
+        fields: dict[str, list] = {}
+        while self.held:
+            g, name, value = self.held.popleft()
             if g == gen:
-                rids.append(rid)
-        return rids
+                fields.setdefault(name, []).append(value)
+        return fields
 
-    def flush_releases(self) -> None:
-        """Sends the held releases as one message (the hub, when idle)."""
-        if self.released and self.lock.acquire(blocking=False):
-            try:
-                gen = self.gen
-                rids = self.take_releases(gen)
-                if rids and self.is_open(gen):
-                    self.pending.append((gen, {"v": VERSION, "kind": "release", "requests": rids}))
-            finally:
-                self.lock.release()
-            self.flush()
+    def flush_held(self) -> None:
+        """Sends the held fields as messages of their own (the hub, when idle)."""
+        self._held_to_pending()
+        self.flush()
+
+    def _held_to_pending(self) -> None:
+        gen = self.gen
+        for name, values in self.take_held(gen).items():
+            kind, key = ("release", "requests") if name == "release" else (name, "keys")
+            self.pending.append((gen, {"v": VERSION, "kind": kind, key: values}))
 
     def flush(self) -> None:
         # Whoever holds the lock drains; a poster that misses it is drained by the holder, which

@@ -9,7 +9,9 @@ dict) is msgpack itself; a few extension types carry the rest:
 * registered dataclass: ``["module:QualName", {field: value}]``, rebuilt only for types that the
   receiving process registered too (:func:`register_type`), never by importing what a message
   names;
-* numpy scalar: ``[dtype, raw bytes]``.
+* numpy scalar: ``[dtype, raw bytes]``;
+* remote tensor: ``[rank, gen, key, offset, nbytes, kind, dtype, shape]`` -- bytes left in
+  worker ``rank``'s export arena for another worker to read (placement/direct.py).
 
 GPU tensors cross as host copies today; a CUDA IPC handle (``torch.multiprocessing``'s
 ``share_cuda``) or a torch.distributed send would be one more tensor ``kind`` (see
@@ -21,14 +23,15 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgpack
 import numpy as np
 
 from mstar_rt.placement.arena import ShmArena
+from mstar_rt.placement.direct import Export, ExportArena, RemoteTensor
 
-EXT_TENSOR, EXT_TUPLE, EXT_DATACLASS, EXT_NPSCALAR = 1, 2, 3, 4
+EXT_TENSOR, EXT_TUPLE, EXT_DATACLASS, EXT_NPSCALAR, EXT_REMOTE = 1, 2, 3, 4, 5
 _TORCH, _NUMPY = 0, 1
 
 _NUMPY_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (
@@ -84,9 +87,12 @@ def _register_builtin_types() -> None:
 class Encoder:
     """Packs messages; tensors go into ``arena`` (the caller marks / publishes around it)."""
 
-    def __init__(self, arena: Optional[ShmArena], timeout_s: float = 10.0) -> None:
+    def __init__(self, arena: Optional[ShmArena], timeout_s: float = 10.0,
+                 exports: Optional[ExportArena] = None, rank: int = 0, gen: int = 0) -> None:
         self.arena = arena
         self.timeout_s = timeout_s
+        self.exports, self.rank, self.gen = exports, rank, gen  # a worker's export arena
+        self.exported: list[int] = []  # the keys the last pack exported
         # One message's tensors by identity: one that appears twice (a request's input, in its
         # inputs and in its first node's) crosses once; the receiver still makes two.
         self._memo: Optional[dict[int, tuple]] = None
@@ -95,6 +101,7 @@ class Encoder:
         top = self._memo is None
         if top:
             self._memo = {}
+            self.exported = []
         try:
             return msgpack.packb(message, default=self._default, strict_types=True,
                                  use_bin_type=True)
@@ -110,6 +117,11 @@ class Encoder:
 
     def _default(self, obj: Any) -> msgpack.ExtType:
         t = type(obj)
+        if t is RemoteTensor:  # routed on: the reader takes the bytes from their maker
+            return msgpack.ExtType(EXT_REMOTE, msgpack.packb(obj.header))
+        if t is Export:
+            remote = self._export(obj.tensor)
+            return remote if remote is not None else self._default(obj.tensor)
         if t is tuple:
             return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
         if t is np.ndarray:
@@ -144,6 +156,23 @@ class Encoder:
         raise CodecError(f"cannot send a value of type {t.__module__}.{t.__qualname__} between "
                          "processes; send tensors, numpy arrays, numbers, strings, bytes, lists, "
                          f"tuples, dicts or registered dataclasses{hint}")
+
+    def _export(self, t: Any) -> Optional[msgpack.ExtType]:
+        """``t`` into the export arena (None: no room or not a plain CPU tensor -- it then
+        goes through the parent)."""
+        dt = _TORCH_NAMES.get(t.dtype) or (_torch_dtypes() and _TORCH_NAMES.get(t.dtype))
+        if (self.exports is None or dt is None or t.device.type != "cpu" or not t.is_contiguous()
+                or t.is_conj() or t.is_neg()):
+            return None
+        nbytes = t.nbytes
+        got = self.exports.put(nbytes)
+        if got is None:
+            return None
+        key, offset = got
+        self.exported.append(key)
+        ctypes.memmove(self.exports.arena.address(offset), t.data_ptr(), nbytes)
+        return msgpack.ExtType(EXT_REMOTE, msgpack.packb(
+            [self.rank, self.gen, key, offset, nbytes, _TORCH, dt, list(t.shape)]))
 
     def _alloc(self, nbytes: int) -> int:
         if self.arena is None:
@@ -192,8 +221,13 @@ class Encoder:
 class Decoder:
     """Unpacks messages; tensors are copied out of ``arena`` (validated against its bounds)."""
 
-    def __init__(self, arena: Optional[ShmArena]) -> None:
+    def __init__(self, arena: Optional[ShmArena],
+                 remote: Optional[Callable[[list], Any]] = None,
+                 remote_arena: Optional[Callable[[int, int], ShmArena]] = None) -> None:
         self.arena = arena
+        # A remote tensor becomes remote(header) (the parent's handle), or is copied out of
+        # remote_arena(rank, gen) (a worker that reads it); neither: it may not come here.
+        self.remote, self.remote_arena = remote, remote_arena
 
     def unpack(self, data: bytes) -> Any:
         try:
@@ -226,6 +260,19 @@ class Decoder:
                 return cls(**value[1])
             except Exception as e:
                 raise CodecError(f"cannot rebuild {value[0]}: {type(e).__name__}: {e}") from None
+        if code == EXT_REMOTE:
+            h = msgpack.unpackb(data)
+            if not (isinstance(h, list) and len(h) == 8
+                    and all(type(x) is int and x >= 0 for x in h[:5])):
+                raise CodecError("malformed remote tensor header; expected [rank, gen, key, "
+                                 "offset, nbytes, kind, dtype, shape]")
+            if self.remote_arena is not None:
+                return self._tensor([h[5], h[6], h[7], h[3], h[4]],
+                                    self.remote_arena(h[0], h[1]))
+            if self.remote is not None:
+                self._tensor([h[5], h[6], h[7], h[3], h[4]], check_only=True)
+                return self.remote(h)
+            raise CodecError("a remote tensor cannot arrive here")
         if code == EXT_NPSCALAR:
             value = msgpack.unpackb(data)
             if not (isinstance(value, list) and len(value) == 2 and value[0] in _NUMPY_DTYPES
@@ -235,7 +282,7 @@ class Decoder:
             return np.frombuffer(value[1], dtype=_NUMPY_DTYPES[value[0]])[0]
         raise CodecError(f"unknown msgpack extension type {code}")
 
-    def _tensor(self, h: Any) -> Any:
+    def _tensor(self, h: Any, arena: Optional[ShmArena] = None, check_only: bool = False) -> Any:
         if not (isinstance(h, list) and len(h) == 5 and h[0] in (_TORCH, _NUMPY)
                 and isinstance(h[1], str) and isinstance(h[2], list)
                 and all(isinstance(d, int) and d >= 0 for d in h[2])):
@@ -256,18 +303,21 @@ class Decoder:
         if count * itemsize != nbytes:
             raise CodecError(f"tensor of shape {shape} and dtype {dt} needs {count * itemsize} "
                              f"bytes, the header says {nbytes}")
+        if check_only:
+            return None
+        arena = arena or self.arena
         if nbytes:
-            if self.arena is None:
+            if arena is None:
                 raise CodecError("this message cannot carry tensors")
             try:
-                self.arena.check_span(offset, nbytes)
+                arena.check_span(offset, nbytes)
             except ValueError as e:
                 raise CodecError(str(e)) from None
         np_dtype = dtype if kind == _NUMPY else _NP_OF_TORCH.get(dt, np.dtype(np.uint16))
         # One copy out of the arena into an array numpy allocates; torch adopts it: no torch op,
         # which would drop and retake the GIL among the process's busy threads (bfloat16, which
         # numpy lacks, takes one).
-        arr = (self.arena.array(offset, np_dtype, count).reshape(shape).copy() if nbytes
+        arr = (arena.array(offset, np_dtype, count).reshape(shape).copy() if nbytes
                else np.empty(shape, dtype=np_dtype))
         if kind == _NUMPY:
             return arr

@@ -200,7 +200,9 @@ class WorkerHost:
         t0 = time.perf_counter()
         ids, outputs, stops = self.runner.run(node, items)
         took = time.perf_counter() - t0
-        self._node_s[node] = 0.75 * self._node_s.get(node, 0.0) + 0.25 * took
+        # a node's first batch pays one-time costs (lazy imports, allocator warm-up): not counted
+        seen = self._node_s.get(node)
+        self._node_s[node] = 0.0 if seen is None else 0.75 * seen + 0.25 * took
         return self.conductor.complete(node, ids, outputs, stops)
 
     def dispatch(self, node: int, walk: int, items: list) -> None:

@@ -15,14 +15,16 @@ from typing import Iterable
 
 class ItemLedger:
     def __init__(self) -> None:
-        self.inflight: dict[int, tuple[int, str]] = {}  # item -> (request, node)
+        # item -> (request, node, the RemoteTensors its inputs hold: alive until it is reported
+        # back, so the worker has read them before their exports can be freed)
+        self.inflight: dict[int, tuple[int, str, list]] = {}
         self.by_request: dict[int, set[int]] = {}        # request -> its items in flight
         self.known: dict[int, str] = {}                  # request -> last node
 
-    def record(self, item: int, rid: int, node: str) -> bool:
+    def record(self, item: int, rid: int, node: str, holds: list) -> bool:
         """Notes an item sent to the worker; True if the worker did not know its request yet
         (the batch must then carry the request's inputs and state)."""
-        self.inflight[item] = (rid, node)
+        self.inflight[item] = (rid, node, holds)
         self.by_request.setdefault(rid, set()).add(item)
         new = rid not in self.known
         self.known[rid] = node
@@ -60,7 +62,7 @@ class ItemLedger:
             self.inflight.pop(i, None)
         return True, items
 
-    def clear(self) -> tuple[dict[int, tuple[int, str]], dict[int, str]]:
+    def clear(self) -> tuple[dict[int, tuple[int, str, list]], dict[int, str]]:
         """The worker died: everything it held, (inflight, known); the ledger starts empty."""
         inflight, known = self.inflight, self.known
         self.inflight, self.by_request, self.known = {}, {}, {}

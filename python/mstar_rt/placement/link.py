@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import zmq
 
@@ -30,6 +30,7 @@ from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.codec import CodecError, Decoder, scalar_items
 from mstar_rt.placement.config import ModelSpec, RankPlan
 from mstar_rt.placement.channel import SendChannel, deferring
+from mstar_rt.placement.direct import LinkExports, remote_values
 from mstar_rt.placement.ledger import ItemLedger
 from mstar_rt.placement.replies import complete_from_reply, deliver_emits, fail_for_death
 from mstar_rt.placement.watchdog import Watchdog, heartbeat_period
@@ -47,12 +48,16 @@ class WorkerLink:
                  zctx: zmq.Context, workdir: str, parent_endpoint: str, tag: str,
                  shm_bytes: int, ready_timeout_s: float, progress: bool,
                  engines: Optional[dict[str, dict]] = None,
-                 ray: Optional["RayLauncher"] = None) -> None:
+                 ray: Optional["RayLauncher"] = None, direct: Sequence[str] = (),
+                 direct_bytes: int = 0) -> None:
         self.rt, self.rank, self.plan, self.spec = runtime, plan.rank, plan, spec
         self._zctx, self._workdir, self._parent_endpoint, self._tag = zctx, workdir, \
             parent_endpoint, tag
         self.shm_bytes, self.ready_timeout_s, self.progress = shm_bytes, ready_timeout_s, progress
         self.engine_settings = dict(engines or {})
+        self.exports = LinkExports(self.rank, list(direct), direct_bytes,
+                                   lambda gen, name, value: self._channel.held.append(
+                                       (gen, name, value)))  # tensors to other workers
         self.state = "new"  # new | starting | up | down | closed
         self.gen = -1
         self._local = ray is None
@@ -95,13 +100,14 @@ class WorkerLink:
         # (which may be on another machine)
         p2w, w2p = ((InlineArena(), InlineArena()) if not self._local
                     else arena_pair(f"{self._tag}_r{self.rank}_g{gen}", self.shm_bytes))
+        out = self.exports.create(f"{self._tag}_r{self.rank}_g{gen}", self.shm_bytes)
         if self._local:  # the worker binds where we say: connect now
             self.endpoint = f"ipc://{self._workdir}/rank{self.rank}-g{gen}.sock"
             self._channel.connect(self._zctx, gen, self.endpoint, p2w)
         else:  # the actor picks its port: connect once it says which (wait_ready)
             self.endpoint, self._p2w_next = "", p2w
         with self._rx:
-            self._w2p, self._decoder = w2p, Decoder(w2p)
+            self._w2p, self._decoder = w2p, Decoder(w2p, remote=lambda h: self.exports.handle(gen, h))
             self._rx_gen = gen
         cfg = dict(rank=self.rank, gen=gen, factory=self.spec.factory,
                    kwargs={**self.spec.args, **self.plan.model_kwargs}, nodes=self.plan.nodes,
@@ -109,7 +115,8 @@ class WorkerLink:
                    parent=self._parent_endpoint, p2w=p2w.name, w2p=w2p.name,
                    heartbeat_s=heartbeat_period(self.rt.heartbeat_timeout_s),
                    node_rank=self.rt.plan.node_rank, worker_ranks=sorted(self.rt.plan.workers),
-                   segments=self.rt.segments_enabled,
+                   segments=self.rt.segments_enabled, shm_prefix=self._tag,
+                   out=out, direct=self.exports.names, direct_bytes=self.exports.min_bytes,
                    parent_pid=os.getpid() if self._local else None,
                    transport="ipc" if self._local else "tcp")
         self.worker = worker = self._launcher.start(cfg)
@@ -223,6 +230,7 @@ class WorkerLink:
                 self._w2p.unlink()
                 self._w2p.close()
             self._w2p, self._decoder = None, None
+            self.exports.remove()
         if self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint.removeprefix("ipc://"))
@@ -314,7 +322,7 @@ class WorkerLink:
                         ended.append(item.id)
                         continue
                     live.append(item)
-                    if self._ledger.record(item.id, rid, node_name):
+                    if self._ledger.record(item.id, rid, node_name, remote_values(item.inputs)):
                         opens.append(rid)
         if rejected is not None:
             rt.report(rt.conductor.fail_items([it.id for it in items], rejected))
@@ -347,7 +355,7 @@ class WorkerLink:
                                if any(it.request == rid for it in group)}
                 msg = {"v": VERSION, "kind": "batch", "node": node, "walk": walk,
                        "items": [[it.id, it.request, it.iteration, it.inputs, it.chunk] for it in group],
-                       "open": group_opens, "release": channel.take_releases(gen)}
+                       "open": group_opens, **channel.take_held(gen)}
                 error = channel.send_locked(gen, msg, lambda: self._alive(gen))
                 if error is None:
                     continue
@@ -374,7 +382,7 @@ class WorkerLink:
         if ids:
             self.rt.report(self.rt.conductor.fail_items(sorted(ids), "the request ended"))
         if deferring():  # the hub's: with the next batch, or once the hub is idle
-            self._channel.released.append((gen, rid))
+            self._channel.held.append((gen, "release", rid))
         else:
             self.post({"kind": "release", "requests": [rid]}, gen)
 
@@ -386,14 +394,14 @@ class WorkerLink:
         self._channel.send_small(gen, msg, deferring(), alive)
 
     @property
-    def holds_releases(self) -> bool:
-        return bool(self._channel.released)
+    def holds(self) -> bool:
+        return bool(self._channel.held)
 
-    def flush_posts(self, releases: bool = False) -> None:
+    def flush_posts(self, held: bool = False) -> None:
         """Sends the small messages queued meanwhile (the hub, after each reply), and with
-        ``releases`` the held releases (the hub, when idle)."""
-        if releases and self._channel.released:
-            self._channel.flush_releases()
+        ``held`` the held fields (the hub, when idle)."""
+        if held and self._channel.held:
+            self._channel.flush_held()
         if self._channel.pending:
             self._channel.flush()
 
@@ -487,4 +495,5 @@ class WorkerLink:
                     state=self.state, pid=None if worker is None else worker.pid, gen=self.gen,
                     node=None if worker is None else worker.node, endpoint=self.endpoint,
                     shm=shm, restarts=self.restarts, last_exit=self.last_exit,
-                    error_replies=self.error_replies, inflight_items=inflight, known_requests=known)
+                    error_replies=self.error_replies, inflight_items=inflight, known_requests=known,
+                    direct=list(self.exports.names), exports=self.exports.handed_out)

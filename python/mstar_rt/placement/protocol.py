@@ -14,7 +14,9 @@ parent -> worker (worker's ROUTER socket)::
              open={request: {"inputs": {..}|None, "state": {..},
                              "order": [deadline_ns, priority]}}
              release=[request]   (requests that ended since: released before the batch)
+             unexport=[key]      (exports whose last handle died: direct.py)
     release  gen requests=[request]
+    unexport gen keys=[key]
     stats    gen token
     shutdown gen
     kv_send  gen request engine peer key port timeout_s   (export the request's K/V to rank
@@ -43,7 +45,7 @@ PARENT_ID = b"parent"                        # the parent's routing id at a work
 TO_WORKER_HEADER = struct.Struct("<IQ")     # generation, span end of the parent's arena
 TO_PARENT_HEADER = struct.Struct("<IIQ")    # rank, generation, span end of the worker's arena
 
-TO_WORKER = ("batch", "release", "stats", "shutdown", "kv_send", "kv_recv")
+TO_WORKER = ("batch", "release", "unexport", "stats", "shutdown", "kv_send", "kv_recv")
 TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error", "heartbeat", "emit")
 
 

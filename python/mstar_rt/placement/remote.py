@@ -109,8 +109,8 @@ class RemoteEngine(Engine):
             batch = queue.next_batch(engine, max_batch, poll)
             if batch is None:
                 continue
-            node, walk, items = batch
-            self.link.send_batch(node, walk, items)
+            self.link.send_batch(*batch)
+            del batch  # its values (a worker's exports among them) are not this thread's to keep
 
     def release(self, request_id: int) -> None:
         self.link.release(request_id)

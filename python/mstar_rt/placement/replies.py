@@ -67,7 +67,7 @@ def fail_for_death(rt: "PlacedRuntime", who: str, fix: str, inflight: dict, know
     running (the Conductor names their node) and then the other requests it held state for
     (naming that node), each once."""
     failed = set()
-    for item, (rid, _node) in inflight.items():
+    for item, (rid, _node, _holds) in inflight.items():
         failed.add(rid)
         rt.report(rt.conductor.fail_items([item], f"{who} while running it; {fix}"))
     for rid, node in known.items():

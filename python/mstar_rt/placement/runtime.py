@@ -24,6 +24,7 @@ from mstar_rt.engines.base import Engine
 from mstar_rt.placement.arena import sweep_stale
 from mstar_rt.placement.config import ModelSpec, NodeGroup, make_plan, read_config
 from mstar_rt.placement.channel import deferring, mark_hub_thread
+from mstar_rt.placement.direct import DIRECT_BYTES, direct_names
 from mstar_rt.placement.link import WorkerLink
 from mstar_rt.placement.ray_rank import RayLauncher, connect_ray, disconnect_ray
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
@@ -69,10 +70,9 @@ class _Hub:
         sock, header = self.sock, TO_PARENT_HEADER
         mark_hub_thread()
         while not self._stop:
-            if not sock.poll(1 if any(link.holds_releases for link in self.links.values())
-                             else 100):
+            if not sock.poll(1 if any(link.holds for link in self.links.values()) else 100):
                 for link in self.links.values():
-                    link.flush_posts(releases=True)
+                    link.flush_posts(held=True)
                 continue
             if self.inline:  # tensor frames stay in ZeroMQ's buffers until decoded
                 got = sock.recv_multipart(copy=False)
@@ -159,6 +159,11 @@ class PlacedRuntime(Runtime):
     and decode state move with it, over a gloo channel between the two workers that gives up
     after ``kv_timeout_s`` (placement/kv_moves.py, docs/disaggregation.md).
 
+    ``direct_bytes``: a tensor of at least this many bytes that a worker makes and only other
+    workers read goes to them through shared memory, not through this process (the parent
+    routes a handle; placement/direct.py); None: every tensor through the parent. Local worker
+    processes only.
+
     ``launcher``: ``"process"`` (local worker processes) or ``"ray"``: each worker rank is a
     Ray actor on any node of the cluster at ``ray_address`` (None: the cluster this process is
     connected to, or Ray's default) with the CPUs, GPUs and resources its NodeGroup asks for;
@@ -175,7 +180,7 @@ class PlacedRuntime(Runtime):
                  progress: bool = True, heartbeat_timeout_s: float = 10.0,
                  node_timeout_s: Optional[float] = None, segments: bool = True,
                  launcher: str = "process", ray_address: Optional[str] = None,
-                 kv_timeout_s: float = 60.0) -> None:
+                 kv_timeout_s: float = 60.0, direct_bytes: Optional[int] = DIRECT_BYTES) -> None:
         self._links: dict[int, WorkerLink] = {}
         self._remote_engines: list[RemoteEngine] = []
         self.kv_moves: Any = None
@@ -209,6 +214,11 @@ class PlacedRuntime(Runtime):
                              "ranks, which moves K/V between workers of one machine; "
                              "launcher='ray' is not supported for that (use 'process')")
         local_engines, worker_engines = split_engines(self.user_model, plan, engines or {})
+        # Ray actors may sit on other machines: no shared memory between them, tensors go
+        # through the parent there.
+        direct = ({} if launcher == "ray" or direct_bytes is None
+                  else direct_names(self.user_model, plan.node_rank, set(plan.workers)))
+        self.direct_names = direct
         seg_plan = self._segment_plan(plan) if segments else None
         self.segments_enabled = seg_plan is not None
         sweep_stale()
@@ -226,7 +236,8 @@ class PlacedRuntime(Runtime):
                 self._links[rank] = WorkerLink(self, rank_plan, model, self._zctx, self._workdir,
                                                self._hub.endpoint, tag, shm_bytes,
                                                ready_timeout_s, progress,
-                                               worker_engines.get(rank, {}), ray)
+                                               worker_engines.get(rank, {}), ray,
+                                               direct.get(rank, []), direct_bytes or 0)
             remote: dict[str, Engine] = {}
             for n, rank in plan.node_rank.items():
                 if rank in plan.workers:
@@ -315,8 +326,9 @@ class PlacedRuntime(Runtime):
     @property
     def workers(self) -> dict[int, dict]:
         """Per worker rank: nodes, device, state (up / starting / down), pid, endpoint, shared
-        memory segments, restarts, last exit, items in flight and requests whose state it
-        holds."""
+        memory segments, restarts, last exit, items in flight, requests whose state it holds,
+        the value names it hands to other workers directly (``direct``) and how many such
+        tensors it has (``exports``)."""
         return {rank: link.info() for rank, link in self._links.items()}
 
     def _link(self, rank: int) -> WorkerLink:

@@ -26,6 +26,7 @@ from mstar_rt import _core
 from mstar_rt.malloc_tuning import tune_malloc
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder
+from mstar_rt.placement.direct import ExportArena, PeerArenas, mark_exports
 from mstar_rt.placement.config import ModelSpec
 from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.protocol import (
@@ -52,14 +53,18 @@ class Outbox:
     """Sends to the parent from any thread: one lock keeps arena allocations in message order."""
 
     def __init__(self, sock: zmq.Socket, arena: Optional[ShmArena | InlineArena], rank: int,
-                 gen: int) -> None:
+                 gen: int, exports: Optional[ExportArena] = None,
+                 direct: frozenset = frozenset(), direct_bytes: int = 0) -> None:
         self._sock, self._arena, self.rank, self.gen = sock, arena, rank, gen
-        self._encoder = Encoder(arena)
+        self._exports, self._direct, self._direct_bytes = exports, direct, direct_bytes
+        self._encoder = Encoder(arena, exports=exports, rank=rank, gen=gen)
         self._plain = Encoder(None)
         self._lock = threading.Lock()
 
     def send(self, kind: str, **fields: Any) -> None:
         msg = {"v": VERSION, "kind": kind, "rank": self.rank, "gen": self.gen, **fields}
+        if kind == "done" and self._exports is not None:  # large tensors other workers read
+            msg["outputs"] = mark_exports(fields["outputs"], self._direct, self._direct_bytes)
         with self._lock:
             if self._arena is None:
                 self._sock.send_multipart([TO_PARENT_HEADER.pack(self.rank, self.gen, 0),
@@ -70,6 +75,8 @@ class Outbox:
                 payload = self._encoder.pack(msg)
             except (CodecError, ArenaFull) as e:
                 self._arena.rollback(mark)
+                if self._exports is not None:  # what it exported will never be read
+                    self._exports.free(self._encoder.exported)
                 if kind != "done" or len(fields["items"]) == 1:
                     failed = {"v": VERSION, "kind": "failed", "rank": self.rank, "gen": self.gen,
                               "items": list(fields.get("items", ())),
@@ -105,6 +112,8 @@ class Worker:
         self.p2w: Optional[ShmArena | InlineArena] = None
         self.w2p: Optional[ShmArena | InlineArena] = None
         self.outbox = Outbox(self.push, None, self.rank, self.gen)
+        self.exports: Optional[ExportArena] = None
+        self.peers: Optional[PeerArenas] = None
         self.router: Optional[zmq.Socket] = None
         self.host: Any = None
         self.moves: Any = None
@@ -120,8 +129,13 @@ class Worker:
             self.p2w, self.w2p = InlineArena(), InlineArena()
         else:
             self.p2w, self.w2p = ShmArena.attach(cfg["p2w"]), ShmArena.attach(cfg["w2p"])
-        self.outbox = Outbox(self.push, self.w2p, self.rank, self.gen)
-        self.decoder, self.plain = Decoder(self.p2w), Decoder(None)
+        if cfg.get("out"):  # tensors this worker makes for other workers (placement/direct.py)
+            self.exports = ExportArena(ShmArena.attach(cfg["out"]))
+        self.outbox = Outbox(self.push, self.w2p, self.rank, self.gen, self.exports,
+                             frozenset(cfg.get("direct") or ()), int(cfg.get("direct_bytes", 0)))
+        if not self.inline and cfg.get("shm_prefix"):  # other workers' exports, read on demand
+            self.peers = PeerArenas(cfg["shm_prefix"])
+        self.decoder, self.plain = Decoder(self.p2w, remote_arena=self.peers), Decoder(None)
         say(f"building {cfg['factory']} for nodes {cfg['nodes']} on {cfg['device']}")
         model = ModelSpec(cfg["factory"], cfg["kwargs"]).build()
         from mstar_rt.placement.host import WorkerHost
@@ -225,9 +239,13 @@ class Worker:
         if kind == "batch":
             if msg.get("release"):  # requests that ended since the last batch
                 self.release(int_list(msg, "release"), from_parent, kind)
+            if msg.get("unexport"):
+                self.unexport(int_list(msg, "unexport"), from_parent, kind)
             self.batch(msg, from_parent)
         elif kind == "release":
             self.release(int_list(msg, "requests"), from_parent, kind)
+        elif kind == "unexport":
+            self.unexport(int_list(msg, "keys"), from_parent, kind)
         elif kind == "stats":
             token = field(msg, "token", int)
             self.only_parent(from_parent, kind)
@@ -245,6 +263,12 @@ class Worker:
         for rid in rids:
             self.host.release(rid)
             self.moves.release(rid)
+
+    def unexport(self, keys: list[int], from_parent: bool, kind: str) -> None:
+        """The parent holds no handle of these exports any more: their bytes are free."""
+        self.only_parent(from_parent, kind)
+        if self.exports is not None:
+            self.exports.free(keys)
 
     def fail_named_items(self, payload: bytes, error: Exception) -> None:
         """The parent's message could not be taken as a whole (its tensors, or its span end, are
@@ -340,14 +364,15 @@ class Worker:
     def stats(self) -> dict:
         return dict(self.host.stats(), **self.moves.stats(), pid=os.getpid(), rank=self.rank,
                     gen=self.gen, messages=self.messages, bad_messages=self.bad_messages,
-                    p2w_bytes_in_use=self.p2w.in_use, w2p_bytes_in_use=self.w2p.in_use)
+                    p2w_bytes_in_use=self.p2w.in_use, w2p_bytes_in_use=self.w2p.in_use,
+                    export_bytes_in_use=0 if self.exports is None else self.exports.in_use)
 
     # ---- shutdown ----------------------------------------------------------------------------
 
     def orphan_cleanup(self) -> None:  # a local worker process only
         """The parent died without closing us: remove what it would have removed -- our arenas
         and its socket directory (everything in it was the dead parent's)."""
-        for arena in (self.p2w, self.w2p):
+        for arena in (self.p2w, self.w2p, self.exports and self.exports.arena):
             if arena is not None:
                 arena.unlink()
         workdir = os.path.dirname(self.cfg["endpoint"].removeprefix("ipc://"))
@@ -364,9 +389,11 @@ class Worker:
             self.router.close(0)
         self.push.close(2000)
         self.ctx.term()
-        for arena in (self.p2w, self.w2p):
+        for arena in (self.p2w, self.w2p, self.exports and self.exports.arena):
             if arena is not None:
                 arena.close()
+        if self.peers is not None:
+            self.peers.close()
 
 
 def _item_ids(items: Any) -> list[int]:

@@ -1,0 +1,147 @@
+"""Tensors worker to worker (placement/direct.py): a large tensor one worker makes and only
+another worker reads crosses through shared memory, the parent routing a handle; outputs equal
+the in-process run, the producer's export arena empties once the handles are gone (also when
+the reader dies), and everything else still goes through the parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from mstar_rt import EMIT, GraphEdge, GraphNode, Model, NodeSubmodule, Runtime, Sequential
+from mstar_rt.placement import NodeGroup, PlacedRuntime
+from mstar_rt.placement.codec import CodecError, Decoder, Encoder
+from mstar_rt.placement.direct import RemoteTensor, direct_names
+
+from walk_models import wait_until
+
+T = 30.0
+N = 1 << 18  # float32 elements: 1 MiB
+
+
+class Make(NodeSubmodule):
+    """``big = x * arange(N)`` (1 MiB), and a small tensor beside it."""
+
+    def forward(self, batch: list[dict]) -> list[dict]:
+        return [{"big": b["x"] * torch.arange(N, dtype=torch.float32), "small": b["x"] + 1}
+                for b in batch]
+
+
+class Use(NodeSubmodule):
+    """``y = big.sum() + small``; sleeps ``pause_s`` first (a reader that is still busy)."""
+
+    pause_s = 0.0
+
+    def forward(self, batch: list[dict]) -> list[dict]:
+        time.sleep(self.pause_s)
+        return [{"y": b["big"].sum().reshape(1) + b["small"], "pid": os.getpid()} for b in batch]
+
+
+class Pipe(Model):
+    inputs = ("x",)
+
+    def __init__(self, pause_s: float = 0.0) -> None:
+        use = Use()
+        use.pause_s = pause_s
+        self.nodes = [GraphNode("make", ["x"], ["big", "small"], submodule=Make()),
+                      GraphNode("use", ["big", "small"], [GraphEdge(EMIT, "y"),
+                                                          GraphEdge(EMIT, "pid")],
+                                submodule=use)]
+        self.walks = {"main": Sequential("make", "use")}
+
+
+def pipe(pause_s: float = 0.0) -> Pipe:
+    return Pipe(pause_s)
+
+
+GROUPS = [NodeGroup(["make"], rank=1), NodeGroup(["use"], rank=2)]
+
+
+def expected(x: float) -> torch.Tensor:
+    return (x * torch.arange(N, dtype=torch.float32)).sum().reshape(1) + (x + 1)
+
+
+def test_direct_names_follow_the_readers():
+    class G(Model):
+        inputs = ("x",)
+        nodes = [GraphNode("a", ["x"], ["v", "w", GraphEdge("c", "u"), GraphEdge("b", "p", True)]),
+                 GraphNode("b", ["v", "p"], ["z"]),
+                 GraphNode("c", ["w", "u"], [GraphEdge(EMIT, "w2"), "z2"]),
+                 GraphNode("d", ["z", "z2"], [GraphEdge(EMIT, "out")])]
+        walks = {"main": Sequential("a", "b", "c", "d")}
+
+    ranks = {"a": 1, "b": 2, "c": 3, "d": 0}
+    # v: read on rank 2 only; w and u: on rank 3; p is persisted; z, z2: read by the parent
+    assert direct_names(G(), ranks, {1, 2, 3}) == {1: ["u", "v", "w"]}
+    ranks["c"] = 1  # w and u now read on their maker's own rank
+    assert direct_names(G(), ranks, {1, 2, 3}) == {1: ["v"]}
+    ranks["b"] = 0  # v read by the parent
+    assert direct_names(G(), ranks, {1, 2, 3}) == {}
+
+
+@pytest.fixture(scope="module")
+def placed():
+    rt = PlacedRuntime("test_placement_direct:pipe", GROUPS, progress=False, shm_bytes=16 << 20)
+    yield rt
+    rt.close()
+
+
+def test_a_large_tensor_goes_worker_to_worker_and_equals_in_process(placed):
+    assert placed.workers[1]["direct"] == ["big", "small"]  # small stays below direct_bytes
+    with Runtime(pipe()) as local:
+        ref = local.submit({"x": torch.tensor([2.0])}).result(T)["y"][0]
+    before = placed.workers[1]["exports"]
+    handles = [placed.submit({"x": torch.tensor([float(i)])}) for i in range(12)]
+    outs = [h.result(T)["y"][0] for h in handles]
+    assert torch.equal(outs[2], ref)
+    assert all(torch.allclose(o, expected(float(i))) for i, o in enumerate(outs))
+    assert placed.workers[1]["exports"] - before == 12  # each big tensor crossed as a handle
+    # every handle is gone: the producer's arena empties (the unexports leave when idle)
+    assert wait_until(lambda: placed.worker_stats(1)["export_bytes_in_use"] == 0, T)
+
+
+def test_without_direct_every_tensor_goes_through_the_parent():
+    rt = PlacedRuntime("test_placement_direct:pipe", GROUPS, progress=False, direct_bytes=None)
+    try:
+        assert torch.allclose(rt.submit({"x": torch.tensor([3.0])}).result(T)["y"][0],
+                              expected(3.0))
+        assert rt.workers[1]["direct"] == [] and rt.workers[1]["exports"] == 0
+    finally:
+        rt.close()
+
+
+def test_a_dead_reader_frees_the_producers_exports():
+    rt = PlacedRuntime("test_placement_direct:pipe", GROUPS, progress=False,
+                       model_kwargs={"pause_s": 30.0})
+    try:
+        handles = [rt.submit({"x": torch.tensor([1.0])}) for _ in range(3)]
+        assert wait_until(lambda: rt.workers[1]["exports"] == 3, T)
+        assert rt.worker_stats(1)["export_bytes_in_use"] >= 3 * N * 4
+        os.kill(rt.workers[2]["pid"], signal.SIGKILL)
+        for h in handles:
+            with pytest.raises(Exception, match="rank 2"):
+                h.result(T)
+        assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
+    finally:
+        rt.close()
+
+
+def test_remote_headers_are_checked():
+    enc = Encoder(None)
+    freed = []
+    handle = RemoteTensor([1, 0, 64, 0, 16, 0, "float32", [4]], lambda g, k: freed.append(k))
+    payload = enc.pack({"v": handle})
+    with pytest.raises(CodecError, match="cannot arrive here"):
+        Decoder(None).unpack(payload)
+    got = Decoder(None, remote=lambda h: h).unpack(payload)
+    assert got["v"] == [1, 0, 64, 0, 16, 0, "float32", [4]]
+    bad = enc.pack({"v": RemoteTensor([1, 0, 64, 0, 12, 0, "float32", [4]], lambda g, k: None)})
+    with pytest.raises(CodecError, match="needs 16 bytes"):
+        Decoder(None, remote=lambda h: h).unpack(bad)
+    del handle
+    assert freed == [64]
