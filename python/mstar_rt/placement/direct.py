@@ -130,10 +130,6 @@ class RemoteTensor:
     def __init__(self, header: list, on_free: Callable[[int, int], None]) -> None:
         self.header, self._on_free = header, on_free
 
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.header[7])
-
     def __repr__(self) -> str:
         return (f"RemoteTensor(rank={self.header[0]}, dtype={self.header[6]}, "
                 f"shape={list(self.header[7])})")
