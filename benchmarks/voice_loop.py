@@ -66,7 +66,7 @@ class Talkative:
 class Baseline:
     """The blocking loop, on its own thread; ``done`` counts finished turns."""
 
-    def __init__(self, devices, tts, responder) -> None:
+    def __init__(self, devices, tts, responder, output_latency: float) -> None:
         from mstar_rt.audio.agent import RATE, WINDOW
         from mstar_rt.audio.asr import ROBOT_COMMANDS_JSGF, PocketSphinxASR
         from mstar_rt.audio.listen import CaptureClock
@@ -77,7 +77,7 @@ class Baseline:
         self.inp = devices.AudioInput(48000, blocksize=480, pulse_source="mstar_mic.monitor",
                                       target_rate=RATE, ring_seconds=8.0)
         self.out = devices.AudioOutput(48000, blocksize=480, pulse_sink="mstar_spk",
-                                       source_rate=tts.sample_rate, latency=0.1,
+                                       source_rate=tts.sample_rate, latency=output_latency,
                                        ring_seconds=60.0)
         quiet = np.zeros(RATE // 2, np.float32)  # warm up as the agent does
         self.asr.recognize(quiet)
@@ -208,6 +208,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="10 turns per system instead of 18")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--output-latency", type=float, default=0.1,
+                    help="output device buffering in seconds, the same for both systems")
     args = ap.parse_args()
     subprocess.run(["bash", str(ROOT / "scripts/virtual_audio.sh"), "start"], check=True,
                    timeout=60, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
@@ -230,6 +232,7 @@ def main() -> int:
     mic, spk = Tap(devices, "mstar_mic.monitor"), Tap(devices, "mstar_spk.monitor")
     records: list[dict] = []
     all_turns: dict[str, list] = {"agent": [], "baseline": []}
+    xruns = {"agent": 0, "baseline": 0}  # the output device's own underflows (clicks)
     try:
         mic.wait_flowing()
         spk.wait_flowing()
@@ -238,13 +241,16 @@ def main() -> int:
                          else ("baseline", "agent")):
                 if kind == "agent":
                     system = open_agent("mstar_mic.monitor", "mstar_spk", tts=tts,
-                                        responder=responder)
+                                        responder=responder, output_latency=args.output_latency)
                     system.start()
                 else:
-                    system = Baseline(devices, tts, responder)
+                    system = Baseline(devices, tts, responder, args.output_latency)
                 time.sleep(0.5)
+                out = system.owned[1] if kind == "agent" else system.out
+                x0 = out.flag_counts["output_underflow"]
                 try:
                     run_turns(kind, system, plan[b:b + block], mic, spk, records, all_turns)
+                    xruns[kind] += out.flag_counts["output_underflow"] - x0
                 finally:
                     system.stop() if kind == "agent" else system.close()
     finally:
@@ -263,6 +269,7 @@ def main() -> int:
         figures[f"turns_measured_{kind}"] = int(len(good))
         figures[f"recognized_exact_{kind}"] = sum(r["recognized"] == r["command"] for r in rs)
         figures[f"underruns_{kind}"] = int(sum(max(r["underruns"], 0) for r in rs))
+        figures[f"device_underflows_{kind}"] = xruns[kind]
     from mstar_rt.audio.turns import STAGES, STAGE_DOC, VoiceStats
 
     stats = {kind: VoiceStats(all_turns[kind]).summary() for kind in ("agent", "baseline")}
@@ -277,15 +284,16 @@ def main() -> int:
     figures["endpoint_p50_ms_agent"] = stats["agent"]["endpoint_p50_ms"]
     ratios = {"v2v_latency_baseline_over_agent": (b / a) if a and b else None}
     result = {"name": "voice_loop", "quick": args.quick, "machine": machine(),
+              "output_latency_s": args.output_latency,
               "tts": type(tts).__name__, "figures": figures, "ratios": ratios, "turns": records}
 
     print(f"\n{'system':<10}{'turns':>6}{'exact':>7}{'v2v p50 ms':>12}{'p90 ms':>9}"
-          f"{'underruns':>11}")
+          f"{'underruns':>11}{'device xruns':>14}")
     for kind in ("agent", "baseline"):
         print(f"{kind:<10}{figures[f'turns_{kind}']:>6}{figures[f'recognized_exact_{kind}']:>7}"
               f"{figures[f'v2v_latency_p50_ms_{kind}'] or float('nan'):>12.0f}"
               f"{figures[f'v2v_latency_p90_ms_{kind}'] or float('nan'):>9.0f}"
-              f"{figures[f'underruns_{kind}']:>11}")
+              f"{figures[f'underruns_{kind}']:>11}{figures[f'device_underflows_{kind}']:>14}")
     print(f"\n{'stage (p50 ms, own clock)':<27}{'agent':>8}{'baseline':>10}  ends at")
     for st in STAGES:
         va, vb = stats["agent"][f"{st}_p50_ms"], stats["baseline"][f"{st}_p50_ms"]

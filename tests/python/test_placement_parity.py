@@ -88,6 +88,8 @@ def test_a_worker_serves_its_queue_by_deadline_like_the_conductor(placed_walk):
     inp = pipeline_inputs(1)[0]
     blocker = placed_walk.submit({**inp, "delay": 1.0})  # the queue fills meanwhile
     assert wait_until(lambda: placed_walk.workers[1]["inflight_items"] == 1, timeout=T)
+    # the worker starts it alone: lazy items arriving with it would be batched with it
+    time.sleep(0.3)
     lazy = [placed_walk.submit({**inp, "delay": 0.1}) for _ in range(6)]
     assert wait_until(lambda: placed_walk.workers[1]["inflight_items"] == 7, timeout=T)
     urgent = placed_walk.submit({**inp, "delay": 0.1}, deadline=0.05)  # shipped last
