@@ -198,9 +198,12 @@ def run_turns(kind, system, wavs, mic, spk, records, all_turns) -> None:
                         "partial": getattr(turn, "partial", ""),
                         "wasted_preemptive_s": turn.wasted_preemptive_s if turn else 0.0,
                         "stages_s": stages})
+        marks = ("submitted", "recognized_at", "replied_at", "first_audio", "first_write",
+                 "first_dac")
+        missing = [m for m in marks if turn is not None and np.isnan(getattr(turn, m))]
         print(f"  {kind:<9}{cmd!r:<30} heard {text!r:<30} v2v {1e3 * v2v:7.0f} ms  "
-              f"underruns {under}  stages " + " ".join(f"{1e3 * v:.0f}" for v in stages.values()),
-              flush=True)
+              f"underruns {under}  stages " + " ".join(f"{1e3 * v:.0f}" for v in stages.values())
+              + (f"  (no {', '.join(missing)})" if missing else ""), flush=True)
         time.sleep(0.3)
 
 
@@ -232,7 +235,8 @@ def main() -> int:
     mic, spk = Tap(devices, "mstar_mic.monitor"), Tap(devices, "mstar_spk.monitor")
     records: list[dict] = []
     all_turns: dict[str, list] = {"agent": [], "baseline": []}
-    xruns = {"agent": 0, "baseline": 0}  # the output device's own underflows (clicks)
+    # the output device's own underflows (its callback came late): all, and with a reply playing
+    xruns = {k: [0, 0] for k in ("agent", "baseline")}
     try:
         mic.wait_flowing()
         spk.wait_flowing()
@@ -247,10 +251,11 @@ def main() -> int:
                     system = Baseline(devices, tts, responder, args.output_latency)
                 time.sleep(0.5)
                 out = system.owned[1] if kind == "agent" else system.out
-                x0 = out.flag_counts["output_underflow"]
+                x0 = (out.flag_counts["output_underflow"], out.audible_xruns)
                 try:
                     run_turns(kind, system, plan[b:b + block], mic, spk, records, all_turns)
-                    xruns[kind] += out.flag_counts["output_underflow"] - x0
+                    xruns[kind][0] += out.flag_counts["output_underflow"] - x0[0]
+                    xruns[kind][1] += out.audible_xruns - x0[1]
                 finally:
                     system.stop() if kind == "agent" else system.close()
     finally:
@@ -269,7 +274,7 @@ def main() -> int:
         figures[f"turns_measured_{kind}"] = int(len(good))
         figures[f"recognized_exact_{kind}"] = sum(r["recognized"] == r["command"] for r in rs)
         figures[f"underruns_{kind}"] = int(sum(max(r["underruns"], 0) for r in rs))
-        figures[f"device_underflows_{kind}"] = xruns[kind]
+        figures[f"device_underflows_{kind}"], figures[f"audible_xruns_{kind}"] = xruns[kind]
     from mstar_rt.audio.turns import STAGES, STAGE_DOC, VoiceStats
 
     stats = {kind: VoiceStats(all_turns[kind]).summary() for kind in ("agent", "baseline")}
@@ -288,12 +293,13 @@ def main() -> int:
               "tts": type(tts).__name__, "figures": figures, "ratios": ratios, "turns": records}
 
     print(f"\n{'system':<10}{'turns':>6}{'exact':>7}{'v2v p50 ms':>12}{'p90 ms':>9}"
-          f"{'underruns':>11}{'device xruns':>14}")
+          f"{'underruns':>11}{'device xruns (audible)':>24}")
     for kind in ("agent", "baseline"):
         print(f"{kind:<10}{figures[f'turns_{kind}']:>6}{figures[f'recognized_exact_{kind}']:>7}"
               f"{figures[f'v2v_latency_p50_ms_{kind}'] or float('nan'):>12.0f}"
               f"{figures[f'v2v_latency_p90_ms_{kind}'] or float('nan'):>9.0f}"
-              f"{figures[f'underruns_{kind}']:>11}{figures[f'device_underflows_{kind}']:>14}")
+              f"{figures[f'underruns_{kind}']:>11}{figures[f'device_underflows_{kind}']:>14}"
+              f" ({figures[f'audible_xruns_{kind}']})")
     print(f"\n{'stage (p50 ms, own clock)':<27}{'agent':>8}{'baseline':>10}  ends at")
     for st in STAGES:
         va, vb = stats["agent"][f"{st}_p50_ms"], stats["baseline"][f"{st}_p50_ms"]

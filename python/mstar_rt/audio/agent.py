@@ -25,6 +25,7 @@ Every turn records when each stage finished (:class:`~mstar_rt.audio.turns.Turn`
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -434,15 +435,30 @@ class VoiceAgent:
                 turn.first_write = time.monotonic()
             turn.written_frames += n
             pending = next(chunks, None)
+            if math.isnan(turn.first_dac):  # a long reply outlasts the callback log
+                turn.first_dac = dac_time(out, first_frame)
         chunks.close()
         out.end()
+        if first_frame is not None and turn.written_frames and math.isnan(turn.first_dac):
+            # timed as soon as it plays: the callback log keeps only ~10 s of blocks
+            turn.first_dac = self._played_at(first_frame)
         if not self._cancel.is_set() and turn.written_frames:
             # Stay "current" (barge-in target) until played; the device needs the frames.
             out.drain(timeout=self.reply_timeout)
             time.sleep(max(out.latency, 0.0))
         turn.underruns = out.underruns - under0
-        if first_frame is not None and turn.written_frames:
+        if first_frame is not None and turn.written_frames and math.isnan(turn.first_dac):
             turn.first_dac = dac_time(out, first_frame)
+
+    def _played_at(self, frame: int, timeout: float = 2.0) -> float:
+        """When the device played output frame ``frame``; NaN on barge-in or ``timeout``."""
+        end = time.monotonic() + timeout
+        while not self._cancel.is_set():
+            t = dac_time(self.output, frame)
+            if not math.isnan(t) or time.monotonic() > end:
+                return t
+            time.sleep(0.005)
+        return float("nan")
 
 
 def open_agent(mic_source: Optional[str] = None, speaker_sink: Optional[str] = None,

@@ -139,6 +139,8 @@ class AudioOutput(_Stream):
         self.underruns = 0  # blocks short of samples mid-utterance
         self.underrun_frames = 0
         self.idle_blocks = 0  # blocks with nothing queued and no utterance open
+        # device underflows (the callback came late) with a reply playing: audible gaps
+        self.audible_xruns = 0
         if device is None and pulse_sink is not None:
             device = "pulse"
         with _pulse_env("PULSE_SINK", pulse_sink):
@@ -188,6 +190,8 @@ class AudioOutput(_Stream):
             filled += n
         self._read_pos += filled
         self.played += filled
+        if status.output_underflow and (filled or self._open):
+            self.audible_xruns += 1
         if filled < frames:
             outdata[filled:].fill(0)
             if self._open:
@@ -292,6 +296,7 @@ class AudioOutput(_Stream):
         return {"played": self.played, "written": self._write_pos, "flushed": self.flushed,
                 "queued": self.queued, "underruns": self.underruns,
                 "underrun_frames": self.underrun_frames, "idle_blocks": self.idle_blocks,
+                "audible_xruns": self.audible_xruns,
                 "callbacks": self.callbacks, "flags": dict(self.flag_counts)}
 
 

@@ -94,7 +94,7 @@ class Endpointer:
     def __init__(self, start_threshold: float = 0.5, end_threshold: float = 0.35,
                  min_speech_ms: float = 96, min_silence_ms: float = 320, pad_ms: float = 160,
                  sample_rate: int = 16000, window: int = 512, pauses: bool = False,
-                 complete_silence_ms: float = 160, segments: bool = False) -> None:
+                 complete_silence_ms: float = 128, segments: bool = False) -> None:
         if not 0.0 <= end_threshold <= start_threshold <= 1.0:
             raise ValueError("need 0 <= end_threshold <= start_threshold <= 1, got "
                              f"{end_threshold} and {start_threshold}")
