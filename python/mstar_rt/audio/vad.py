@@ -80,7 +80,9 @@ class Endpointer:
     """Turns per-window speech probabilities into utterance start/end events.
 
     Speech starts once ``min_speech_ms`` of consecutive windows reach ``start_threshold`` (a
-    shorter burst — a click — starts nothing); it ends once ``min_silence_ms`` of consecutive
+    shorter burst — a click — starts nothing, but one that ends at most ``merge_gap_ms`` before
+    the speech that does start is taken as its beginning: a short first word, "put" in "put
+    down the box", often stays under ``min_speech_ms`` and would otherwise be cut); it ends once ``min_silence_ms`` of consecutive
     windows fall below ``end_threshold`` (hysteresis: in between keeps the current state). The
     "end" event carries the utterance audio with ``pad_ms`` of context on each side (the trailing
     pad is limited to the silence already seen, i.e. ``min_silence_ms``).
@@ -94,7 +96,8 @@ class Endpointer:
     def __init__(self, start_threshold: float = 0.5, end_threshold: float = 0.35,
                  min_speech_ms: float = 96, min_silence_ms: float = 320, pad_ms: float = 160,
                  sample_rate: int = 16000, window: int = 512, pauses: bool = False,
-                 complete_silence_ms: float = 128, segments: bool = False) -> None:
+                 complete_silence_ms: float = 128, segments: bool = False,
+                 merge_gap_ms: float = 160) -> None:
         if not 0.0 <= end_threshold <= start_threshold <= 1.0:
             raise ValueError("need 0 <= end_threshold <= start_threshold <= 1, got "
                              f"{end_threshold} and {start_threshold}")
@@ -109,14 +112,19 @@ class Endpointer:
         self._complete_windows = min(self._silence_windows,
                                      max(1, math.ceil(complete_silence_ms * ms / window)))
         self._pad = int(round(pad_ms * ms))
-        # Before speech: enough recent windows for the leading pad plus a pending start.
-        self._history = self._speech_windows + math.ceil(self._pad / window) + 1
+        self._merge_gap = int(round(merge_gap_ms * ms))
+        # Before speech: enough recent windows for the leading pad plus a pending start, and a
+        # short burst merged into it (at most min_speech_ms long, merge_gap_ms before it).
+        self._history = (2 * self._speech_windows + math.ceil(self._pad / window)
+                         + math.ceil(self._merge_gap / window) + 1)
         self.reset()
 
     def reset(self) -> None:
         self._pos = 0  # stream position of the next window
         self._speaking = False
         self._run = 0  # consecutive windows counting toward a start (idle) or an end (speaking)
+        self._run_start = 0  # idle: where the current run (or a burst merged into it) began
+        self._burst: Optional[tuple[int, int]] = None  # idle: the last short burst [start, end)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._history)
         # (position, window) from the leading pad on, while speaking
         self._utterance: list[tuple[int, np.ndarray]] = []
@@ -153,10 +161,19 @@ class Endpointer:
         events: list[VADEvent] = []
         if not self._speaking:
             self._recent.append((pos, x))
-            self._run = self._run + 1 if prob >= self.start_threshold else 0
+            if prob >= self.start_threshold:
+                if self._run == 0:
+                    burst = self._burst
+                    near = burst is not None and pos - burst[1] <= self._merge_gap
+                    self._run_start = burst[0] if near else pos
+                self._run += 1
+            else:
+                if self._run:
+                    self._burst = (self._run_start, pos)
+                self._run = 0
             if self._run >= self._speech_windows:
-                self._speaking, self._run = True, 0
-                self._start = self._recent[-self._speech_windows][0]
+                self._speaking, self._run, self._burst = True, 0, None
+                self._start = max(self._run_start, self._recent[0][0])  # within the history
                 first = max(0, self._start - self._pad)
                 self._utterance = [(p, w) for p, w in self._recent if p + len(w) > first]
                 self._recent.clear()
@@ -209,7 +226,7 @@ class Endpointer:
         clip = self._clip(end)
         # The trailing silence is the next utterance's leading pad.
         self._recent.extend(self._utterance[-self._history:])
-        self._speaking, self._run, self._utterance = False, 0, []
+        self._speaking, self._run, self._utterance, self._burst = False, 0, [], None
         self._complete_at = -1
         if self.segments:
             self._held = []
