@@ -4,6 +4,8 @@ with what to do instead; the HTTP request bodies check themselves the same way."
 
 from __future__ import annotations
 
+import inspect
+
 import os
 from pathlib import Path
 
@@ -130,6 +132,27 @@ def test_serving_config_reads_kv_cache_and_placement_options():
 
 
 # ---- request bodies ----------------------------------------------------------------------------
+
+def test_placement_options_reach_every_placed_runtime_setting():
+    from mstar_rt.config import PlacementOptions
+    from mstar_rt.placement import PlacedRuntime
+
+    opts = PlacementOptions(segments=False, kv_timeout_s=5, direct_bytes=1 << 20)
+    assert opts.given() == {"segments": False, "kv_timeout_s": 5.0, "direct_bytes": 1 << 20}
+    assert PlacementOptions(direct=False).given() == {"direct_bytes": None}  # off
+    assert PlacementOptions(direct=True).given() == {}  # PlacedRuntime's default size
+    with pytest.raises(ValueError, match="direct_bytes"):
+        read_placement({"model": "placement_models:pipeline", "direct": False,
+                        "direct_bytes": 4096})
+    with pytest.raises(ValueError, match="direct_bytes"):
+        PlacementOptions(direct_bytes=0)
+    params = set(inspect.signature(PlacedRuntime.__init__).parameters) - {"self"}
+    settings = set(PlacementOptions.model_fields) - {"direct"}
+    assert settings <= params, settings - params
+    # what the config leaves to the Python caller: objects and what the file itself gives
+    assert params - settings == {"model", "node_groups", "model_kwargs", "engines"}, \
+        params - settings
+
 
 def test_request_bodies_name_the_field_to_fix():
     ok = parse(SpeechBody, {"input": "hi", "response_format": None})

@@ -106,7 +106,10 @@ def test_a_large_tensor_goes_worker_to_worker_and_equals_in_process(placed):
 
 
 def test_without_direct_every_tensor_goes_through_the_parent():
-    rt = PlacedRuntime("test_placement_direct:pipe", GROUPS, progress=False, direct_bytes=None)
+    """``direct: false`` in the config (``direct_bytes=None`` in Python)."""
+    rt = PlacedRuntime.from_config({
+        "model": "test_placement_direct:pipe", "direct": False, "progress": False,
+        "node_groups": [{"nodes": ["make"], "rank": 1}, {"nodes": ["use"], "rank": 2}]})
     try:
         assert torch.allclose(rt.submit({"x": torch.tensor([3.0])}).result(T)["y"][0],
                               expected(3.0))

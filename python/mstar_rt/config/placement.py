@@ -147,6 +147,12 @@ class PlacementOptions(Section):
     node_timeout_s: Optional[Seconds] = None
     launcher: Optional[str] = None
     ray_address: Optional[str] = None
+    segments: Optional[Flag] = None
+    kv_timeout_s: Optional[Seconds] = None
+    # tensors worker to worker (docs/placement.md): ``direct: false`` routes every tensor
+    # through the parent; ``direct_bytes`` is the least size that goes directly
+    direct: Optional[Flag] = None
+    direct_bytes: Optional[PositiveInt] = None
 
     @field_validator("launcher")
     @classmethod
@@ -166,7 +172,16 @@ class PlacementOptions(Section):
     def given(self) -> dict[str, Any]:
         """The options the config sets, as PlacedRuntime keyword arguments."""
         values = {k: getattr(self, k) for k in PlacementOptions.model_fields}
-        return {k: v for k, v in values.items() if v is not None}
+        given = {k: v for k, v in values.items() if v is not None}
+        if given.pop("direct", True) is False:
+            given["direct_bytes"] = None  # PlacedRuntime's "off"
+        return given
+
+    @model_validator(mode="after")
+    def _direct_once(self) -> "PlacementOptions":
+        if self.direct is False and self.direct_bytes is not None:
+            raise KeyProblem("direct_bytes", "is set with direct: false; give one of them")
+        return self
 
 
 class ModelAndGroups(Section):
