@@ -190,7 +190,7 @@ class AudioOutput(_Stream):
             filled += n
         self._read_pos += filled
         self.played += filled
-        if status.output_underflow and (filled or self._open):
+        if status and status.output_underflow and (filled or self._open):
             self.audible_xruns += 1
         if filled < frames:
             outdata[filled:].fill(0)

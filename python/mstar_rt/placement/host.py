@@ -224,10 +224,9 @@ class WorkerHost:
         engine = self._engine_list[engine_id]
         quick = self._node_s.get(node, 0.0) < INLINE_MAX_S
         if inline and quick and type(engine) is StatelessEngine and q.claim(engine_id):
-            try:
-                with engine.running:
-                    q.start(engine_id, node, items)
-                    engine.run_items(self, node, items)
+            try:  # the claim keeps the engine's own thread from taking a batch meanwhile
+                q.start(engine_id, node, items)
+                engine.run_items(self, node, items)
             finally:
                 q.unclaim(engine_id)
             return
