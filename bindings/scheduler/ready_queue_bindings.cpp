@@ -26,8 +26,7 @@ struct Queued {
 class PyReadyQueue {
  public:
   PyReadyQueue(std::size_t engines, std::vector<std::uint32_t> node_max_batch)
-      : queues_(engines), taken_(engines, 0), claimed_(engines, 0),
-        max_batch_(std::move(node_max_batch)) {
+      : queues_(engines), max_batch_(std::move(node_max_batch)) {
     if (engines == 0) throw py::value_error("ReadyQueue: needs at least one engine");
   }
 
@@ -43,48 +42,25 @@ class PyReadyQueue {
   }
 
   /// (node, walk, [items]) of the most urgent node and walk, up to min(max_batch, the node's
-  /// limit) items; None after `timeout_s` or shutdown(). Called by the engine's one thread, so a
-  /// call means its previous batch is done.
+  /// limit) items; None after `timeout_s` or shutdown().
   py::object next_batch(std::size_t engine, std::size_t max_batch, double timeout_s) {
     if (engine >= queues_.size()) throw py::value_error("ReadyQueue.next_batch: unknown engine");
     auto& q = queues_[engine];
     {
       py::gil_scoped_release nogil;
       std::unique_lock<std::mutex> lock(mu_);
-      taken_[engine] = 0;
       // An hour is "forever" for a worker loop (wait_for(max) would overflow).
       const auto timeout = std::min<Timeout>(to_timeout(timeout_s), std::chrono::hours(1));
-      cv_.wait_for(lock, timeout, [&] { return stopping_ || ready(engine); });
+      cv_.wait_for(lock, timeout, [&] { return stopping_ || !q.empty(); });
     }
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ || !ready(engine)) return py::none();
+    if (stopping_ || q.empty()) return py::none();
     const std::uint32_t node = q.front().node, walk = q.front().walk;
     const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
                                                     max_batch_[node]);
     py::list items;
     q.take_batch(limit, [&](ReadyQueue<Queued>::Entry& e) { items.append(std::move(e.value.item)); });
-    taken_[engine] = 1;
     return py::make_tuple(node, walk, items);
-  }
-
-  /// True, and `engine` is claimed until unclaim(), when nothing is queued for any engine and
-  /// the engine's thread holds no batch: a batch that never went through the queue may then run
-  /// on another thread without overtaking anything or running beside the engine's own batch.
-  bool claim(std::size_t engine) {
-    if (engine >= queues_.size()) throw py::value_error("ReadyQueue.claim: unknown engine");
-    std::lock_guard<std::mutex> lock(mu_);
-    if (taken_[engine] || claimed_[engine]) return false;
-    for (const auto& q : queues_)
-      if (!q.empty()) return false;
-    claimed_[engine] = 1;
-    return true;
-  }
-
-  void unclaim(std::size_t engine) {
-    if (engine >= queues_.size()) throw py::value_error("ReadyQueue.unclaim: unknown engine");
-    std::lock_guard<std::mutex> lock(mu_);
-    claimed_[engine] = 0;
-    cv_.notify_all();
   }
 
   /// Drops the queued items of `request`; returns how many.
@@ -103,14 +79,6 @@ class PyReadyQueue {
     return n;
   }
 
-  /// While held, next_batch takes nothing: a burst of work put one item at a time is then
-  /// ordered as a whole, not taken a piece at a time as it arrives.
-  void hold(bool held) {
-    std::lock_guard<std::mutex> lock(mu_);
-    held_ = held;
-    if (!held) cv_.notify_all();
-  }
-
   void shutdown() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -119,17 +87,10 @@ class PyReadyQueue {
 
  private:
   std::vector<ReadyQueue<Queued>> queues_;
-  std::vector<char> taken_;    // per engine: its thread took a batch and has not come back
-  std::vector<char> claimed_;  // per engine: claim()ed by another thread
   std::vector<std::uint32_t> max_batch_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
-  bool held_ = false;
-
-  bool ready(std::size_t engine) const {  // with mu_ held
-    return !held_ && !claimed_[engine] && !queues_[engine].empty();
-  }
 };
 
 }  // namespace
@@ -147,9 +108,6 @@ next most urgent of the same node and walk (waiting without the GIL).)doc")
       .def("next_batch", &PyReadyQueue::next_batch, py::arg("engine"), py::arg("max_batch"),
            py::arg("timeout"))
       .def("purge", &PyReadyQueue::purge, py::arg("request"))
-      .def("claim", &PyReadyQueue::claim, py::arg("engine"))
-      .def("unclaim", &PyReadyQueue::unclaim, py::arg("engine"))
-      .def("hold", &PyReadyQueue::hold, py::arg("held"))
       .def("shutdown", &PyReadyQueue::shutdown)
       .def("__len__", &PyReadyQueue::size);
 }

@@ -79,37 +79,3 @@ def test_bad_engine_or_node_is_refused():
         put(q, 1, engine=3)
     with pytest.raises(ValueError, match="unknown node"):
         put(q, 1, node=4)
-
-
-def test_a_claim_needs_an_empty_queue_and_an_engine_with_no_batch_in_hand():
-    q = _core.ReadyQueue(2, [8])
-    put(q, 1, engine=1)
-    assert not q.claim(0)  # something queued (for any engine) would be overtaken
-    assert q.next_batch(1, 8, 0) == (0, 0, [("item", 1)])
-    assert not q.claim(1)  # engine 1's thread holds a batch until it asks for the next one
-    assert q.next_batch(1, 8, 0) is None
-    assert q.claim(1) and not q.claim(1)
-    put(q, 2, engine=1)
-    assert q.next_batch(1, 8, 0.02) is None  # claimed: its thread takes nothing meanwhile
-    got = []
-    t = threading.Thread(target=lambda: got.append(q.next_batch(1, 8, 5.0)))
-    t.start()
-    time.sleep(0.05)
-    q.unclaim(1)  # wakes the waiting thread
-    t.join(5)
-    assert got == [(0, 0, [("item", 2)])]
-
-
-def test_a_held_queue_gives_no_batch_until_the_whole_burst_is_in():
-    q = _core.ReadyQueue(1, [2])
-    q.hold(True)
-    got = []
-    t = threading.Thread(target=lambda: got.append(q.next_batch(0, 8, 5.0)))
-    t.start()
-    put(q, 1, request=5)
-    time.sleep(0.05)
-    put(q, 2, request=6, deadline=100)  # arrives last, goes first
-    assert not got
-    q.hold(False)
-    t.join(5)
-    assert got == [(0, 0, [("item", 2), ("item", 1)])]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -25,6 +26,8 @@ class Engine(abc.ABC):
         self.engine_id = -1
         self.nodes: tuple[int, ...] = ()
         self.name = ""
+        # Held while a batch runs: one batch of an engine at a time, on whichever thread runs it
+        self.running = threading.Lock()
 
     def attach(self, host: "EngineHost", engine_id: int, name: str, nodes: Sequence[int]) -> None:
         if self.host is not None and not self.host.closed:
@@ -69,11 +72,15 @@ class StatelessEngine(Engine):
             except Exception:  # a bug in the runtime itself: keep the worker alive
                 traceback.print_exc()
                 continue
-            self.turn(host, got)
+            if got[0] is None:
+                self.turn(host, got)
+            else:  # a batch for this thread to run; another thread may run this engine's too
+                with self.running:
+                    self.turn(host, got)
 
     def turn(self, host: "EngineHost", got: tuple) -> None:
         """Acts on one ``run_batch`` answer: reports what the queue ran itself (the Conductor's
-        bound nodes), runs a batch it handed back."""
+        bound nodes), runs a batch it handed back (hold ``running``)."""
         batch, outcome, finished = got
         if batch is None:
             if outcome is not None:
@@ -85,8 +92,9 @@ class StatelessEngine(Engine):
         self.run_items(host, node, items, outcome is None)
 
     def run_items(self, host: "EngineHost", node: int, items: list, whole: bool = True) -> None:
-        """Runs a batch taken from the queue and reports it; ``whole=False`` (a hook already
-        failed on the batch): item by item, so only the culprit's request fails."""
+        """Runs a batch taken from the queue and reports it (hold ``running``); ``whole=False``
+        (a hook already failed on the batch): item by item, so only the culprit's request
+        fails."""
         if whole:
             try:
                 self._report(host, [host.run(node, items)])

@@ -84,24 +84,15 @@ class LocalQueue:
     def engine_of(self, node: int) -> int:
         return self._engine_of_node[node]
 
-    def claim(self, engine: int) -> bool:
-        """True when nothing is queued for any engine and ``engine``'s thread holds no batch:
-        ``engine`` is then the caller's until ``unclaim`` (its thread takes nothing meanwhile)."""
-        return self._ready.claim(engine)
-
-    def unclaim(self, engine: int) -> None:
-        self._ready.unclaim(engine)
+    def idle(self) -> bool:
+        """Nothing is queued for any engine."""
+        return len(self._ready) == 0
 
     def busy(self) -> list[list]:
         """[[node name, seconds it has been running], ...] for each engine that is busy."""
         now, names = time.monotonic(), self._host.node_names
         with self._lock:
             return [[names[node], now - since] for node, since, _ in self._running.values()]
-
-    def hold(self, held: bool) -> None:
-        """While held, no engine takes a batch: what a burst of messages puts is ordered as a
-        whole (an engine woken by the burst's first item would otherwise take it alone)."""
-        self._ready.hold(held)
 
     def purge(self, rid: int) -> None:
         """Drops the queued items of an ended request (the parent already reported them)."""
@@ -214,22 +205,22 @@ class WorkerHost:
         self._node_s[node] = 0.0 if seen is None else 0.75 * seen + 0.25 * took
         return self.conductor.complete(node, ids, outputs, stops)
 
-    def dispatch(self, node: int, walk: int, items: list, inline: bool = True) -> None:
-        """Runs the batch here, on the thread that received it, when ``inline`` (it came alone),
-        its engine is idle and its node has been quick (under INLINE_MAX_S): waking the engine's
-        thread costs more than such a node (100-300 µs on a VM). Otherwise, or for an engine
-        with its own batching (a KV cache), it queues for the engine's thread."""
+    def dispatch(self, node: int, walk: int, items: list) -> None:
+        """Runs the batch here, on the thread that received it, when its engine is idle and its
+        node has been quick (under INLINE_MAX_S): waking the engine's thread costs more than
+        such a node (100-300 µs on a VM). Otherwise, or for an engine with its own batching (a
+        KV cache), it queues for the engine's thread."""
         q = self.conductor
-        engine_id = q.engine_of(node)
-        engine = self._engine_list[engine_id]
-        quick = self._node_s.get(node, 0.0) < INLINE_MAX_S
-        if inline and quick and type(engine) is StatelessEngine and q.claim(engine_id):
-            try:  # the claim keeps the engine's own thread from taking a batch meanwhile
-                q.start(engine_id, node, items)
-                engine.run_items(self, node, items)
+        engine = self._engine_list[q.engine_of(node)]
+        if (type(engine) is StatelessEngine and self._node_s.get(node, 0.0) < INLINE_MAX_S
+                and engine.running.acquire(blocking=False)):
+            try:
+                if q.idle():  # nothing queued that this batch would overtake
+                    q.start(engine.engine_id, node, items)
+                    engine.run_items(self, node, items)
+                    return
             finally:
-                q.unclaim(engine_id)
-            return
+                engine.running.release()
         q.put(node, walk, items)
 
     def report(self, outcome: tuple) -> None:
