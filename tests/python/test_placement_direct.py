@@ -148,3 +148,47 @@ def test_remote_headers_are_checked():
         Decoder(None, remote=lambda h: h).unpack(bad)
     del handle
     assert freed == [64]
+
+
+def test_between_machines_the_reader_fetches_the_bytes_from_the_producer():
+    """Ray actors (placement/peer_bytes.py): the header names the producer's endpoint, the
+    reader fetches over tcp; a gone export, a restarted producer or a dead one fail clearly."""
+    import zmq
+
+    from mstar_rt.placement.arena import ShmArena
+    from mstar_rt.placement.direct import Export, ExportArena
+    from mstar_rt.placement.peer_bytes import ExportServer, PeerFetcher
+
+    ctx = zmq.Context()
+    arena = ShmArena.create(f"mstar_test_{os.getpid()}_fetch", 1 << 20)
+    arena.unlink()
+    exports = ExportArena(arena)
+    server = ExportServer(ctx, "127.0.0.1", exports, gen=3)
+    exports.at = server.endpoint
+    fetch = PeerFetcher(ctx, timeout_s=1.0)
+    msg_arena = ShmArena.create(f"mstar_test_{os.getpid()}_msg", 1 << 16)
+    msg_arena.unlink()
+    try:
+        t = torch.arange(1000, dtype=torch.float32)
+        payload = Encoder(msg_arena, exports=exports, rank=1, gen=3).pack({"v": Export(t)})
+        header = Decoder(None, remote=lambda h: h).unpack(payload)["v"]  # the parent's handle
+        assert header[0] == 1 and header[8] == server.endpoint
+        reader = Decoder(None, remote_arena=fetch)
+        got = reader.unpack(Encoder(None).pack({"v": RemoteTensor(header, lambda g, k: None)}))
+        assert torch.equal(got["v"], t) and server.served == 1
+        with pytest.raises(CodecError, match="generation 2 is gone"):
+            fetch([1, 2] + header[2:])
+        exports.free([header[2]])
+        with pytest.raises(CodecError, match="no export"):
+            fetch(header)
+        server.close()
+        t0 = time.monotonic()
+        with pytest.raises(CodecError, match=r"rank 1 .* did not send its bytes within 1 s"):
+            fetch(header)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        server.close()
+        fetch.close()
+        ctx.term()
+        arena.close()
+        msg_arena.close()

@@ -1,8 +1,8 @@
 """Placement ranks as Ray actors (issue 17, item 4): ``PlacedRuntime(..., launcher="ray")`` runs
 each worker rank as a Ray actor on the node whose resources its NodeGroup asks for, on a
 two-node local cluster (tests/python/ray_cluster.py, every address on loopback). Control crosses
-over ZeroMQ ``tcp://`` and tensors inside the messages; the outputs equal the in-process
-Runtime's (the pipeline's every value kind, and greedy tokens and logits of a KV-cache LM); an
+over ZeroMQ ``tcp://`` and tensors inside the messages, except a large one that one actor makes
+for another, which that one fetches from its maker; the outputs equal the in-process Runtime's (the pipeline's every value kind, and greedy tokens and logits of a KV-cache LM); an
 actor killed mid-run fails only the requests it held and, restarted by Ray, serves again; a
 rank that cannot start fails clearly; close leaves no actor or process."""
 
@@ -107,6 +107,29 @@ def test_a_kv_cache_lm_on_the_second_node_equals_in_process(cluster, reference):
         assert rt.worker_stats(1)["kv_pages_in_use"] == 0
     finally:
         _closed_cleanly(rt, [rt.workers[1]["pid"]], before)
+
+
+def test_a_large_tensor_goes_actor_to_actor_not_through_the_parent(cluster):
+    """The 1 MiB tensor rank 1 (head node) makes for rank 2 (second node): the parent routes a
+    handle, rank 2 fetches the bytes from rank 1 over tcp (placement/peer_bytes.py)."""
+    import torch
+    from test_placement_direct import expected
+
+    before = _slots()
+    rt = PlacedRuntime("test_placement_direct:pipe",
+                       [NodeGroup(["make"], rank=1, **ON_HEAD),
+                        NodeGroup(["use"], rank=2, **ON_NODE2)],
+                       launcher="ray", progress=False)
+    try:
+        assert rt.workers[1]["direct"] == ["big", "small"]  # small stays below direct_bytes
+        handles = [rt.submit({"x": torch.tensor([float(i)])}) for i in range(6)]
+        for i, h in enumerate(handles):
+            assert torch.allclose(h.result(T)["y"][0], expected(float(i)))
+        assert rt.workers[1]["exports"] == 6  # the parent got six handles, not six MiB
+        assert rt.worker_stats(1)["exports_served"] == 6  # rank 2 fetched each from rank 1
+        assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
+    finally:
+        _closed_cleanly(rt, [rt.workers[1]["pid"], rt.workers[2]["pid"]], before)
 
 
 def test_a_killed_actor_fails_only_its_requests_and_ray_restarts_it(placed, reference):

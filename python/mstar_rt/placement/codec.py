@@ -171,8 +171,10 @@ class Encoder:
         key, offset = got
         self.exported.append(key)
         ctypes.memmove(self.exports.arena.address(offset), t.data_ptr(), nbytes)
-        return msgpack.ExtType(EXT_REMOTE, msgpack.packb(
-            [self.rank, self.gen, key, offset, nbytes, _TORCH, dt, list(t.shape)]))
+        header = [self.rank, self.gen, key, offset, nbytes, _TORCH, dt, list(t.shape)]
+        if self.exports.at:  # fetched over tcp by a worker on another machine
+            header.append(self.exports.at)
+        return msgpack.ExtType(EXT_REMOTE, msgpack.packb(header))
 
     def _alloc(self, nbytes: int) -> int:
         if self.arena is None:
@@ -223,10 +225,11 @@ class Decoder:
 
     def __init__(self, arena: Optional[ShmArena],
                  remote: Optional[Callable[[list], Any]] = None,
-                 remote_arena: Optional[Callable[[int, int], ShmArena]] = None) -> None:
+                 remote_arena: Optional[Callable[[list], tuple[Any, int]]] = None) -> None:
         self.arena = arena
         # A remote tensor becomes remote(header) (the parent's handle), or is copied out of
-        # remote_arena(rank, gen) (a worker that reads it); neither: it may not come here.
+        # remote_arena(header) -> (arena, offset) (a worker that reads it); neither: it may not
+        # come here.
         self.remote, self.remote_arena = remote, remote_arena
 
     def unpack(self, data: bytes) -> Any:
@@ -262,13 +265,13 @@ class Decoder:
                 raise CodecError(f"cannot rebuild {value[0]}: {type(e).__name__}: {e}") from None
         if code == EXT_REMOTE:
             h = msgpack.unpackb(data)
-            if not (isinstance(h, list) and len(h) == 8
+            if not (isinstance(h, list) and (len(h) == 8 or len(h) == 9 and type(h[8]) is str)
                     and all(type(x) is int and x >= 0 for x in h[:5])):
                 raise CodecError("malformed remote tensor header; expected [rank, gen, key, "
-                                 "offset, nbytes, kind, dtype, shape]")
+                                 "offset, nbytes, kind, dtype, shape(, endpoint)]")
             if self.remote_arena is not None:
-                return self._tensor([h[5], h[6], h[7], h[3], h[4]],
-                                    self.remote_arena(h[0], h[1]))
+                arena, offset = self.remote_arena(h)
+                return self._tensor([h[5], h[6], h[7], offset, h[4]], arena)
             if self.remote is not None:
                 self._tensor([h[5], h[6], h[7], h[3], h[4]], check_only=True)
                 return self.remote(h)

@@ -15,7 +15,8 @@ does in one process.
   reference dies, A is told to free the bytes (``unexport``, in its next batch message or on its
   own once the hub is idle). A death of A fails its requests anyway; its arena goes with it.
 
-Only between local worker processes (shared memory); Ray actors keep the star (docs/placement.md).
+Between local worker processes the bytes are in shared memory; between Ray actors the reader
+fetches them from the producer over ``tcp://`` (placement/peer_bytes.py).
 """
 
 from __future__ import annotations
@@ -85,26 +86,32 @@ class ExportArena:
 
     def __init__(self, arena: ShmArena) -> None:
         self.arena = arena
-        self._lock = threading.Lock()
-        self._order: collections.deque = collections.deque()  # [key, freed], in ring order
+        self.at = ""  # where other machines fetch the bytes (placement/peer_bytes.py)
+        self.lock = threading.Lock()
+        self._order: collections.deque = collections.deque()  # [key, freed, offset, nbytes], in ring order
         self._live: dict[int, list] = {}  # key (the block's end in the ring) -> its entry
 
     def put(self, nbytes: int) -> Optional[tuple[int, int]]:
         """(key, offset) of ``nbytes`` free bytes, or None when the arena is full (the tensor
         then goes through the parent: never wait here, this may be the thread that frees)."""
-        with self._lock:
+        with self.lock:
             try:
                 offset = self.arena.alloc(nbytes, 0.0)
             except ArenaFull:
                 return None
             key = self.arena.publish()
-            entry = [key, False]
+            entry = [key, False, offset, nbytes]
             self._order.append(entry)
             self._live[key] = entry
             return key, offset
 
+    def holds(self, key: int, offset: int, nbytes: int) -> bool:
+        """Whether export ``key`` is live and spans exactly these bytes (under :attr:`lock`)."""
+        entry = self._live.get(key)
+        return entry is not None and entry[2] == offset and entry[3] == nbytes
+
     def free(self, keys: list[int]) -> None:
-        with self._lock:
+        with self.lock:
             for key in keys:
                 entry = self._live.pop(key, None)
                 if entry is not None:
@@ -184,7 +191,16 @@ class PeerArenas:
         self.prefix = prefix
         self._arenas: dict[tuple[int, int], ShmArena] = {}
 
-    def __call__(self, rank: int, gen: int) -> ShmArena:
+    def __call__(self, h: list) -> tuple[ShmArena, int]:
+        """The arena and offset of remote header ``h``'s bytes."""
+        if len(h) > 8:
+            from mstar_rt.placement.codec import CodecError
+
+            raise CodecError(f"an input tensor was made by worker rank {h[0]} on another machine "
+                             "(a Ray actor); this worker reads shared memory only")
+        return self._arena(h[0], h[1]), h[3]
+
+    def _arena(self, rank: int, gen: int) -> ShmArena:
         arena = self._arenas.get((rank, gen))
         if arena is None:
             try:

@@ -10,8 +10,8 @@ Threads: engine threads call :meth:`send_batch`; the hub's receiver thread calls
 (placement/channel.py); a monitor thread per process waits for it to exit, a pump thread
 forwards its output, a watchdog (placement/watchdog.py) declares it hung.
 
-Launchers: a local worker process (placement/process.py; ``ipc://``, tensors in shared memory)
-or a Ray actor anywhere in a cluster (placement/ray_rank.py; ``tcp://``, tensors inline).
+Launchers: a local worker process (placement/process.py; ``ipc://``, shared memory) or a Ray
+actor anywhere in a cluster (placement/ray_rank.py; ``tcp://``, tensors inline or fetched).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class WorkerLink:
         # (which may be on another machine)
         p2w, w2p = ((InlineArena(), InlineArena()) if not self._local
                     else arena_pair(f"{self._tag}_r{self.rank}_g{gen}", self.shm_bytes))
-        out = self.exports.create(f"{self._tag}_r{self.rank}_g{gen}", self.shm_bytes)
+        out = (self.exports.create(f"{self._tag}_r{self.rank}_g{gen}", self.shm_bytes)
+               if self._local else None)  # a Ray actor makes its own (peer_bytes.py)
         if self._local:  # the worker binds where we say: connect now
             self.endpoint = f"ipc://{self._workdir}/rank{self.rank}-g{gen}.sock"
             self._channel.connect(self._zctx, gen, self.endpoint, p2w)
@@ -117,8 +118,8 @@ class WorkerLink:
                    node_rank=self.rt.plan.node_rank, worker_ranks=sorted(self.rt.plan.workers),
                    segments=self.rt.segments_enabled, shm_prefix=self._tag,
                    out=out, direct=self.exports.names, direct_bytes=self.exports.min_bytes,
-                   parent_pid=os.getpid() if self._local else None,
-                   transport="ipc" if self._local else "tcp")
+                   export_bytes=self.shm_bytes if self.exports.names else 0, transport="ipc"
+                   if self._local else "tcp", parent_pid=os.getpid() if self._local else None)
         self.worker = worker = self._launcher.start(cfg)
         if self.progress:
             self._say(f"started ({f'pid {worker.pid}' if self._local else 'its Ray actor'}) "

@@ -5,7 +5,8 @@ The actor runs the same worker loop as a local worker process (placement/worker.
 of its own, with two differences a machine boundary forces: control goes over ZeroMQ ``tcp://``
 (the worker binds on its node's address at a port it picks; :meth:`RankActor.start` returns the
 endpoint to the parent through Ray) and tensors travel inside the messages
-(placement/inline.py), since no shared memory reaches another machine.
+(placement/inline.py), since no shared memory reaches another machine -- except a large one that
+one actor makes for another, which the reader fetches from its maker (placement/peer_bytes.py).
 
 Ray restarts an actor whose process dies (``max_restarts=-1``: the process comes back whenever
 it dies); the parent's link sees the death through :meth:`RankActor.wait`, a call that returns

@@ -161,13 +161,14 @@ class PlacedRuntime(Runtime):
 
     ``direct_bytes``: a tensor of at least this many bytes that a worker makes and only other
     workers read goes to them through shared memory, not through this process (the parent
-    routes a handle; placement/direct.py); None: every tensor through the parent. Local worker
-    processes only.
+    routes a handle; placement/direct.py); None: every tensor through the parent. Ray actors
+    fetch such a tensor's bytes from the actor that made it (placement/peer_bytes.py).
 
     ``launcher``: ``"process"`` (local worker processes) or ``"ray"``: each worker rank is a
     Ray actor on any node of the cluster at ``ray_address`` (None: the cluster this process is
     connected to, or Ray's default) with the CPUs, GPUs and resources its NodeGroup asks for;
-    control over ``tcp://``, tensors inside the messages (placement/ray_rank.py).
+    control over ``tcp://``, tensors inside the messages or fetched from the actor that made
+    them (placement/ray_rank.py).
 
     A worker that dies fails the requests it was serving or held state for (RequestFailed
     naming the rank, node and exit status) within a second; other requests continue.
@@ -214,9 +215,7 @@ class PlacedRuntime(Runtime):
                              "ranks, which moves K/V between workers of one machine; "
                              "launcher='ray' is not supported for that (use 'process')")
         local_engines, worker_engines = split_engines(self.user_model, plan, engines or {})
-        # Ray actors may sit on other machines: no shared memory between them, tensors go
-        # through the parent there.
-        direct = ({} if launcher == "ray" or direct_bytes is None
+        direct = ({} if direct_bytes is None
                   else direct_names(self.user_model, plan.node_rank, set(plan.workers)))
         self.direct_names = direct
         seg_plan = self._segment_plan(plan) if segments else None

@@ -26,9 +26,10 @@ from mstar_rt import _core
 from mstar_rt.malloc_tuning import tune_malloc
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder
-from mstar_rt.placement.direct import ExportArena, PeerArenas, mark_exports
+from mstar_rt.placement.direct import ExportArena, mark_exports
 from mstar_rt.placement.config import ModelSpec
 from mstar_rt.placement.inline import InlineArena
+from mstar_rt.placement.peer_bytes import DirectEnds
 from mstar_rt.placement.protocol import (
     PARENT_ID,
     TO_PARENT_HEADER,
@@ -113,7 +114,7 @@ class Worker:
         self.w2p: Optional[ShmArena | InlineArena] = None
         self.outbox = Outbox(self.push, None, self.rank, self.gen)
         self.exports: Optional[ExportArena] = None
-        self.peers: Optional[PeerArenas] = None
+        self.direct: Optional[DirectEnds] = None
         self.router: Optional[zmq.Socket] = None
         self.host: Any = None
         self.moves: Any = None
@@ -129,13 +130,12 @@ class Worker:
             self.p2w, self.w2p = InlineArena(), InlineArena()
         else:
             self.p2w, self.w2p = ShmArena.attach(cfg["p2w"]), ShmArena.attach(cfg["w2p"])
-        if cfg.get("out"):  # tensors this worker makes for other workers (placement/direct.py)
-            self.exports = ExportArena(ShmArena.attach(cfg["out"]))
+        # tensors this worker makes for other workers, and theirs it reads (placement/direct.py)
+        self.direct = DirectEnds(cfg, self.ctx)
+        self.exports = self.direct.exports
         self.outbox = Outbox(self.push, self.w2p, self.rank, self.gen, self.exports,
                              frozenset(cfg.get("direct") or ()), int(cfg.get("direct_bytes", 0)))
-        if not self.inline and cfg.get("shm_prefix"):  # other workers' exports, read on demand
-            self.peers = PeerArenas(cfg["shm_prefix"])
-        self.decoder, self.plain = Decoder(self.p2w, remote_arena=self.peers), Decoder(None)
+        self.decoder, self.plain = Decoder(self.p2w, remote_arena=self.direct.reader), Decoder(None)
         say(f"building {cfg['factory']} for nodes {cfg['nodes']} on {cfg['device']}")
         model = ModelSpec(cfg["factory"], cfg["kwargs"]).build()
         from mstar_rt.placement.host import WorkerHost
@@ -365,7 +365,8 @@ class Worker:
         return dict(self.host.stats(), **self.moves.stats(), pid=os.getpid(), rank=self.rank,
                     gen=self.gen, messages=self.messages, bad_messages=self.bad_messages,
                     p2w_bytes_in_use=self.p2w.in_use, w2p_bytes_in_use=self.w2p.in_use,
-                    export_bytes_in_use=0 if self.exports is None else self.exports.in_use)
+                    export_bytes_in_use=0 if self.exports is None else self.exports.in_use,
+                    exports_served=self.direct.served if self.direct is not None else 0)
 
     # ---- shutdown ----------------------------------------------------------------------------
 
@@ -387,13 +388,13 @@ class Worker:
             self.host.close()
         if self.router is not None:
             self.router.close(0)
+        if self.direct is not None:
+            self.direct.close()
         self.push.close(2000)
         self.ctx.term()
         for arena in (self.p2w, self.w2p, self.exports and self.exports.arena):
             if arena is not None:
                 arena.close()
-        if self.peers is not None:
-            self.peers.close()
 
 
 def _item_ids(items: Any) -> list[int]:
