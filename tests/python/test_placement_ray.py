@@ -2,7 +2,8 @@
 each worker rank as a Ray actor on the node whose resources its NodeGroup asks for, on a
 two-node local cluster (tests/python/ray_cluster.py, every address on loopback). Control crosses
 over ZeroMQ ``tcp://`` and tensors inside the messages, except a large one that one actor makes
-for another, which that one fetches from its maker; the outputs equal the in-process Runtime's (the pipeline's every value kind, and greedy tokens and logits of a KV-cache LM); an
+for another, which that one fetches from its maker, and a request's K/V moving from a prefill
+actor to a decode actor on the other node; the outputs equal the in-process Runtime's (the pipeline's every value kind, and greedy tokens and logits of a KV-cache LM); an
 actor killed mid-run fails only the requests it held and, restarted by Ray, serves again; a
 rank that cannot start fails clearly; close leaves no actor or process."""
 
@@ -107,6 +108,28 @@ def test_a_kv_cache_lm_on_the_second_node_equals_in_process(cluster, reference):
         assert rt.worker_stats(1)["kv_pages_in_use"] == 0
     finally:
         _closed_cleanly(rt, [rt.workers[1]["pid"]], before)
+
+
+def test_prefill_on_one_node_and_decode_on_the_other_equal_in_process(cluster):
+    """Disaggregation across machines: the request's K/V move from the head node's actor to the
+    second node's over gloo, rendezvous at the parent's node address (placement/kv_moves.py)."""
+    from test_placement_disagg import CASES, assert_close, run_all
+
+    with Runtime(pm.tiny_llama()) as local:
+        want = run_all(local)
+    before = _slots()
+    rt = PlacedRuntime("placement_models:tiny_llama",
+                       [NodeGroup(["prefill"], rank=1, **ON_HEAD),
+                        NodeGroup(["decode"], rank=2, **ON_NODE2)],
+                       launcher="ray", progress=False)
+    try:
+        assert (rt.workers[1]["node"], rt.workers[2]["node"]) == (HEAD_IP, NODE2_IP)
+        assert_close(run_all(rt), want)  # tokens exact, float32 logits within 1e-4
+        one, two = rt.worker_stats(1), rt.worker_stats(2)
+        assert one["kv_sent"] == len(CASES) and two["kv_waiting"] == 0
+        assert one["kv_pages_in_use"] == 0 and two["kv_pages_in_use"] == 0
+    finally:
+        _closed_cleanly(rt, [rt.workers[1]["pid"], rt.workers[2]["pid"]], before)
 
 
 def test_a_large_tensor_goes_actor_to_actor_not_through_the_parent(cluster):

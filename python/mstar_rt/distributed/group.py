@@ -3,7 +3,8 @@
 Each model gets a group of its own, built straight from a ``TCPStore`` rather than through
 ``torch.distributed.init_process_group``: that one is process-global, and a driver process may
 serve several models (or already run a default group of its own). The driver's store listens on
-a free loopback port that the OS picks; followers connect to it. Every collective gives up after
+a free port that the OS picks (listening on every interface, as torch's store does); followers
+connect to it at the driver's address: loopback on one host, the node's address across hosts. Every collective gives up after
 ``timeout_s`` (a rank that stopped answering), and gloo fails at once when a peer's connection
 closes (a rank that died).
 """
@@ -23,14 +24,14 @@ def backend_for(device: str) -> str:
 
 
 def open_store(world: int, timeout_s: float) -> Any:
-    """The driver's rendezvous store, on a free loopback port (``store.port``)."""
+    """The driver's rendezvous store, on a free port (``store.port``)."""
     return dist.TCPStore("127.0.0.1", 0, world, True,
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def join_store(port: int, world: int, timeout_s: float) -> Any:
-    """A follower's client of the driver's store."""
-    return dist.TCPStore("127.0.0.1", port, world, False,
+def join_store(port: int, world: int, timeout_s: float, host: str = "127.0.0.1") -> Any:
+    """A follower's client of the driver's store at ``host``."""
+    return dist.TCPStore(host, port, world, False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 

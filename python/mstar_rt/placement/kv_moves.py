@@ -88,10 +88,11 @@ class ParentMoves:
     both workers. ``links``: rank -> WorkerLink (its ``gen`` and ``post``)."""
 
     def __init__(self, moves: Mapping[str, Mapping[str, int]], links: Mapping[int, Any],
-                 timeout_s: float) -> None:
+                 timeout_s: float, host: str = "127.0.0.1") -> None:
         from mstar_rt.distributed.group import open_store
 
-        self.moves, self.links, self.timeout_s = moves, links, timeout_s
+        # host: where the workers reach this process's store (a Ray cluster: this node's address)
+        self.moves, self.links, self.timeout_s, self.host = moves, links, timeout_s, host
         self.store = open_store(len(links) + 1, timeout_s)
         self.lock = threading.Lock()
         self.receivers: dict[int, set[int]] = {}  # request -> ranks it moved to
@@ -131,7 +132,7 @@ class ParentMoves:
             a, b = self.links[src], self.links[dst]
             key = f"{src}g{a.gen}-{dst}g{b.gen}"  # a restarted worker meets on a new channel
             common = dict(request=request.id, engine=engine, key=key, port=self.store.port,
-                          timeout_s=self.timeout_s)
+                          host=self.host, timeout_s=self.timeout_s)
             request.state[MOVING] = src
             with self.lock:
                 self.receivers.setdefault(request.id, set()).add(dst)
@@ -167,9 +168,9 @@ class _Pair:
     peer, and every send or recv may wait: never on the worker's message loop)."""
 
     def __init__(self, moves: "WorkerMoves", key: str, rank: int, port: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, host: str) -> None:
         self.moves, self.key, self.rank = moves, key, rank
-        self.port, self.timeout_s = port, timeout_s
+        self.port, self.timeout_s, self.host = port, timeout_s, host
         self.jobs: "queue.Queue[Any]" = queue.Queue()
         self.expected: set[int] = set()  # receiver: requests whose message is still due
         self.broken: Optional[str] = None
@@ -180,7 +181,7 @@ class _Pair:
         from mstar_rt.distributed.kv_transfer import KVChannel
 
         try:
-            store = join_store(self.port, 2, self.timeout_s)
+            store = join_store(self.port, 2, self.timeout_s, self.host)
             channel = KVChannel(store, self.key, self.rank, "cpu", self.timeout_s)
         except Exception as e:
             self.fail_all(f"the KV channel {self.key} could not be set up: "
@@ -237,13 +238,15 @@ class WorkerMoves:
         p = self.pairs.get(key)
         if p is None:
             p = self.pairs[key] = _Pair(self, key, rank, int(msg["port"]),
-                                        float(msg["timeout_s"]))
+                                        float(msg["timeout_s"]), msg.get("host", "127.0.0.1"))
         return p
 
     def notice(self, kind: str, msg: dict) -> None:
         rid, engine, key = field(msg, "request", int), field(msg, "engine", str), \
             field(msg, "key", str)
         field(msg, "port", int), field(msg, "timeout_s", (int, float))  # checked, read later
+        if not isinstance(msg.get("host", ""), str):
+            raise ProtocolError(f"'{kind}' field 'host' must be a string (the store's address)")
         if engine not in self.host.engines:
             raise ProtocolError(f"'{kind}' names engine '{engine}', which this worker does not "
                                 f"run (it runs {sorted(self.host.engines)})")

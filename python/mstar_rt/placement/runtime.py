@@ -190,7 +190,7 @@ class PlacedRuntime(Runtime):
         self._workdir: Optional[str] = None
         self._runtime_started = False
         self._closed = False
-        self._ray_owned = False
+        self._ray_owned, self._host = False, "127.0.0.1"  # the host: where workers reach us
         self.shm_prefix = ""
         if launcher not in ("process", "ray"):
             raise ValueError(f"launcher={launcher!r}; use 'process' (local worker processes) "
@@ -210,10 +210,6 @@ class PlacedRuntime(Runtime):
         self.spec = model
         self.user_model = model.build(model.parent_kwargs)
         self.plan = plan = make_plan(self.user_model, node_groups)
-        if plan.kv_moves and launcher == "ray":  # the KV channels meet at the parent's loopback
-            raise ValueError(f"KV engines {sorted(plan.kv_moves)} have walks on different "
-                             "ranks, which moves K/V between workers of one machine; "
-                             "launcher='ray' is not supported for that (use 'process')")
         local_engines, worker_engines = split_engines(self.user_model, plan, engines or {})
         direct = ({} if direct_bytes is None
                   else direct_names(self.user_model, plan.node_rank, set(plan.workers)))
@@ -225,8 +221,8 @@ class PlacedRuntime(Runtime):
             self._workdir = tempfile.mkdtemp(prefix=f"mstar-placement-{os.getpid()}-")
             self._zctx = zmq.Context()
             if launcher == "ray":  # workers anywhere in the cluster reach this node's address
-                self._ray_owned, host = connect_ray(ray_address)
-                self._hub = _Hub(self._zctx, f"tcp://{host}:*", inline=True)
+                self._ray_owned, self._host = connect_ray(ray_address)
+                self._hub = _Hub(self._zctx, f"tcp://{self._host}:*", inline=True)
             else:
                 self._hub = _Hub(self._zctx, f"ipc://{self._workdir}/parent.sock")
             self.shm_prefix = tag = f"mstar_{os.getpid()}_{secrets.token_hex(3)}"
@@ -250,7 +246,7 @@ class PlacedRuntime(Runtime):
                 from mstar_rt.placement.kv_moves import ParentMoves
 
                 self.kv_moves = placed.kv_moves = ParentMoves(plan.kv_moves, self._links,
-                                                              kv_timeout_s)
+                                                              kv_timeout_s, self._host)
             super().__init__(placed, poll_s, {**remote, **local_engines})
             self._remote_engines = list(remote.values())
             self._runtime_started = True
