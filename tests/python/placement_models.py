@@ -202,3 +202,9 @@ class TextLM(CausalLM):
 
 def text_llama(seed: int = 0) -> TextLM:
     return TextLM(seed)
+
+
+def checkpoint_lm(path: str, tp_size: int = 1) -> CausalLM:
+    """A Llama checkpoint directory as a CausalLM (``tp_size`` > 1: tensor-parallel, the
+    followers started beside the process that builds it)."""
+    return CausalLM.from_pretrained(path, tp_size=tp_size, progress=False, emit_logits=True)

@@ -132,6 +132,57 @@ def test_prefill_on_one_node_and_decode_on_the_other_equal_in_process(cluster):
         _closed_cleanly(rt, [rt.workers[1]["pid"], rt.workers[2]["pid"]], before)
 
 
+def test_a_tensor_parallel_rank_runs_in_an_actor_equal_to_tp1(cluster, tmp_path):
+    """A node group with ``tp_size: 2`` as a Ray actor on the second node: the actor drives
+    the LM and starts its follower beside it (gloo on that node); greedy tokens equal and
+    float32 logits within 1e-4 of the same checkpoint at tp_size 1 in process."""
+    import torch
+    from llama_ref import BASE, greedy, make_prompts, run_all
+    from test_tensor_parallel import save_llama
+
+    save_llama(tmp_path)
+    prompts = make_prompts(BASE["vocab_size"], (5, 9, 3), seed=7)
+    reqs = [greedy(p, 6) for p in prompts]
+    with Runtime(pm.checkpoint_lm(str(tmp_path))) as local:
+        want = run_all(local, reqs)
+    before = _slots()
+    rt = PlacedRuntime.from_config({
+        "model": {"class": "placement_models:checkpoint_lm", "args": {"path": str(tmp_path)}},
+        "launcher": "ray", "progress": False,
+        "node_groups": [{"nodes": ["prefill", "decode"], "rank": 1, "tp_size": 2, **ON_NODE2}]})
+    actor = rt.workers[1]["pid"]
+    followers = [p for p in _children(actor) if "mstar_rt.distributed" in _cmdline(p)]
+    try:
+        assert rt.workers[1]["node"] == NODE2_IP
+        assert len(followers) == 1, "the actor did not start its tensor-parallel follower"
+        for g, w in zip(run_all(rt, reqs), want, strict=True):
+            assert g["token"] == w["token"]
+            assert all(torch.allclose(a, b, atol=1e-4, rtol=0)
+                       for a, b in zip(g["logits"], w["logits"], strict=True))
+    finally:
+        _closed_cleanly(rt, [actor, *followers], before)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_a_large_tensor_goes_actor_to_actor_not_through_the_parent(cluster):
     """The 1 MiB tensor rank 1 (head node) makes for rank 2 (second node): the parent routes a
     handle, rank 2 fetches the bytes from rank 1 over tcp (placement/peer_bytes.py)."""
