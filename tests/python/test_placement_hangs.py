@@ -50,7 +50,7 @@ def test_a_stopped_worker_is_detected_by_its_heartbeat_and_replaced():
         assert rt.workers[1]["pid"] != pid and rt.workers[1]["restarts"] == 1
 
 
-def test_a_node_stuck_in_an_endless_loop_is_detected_and_its_worker_replaced():
+def test_a_node_stuck_in_an_endless_loop_is_detected_and_its_worker_replaced(capfd):
     with PlacedRuntime("hang_models:hang_model", GROUPS, restart="auto", progress=False,
                        heartbeat_timeout_s=2.0, node_timeout_s=1.0) as rt:
         stuck = rt.submit({"mode": "spin"})
@@ -58,6 +58,9 @@ def test_a_node_stuck_in_an_endless_loop_is_detected_and_its_worker_replaced():
         assert "rank 1" in message and "hung in node 'work'" in message, message
         assert "node_timeout_s=1" in message, message
         assert waited < 1.0 + 1.5, f"detected after {waited:.2f} s (node_timeout_s 1 s)"
+        # before the kill the worker printed its threads' stacks: the hang can be read later
+        err = capfd.readouterr().err
+        assert "its thread stacks follow" in err and "hang_models.py" in err, err[-2000:]
         assert served_again(rt)
 
 

@@ -256,8 +256,8 @@ class WorkerLink:
             if gen != self.gen or self.state != "up" or self.worker is None:
                 return
             self._hang, worker = (gen, why), self.worker
-        self._say(f"pid {worker.pid} {why}; killing it")
-        worker.kill()
+        self._say(f"pid {worker.pid} {why}; killing it (its thread stacks follow)")
+        worker.kill(stacks=True)
 
     def _on_exit(self, proc: "WorkerProcess | RayWorker", gen: int, how: str) -> None:
         with self._lock:

@@ -56,6 +56,7 @@ class WorkerProcess:
         self.node = "local"
         self._output: collections.deque = collections.deque(maxlen=30)
         self._progress = progress
+        self._forward_all = False  # set when it is killed as hung: its stacks reach stderr
         self.pump = threading.Thread(target=self._pump, daemon=True,
                                      name=f"mstar-worker{rank}-output")
         self.pump.start()
@@ -67,7 +68,7 @@ class WorkerProcess:
         for raw in stdout:
             line = raw.decode(errors="replace").rstrip()
             self._output.append(line)
-            if self._progress:
+            if self._progress or self._forward_all:
                 say(self.rank, line)
         stdout.close()
 
@@ -87,7 +88,16 @@ class WorkerProcess:
     def wait_exit(self) -> str:
         return describe_exit(self.proc.wait())
 
-    def kill(self) -> None:
+    def kill(self, stacks: bool = False) -> None:
+        """``stacks``: first the worker prints every thread's stack (faulthandler on SIGUSR1,
+        placement/worker.py), forwarded to stderr, so that a hang can be read afterwards."""
+        if stacks:
+            self._forward_all = True
+            try:
+                os.kill(self.proc.pid, signal.SIGUSR1)
+                self.proc.wait(timeout=0.2)  # printed from the signal handler, at once
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
         self.proc.kill()
 
     def stop(self, graceful: bool) -> None:

@@ -147,9 +147,10 @@ class RayWorker:
         except Exception as e:  # the actor died (killed, crashed, its node gone)
             return f"died (its Ray actor: {_short(e)})"
 
-    def kill(self) -> None:
+    def kill(self, stacks: bool = False) -> None:
         """Kills the actor's process; Ray starts a fresh one (a restart of the rank builds
-        its model there)."""
+        its model there). ``stacks`` is for local processes only (Ray's own ``ray stack``
+        shows an actor's)."""
         import ray
 
         try:

@@ -10,8 +10,10 @@ prefixes with the rank and forwards.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import shutil
 import sys
 import threading
@@ -458,6 +460,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(argv[0]) as f:
         cfg = json.load(f)
     cfg["config_path"] = argv[0]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's watchdog, on a hang
     try:
         worker = start_worker(cfg)
     except BaseException:
