@@ -20,9 +20,12 @@ struct Queued {
   py::object item;
 };
 
-/// One ReadyQueue per engine, a mutex and a condition variable. Python objects are created and
-/// dropped only with the GIL held; waiting releases the GIL before it takes the mutex, and no
-/// thread holding the mutex asks for the GIL, so the two never deadlock.
+/// One ReadyQueue per engine, a mutex and a condition variable. No thread holding the mutex
+/// waits for the GIL or runs Python: next_batch takes the mutex only without the GIL (the items
+/// leave the queue by move, which touches no reference count), and purge moves its items out
+/// and drops them after the mutex is free -- dropping one may run Python (a __del__), which may
+/// hand the GIL to a thread that then waits for the mutex: a deadlock a worker hit when a
+/// request's release met its engine thread taking a batch.
 class PyReadyQueue {
  public:
   PyReadyQueue(std::size_t engines, std::vector<std::uint32_t> node_max_batch)
@@ -46,30 +49,41 @@ class PyReadyQueue {
   py::object next_batch(std::size_t engine, std::size_t max_batch, double timeout_s) {
     if (engine >= queues_.size()) throw py::value_error("ReadyQueue.next_batch: unknown engine");
     auto& q = queues_[engine];
+    std::vector<py::object> taken;  // filled without the GIL: moves only, never a reallocation
+    taken.reserve(std::max<std::size_t>(max_batch, 1));
+    std::uint32_t node = 0, walk = 0;
     {
       py::gil_scoped_release nogil;
       std::unique_lock<std::mutex> lock(mu_);
       // An hour is "forever" for a worker loop (wait_for(max) would overflow).
       const auto timeout = std::min<Timeout>(to_timeout(timeout_s), std::chrono::hours(1));
-      cv_.wait_for(lock, timeout, [&] { return stopping_ || !q.empty(); });
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ || q.empty()) return py::none();
-    const std::uint32_t node = q.front().node, walk = q.front().walk;
-    const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
-                                                    max_batch_[node]);
+      cv_.wait_for(lock, timeout, [&] { return stopping_ || (!held_ && !q.empty()); });
+      if (!stopping_ && !held_ && !q.empty()) {
+        node = q.front().node;
+        walk = q.front().walk;
+        const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
+                                                        max_batch_[node]);
+        q.take_batch(limit, [&](ReadyQueue<Queued>::Entry& e) {
+          taken.push_back(std::move(e.value.item));
+        });
+      }
+    }  // the mutex is released before the GIL is taken back
+    if (taken.empty()) return py::none();
     py::list items;
-    q.take_batch(limit, [&](ReadyQueue<Queued>::Entry& e) { items.append(std::move(e.value.item)); });
+    for (auto& item : taken) items.append(std::move(item));
     return py::make_tuple(node, walk, items);
   }
 
   /// Drops the queued items of `request`; returns how many.
   std::size_t purge(std::uint64_t request) {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::size_t n = 0;
-    for (auto& q : queues_)
-      n += q.remove_if([&](const ReadyQueue<Queued>::Entry& e) { return e.value.request == request; });
-    return n;
+    std::vector<py::object> dropped;  // destroyed after the mutex is released (see the class)
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& q : queues_)
+        q.extract_if([&](const ReadyQueue<Queued>::Entry& e) { return e.value.request == request; },
+                     [&](ReadyQueue<Queued>::Entry& e) { dropped.push_back(std::move(e.value.item)); });
+    }
+    return dropped.size();
   }
 
   std::size_t size() {
@@ -77,6 +91,14 @@ class PyReadyQueue {
     std::size_t n = 0;
     for (const auto& q : queues_) n += q.size();
     return n;
+  }
+
+  /// While held, no engine takes a batch: what a burst of messages puts is ordered as a whole
+  /// (an engine woken by the burst's first item would otherwise take that one alone).
+  void hold(bool held) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ = held;
+    if (!held) cv_.notify_all();
   }
 
   void shutdown() {
@@ -91,6 +113,7 @@ class PyReadyQueue {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
+  bool held_ = false;
 };
 
 }  // namespace
@@ -108,6 +131,7 @@ next most urgent of the same node and walk (waiting without the GIL).)doc")
       .def("next_batch", &PyReadyQueue::next_batch, py::arg("engine"), py::arg("max_batch"),
            py::arg("timeout"))
       .def("purge", &PyReadyQueue::purge, py::arg("request"))
+      .def("hold", &PyReadyQueue::hold, py::arg("held"))
       .def("shutdown", &PyReadyQueue::shutdown)
       .def("__len__", &PyReadyQueue::size);
 }

@@ -57,6 +57,17 @@ TEST(ReadyQueue, RemoveIfDropsMatchingEntriesOnly) {
   EXPECT_EQ(drain(q, 8), (std::vector<int>{1, 2, 4, 5, 7}));
 }
 
+TEST(ReadyQueue, ExtractIfMovesMatchingEntriesOutInOrderAndKeepsTheRest) {
+  Queue q;
+  for (int i = 0; i < 8; ++i) q.push(entry(i, INT64_MAX, 0, static_cast<std::uint64_t>(i)));
+  std::vector<int> out;
+  EXPECT_EQ(q.extract_if([](const Queue::Entry& e) { return e.value % 3 == 0; },
+                         [&](Queue::Entry& e) { out.push_back(e.value); }),
+            3u);
+  EXPECT_EQ(out, (std::vector<int>{0, 3, 6}));
+  EXPECT_EQ(drain(q, 8), (std::vector<int>{1, 2, 4, 5, 7}));
+}
+
 TEST(ReadyQueue, NothingIsAllocatedOnceGrown) {
   Queue q;
   for (int round = 0; round < 2; ++round) {

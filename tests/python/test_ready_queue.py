@@ -79,3 +79,61 @@ def test_bad_engine_or_node_is_refused():
         put(q, 1, engine=3)
     with pytest.raises(ValueError, match="unknown node"):
         put(q, 1, node=4)
+
+
+DEADLOCK = r"""
+import sys, threading, time
+from mstar_rt import _core
+
+sys.setswitchinterval(1.0)  # the GIL changes hands only where the scenario says
+
+
+class Slow:
+    def __del__(self):
+        time.sleep(0.05)  # Python that drops the GIL, run when purge drops the item
+
+
+q = _core.ReadyQueue(2, [8])
+q.put(1, 0, 0, 1, 2**63 - 1, 0, 1, 1, Slow())  # request 1, engine 1: purged below
+got = []
+engine = threading.Thread(target=lambda: got.append(q.next_batch(0, 8, 5.0)))
+engine.start()
+time.sleep(0.1)  # waiting in next_batch, without the GIL
+q.put(0, 0, 0, 2, 2**63 - 1, 0, 2, 2, "work")  # wakes it: it now wants the GIL back
+t0 = time.perf_counter()
+while time.perf_counter() - t0 < 0.05:  # keep the GIL meanwhile
+    pass
+assert q.purge(1) == 1
+engine.join()
+assert got == [(0, 0, ["work"])], got
+print("ok")
+"""
+
+
+def test_purge_running_python_while_a_batch_is_taken_does_not_deadlock():
+    """A worker hung here: purge dropped an item (its __del__ released the GIL) while holding
+    the queue's mutex, and the engine thread, given the GIL, waited for that mutex."""
+    import subprocess
+    import sys
+
+    from child_env import child_env
+
+    done = subprocess.run([sys.executable, "-c", DEADLOCK], capture_output=True, text=True,
+                          timeout=30, env=child_env())
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_while_held_no_batch_is_taken_and_release_gives_the_most_urgent():
+    q = _core.ReadyQueue(1, [8])
+    got = []
+    q.hold(True)
+    t = threading.Thread(target=lambda: got.append(q.next_batch(0, 1, 5.0)))
+    t.start()
+    put(q, 1, request=1)  # a burst's first item: it must not leave alone
+    time.sleep(0.1)
+    assert got == []
+    put(q, 2, request=2, deadline=10)  # the burst's urgent one
+    q.hold(False)
+    t.join(5.0)
+    assert got == [(0, 0, [("item", 2)])]
+    assert q.next_batch(0, 8, 0) == (0, 0, [("item", 1)])

@@ -85,6 +85,27 @@ class ReadyQueue {
     return n;
   }
 
+  /// Moves the entries `pred` accepts out of the queue, most urgent first: `take(entry)` gets
+  /// each, and they are left moved-from (a value whose destruction must wait until a lock is
+  /// released is moved out in `take`, never destroyed here). The rest keep their order.
+  /// Returns how many.
+  template <class Pred, class Take>
+  std::size_t extract_if(Pred&& pred, Take&& take) {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
+      if (pred(static_cast<const Entry&>(e))) {
+        take(e);
+      } else {
+        if (kept != i) entries_[kept] = std::move(e);
+        ++kept;
+      }
+    }
+    const std::size_t n = entries_.size() - kept;
+    entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(kept), entries_.end());
+    return n;
+  }
+
  private:
   std::vector<Entry> entries_;
 };

@@ -88,6 +88,10 @@ class LocalQueue:
         """Nothing is queued for any engine."""
         return len(self._ready) == 0
 
+    def hold(self, held: bool) -> None:
+        """While held, no engine takes a batch (:meth:`WorkerHost.dispatch`)."""
+        self._ready.hold(held)
+
     def busy(self) -> list[list]:
         """[[node name, seconds it has been running], ...] for each engine that is busy."""
         now, names = time.monotonic(), self._host.node_names
@@ -205,14 +209,17 @@ class WorkerHost:
         self._node_s[node] = 0.0 if seen is None else 0.75 * seen + 0.25 * took
         return self.conductor.complete(node, ids, outputs, stops)
 
-    def dispatch(self, node: int, walk: int, items: list) -> None:
-        """Runs the batch here, on the thread that received it, when its engine is idle and its
-        node has been quick (under INLINE_MAX_S): waking the engine's thread costs more than
-        such a node (100-300 µs on a VM). Otherwise, or for an engine with its own batching (a
-        KV cache), it queues for the engine's thread."""
+    def dispatch(self, node: int, walk: int, items: list, alone: bool = True) -> None:
+        """Runs the batch here, on the thread that received it, when it came ``alone``, its
+        engine is idle and its node has been quick (under INLINE_MAX_S): waking the engine's
+        thread costs more than such a node (100-300 µs on a VM). Otherwise, or for an engine
+        with its own batching (a KV cache), it queues for the engine's thread: a burst of
+        messages (what piled up meanwhile) is queued whole under :meth:`LocalQueue.hold` and
+        then taken in deadline order, as the Conductor would."""
         q = self.conductor
         engine = self._engine_list[q.engine_of(node)]
-        if (type(engine) is StatelessEngine and self._node_s.get(node, 0.0) < INLINE_MAX_S
+        if (alone and type(engine) is StatelessEngine
+                and self._node_s.get(node, 0.0) < INLINE_MAX_S
                 and engine.running.acquire(blocking=False)):
             try:
                 if q.idle():  # nothing queued that this batch would overtake

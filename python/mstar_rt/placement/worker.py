@@ -32,17 +32,11 @@ from mstar_rt.placement.direct import ExportArena, mark_exports
 from mstar_rt.placement.config import ModelSpec
 from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.peer_bytes import DirectEnds
-from mstar_rt.placement.protocol import (
-    PARENT_ID,
-    TO_PARENT_HEADER,
-    TO_WORKER,
-    TO_WORKER_HEADER,
-    VERSION,
-    ProtocolError,
-    check_header,
-    field,
-    int_list,
-)
+from mstar_rt.placement.protocol import (PARENT_ID, TO_PARENT_HEADER, TO_WORKER, TO_WORKER_HEADER,
+                                         VERSION, ProtocolError, check_header, field, int_list)
+
+
+BURST_MAX = 64  # messages taken off the socket before any of them is handled
 
 
 def say(text: str) -> None:
@@ -122,6 +116,7 @@ class Worker:
         self.moves: Any = None
         self.bad_messages = 0
         self.messages = 0
+        self.alone = True  # the message being handled came alone (serve)
         self.stopping = threading.Event()
 
     # ---- startup -----------------------------------------------------------------------------
@@ -186,21 +181,44 @@ class Worker:
                 return
             if not poller.poll(200):
                 continue
-            if self.inline:  # the tensor frames stay in ZeroMQ's buffers until decoded
-                got = self.router.recv_multipart(copy=False)
-                frames = [f.bytes for f in got[:3]] + [f.buffer for f in got[3:]]
-            else:
-                frames = self.router.recv_multipart()
-            ident, frames = frames[0], frames[1:]
-            self.messages += 1
+            burst = self.receive_burst()
+            # what piled up while this thread ran a batch is queued whole, then taken by deadline
+            self.alone = len(burst) == 1
+            if not self.alone:
+                self.host.conductor.hold(True)
             try:
-                if self.handle(ident == PARENT_ID, frames) == "shutdown":
-                    return
-            except (ProtocolError, CodecError) as e:
-                self.reject(ident, str(e))
-            except Exception as e:  # a bug here must not take the worker down
-                traceback.print_exc()
-                self.reject(ident, f"{type(e).__name__}: {e}")
+                for ident, frames in burst:
+                    if self.serve_one(ident, frames) == "shutdown":
+                        return
+            finally:
+                if not self.alone:
+                    self.host.conductor.hold(False)
+
+    def receive_burst(self) -> list[tuple[bytes, list]]:
+        """Every message already waiting (up to BURST_MAX), as (sender, frames)."""
+        burst = []
+        while len(burst) < BURST_MAX:
+            try:
+                if self.inline:  # the tensor frames stay in ZeroMQ's buffers until decoded
+                    got = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = [f.bytes for f in got[:3]] + [f.buffer for f in got[3:]]
+                else:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            burst.append((frames[0], frames[1:]))
+        return burst
+
+    def serve_one(self, ident: bytes, frames: list) -> Optional[str]:
+        self.messages += 1
+        try:
+            return self.handle(ident == PARENT_ID, frames)
+        except (ProtocolError, CodecError) as e:
+            self.reject(ident, str(e))
+        except Exception as e:  # a bug here must not take the worker down
+            traceback.print_exc()
+            self.reject(ident, f"{type(e).__name__}: {e}")
+        return None
 
     def reject(self, ident: bytes, message: str) -> None:
         self.bad_messages += 1
@@ -361,7 +379,7 @@ class Worker:
         elif known:
             known = self.moves.hold(node, walk, known)  # K/V still on the way from another rank
             if known:
-                host.dispatch(node, walk, known)
+                host.dispatch(node, walk, known, self.alone)
 
     def stats(self) -> dict:
         return dict(self.host.stats(), **self.moves.stats(), pid=os.getpid(), rank=self.rank,
