@@ -184,7 +184,9 @@ TEST(RingStress, BlockingPushAndWaitForItemsOnASmallRing) {
   }
   producer.join();
   EXPECT_EQ(short_pushes, 0u);
-  EXPECT_GT(waits, 100u);  // the consumer really had to wait, over and over
+  // the consumer really had to wait, over and over (how often depends on scheduling: 91 in a
+  // CI run under ThreadSanitizer, thousands natively)
+  EXPECT_GT(waits, 20u);
   expect_complete(t, n);
   expect_ring_accounting(ring, n);
 }
