@@ -8,9 +8,10 @@ machine noise hits both alike. Also timed: one parent -> worker -> parent crossi
 walk, placed minus in-process) and the bare ZeroMQ round trip it rides on (the same sockets and
 thread hand-offs, no runtime), timed alternately with it: the floor a crossing can approach.
 Last, a chain of 8 nodes placed alternately on ranks 1 and 2, each copying a 1 MiB tensor: per
-hop through the parent (``direct_bytes=None``) against worker to worker (placement/direct.py).
+hop through the parent (``direct_bytes=None``) against worker to worker (placement/direct.py);
+with ``--ray`` the same hops between Ray actors of a local Ray instance (placement/peer_bytes.py).
 
-    python benchmarks/placement.py [--quick]   # table + benchmarks/results/placement.{json,png}
+    python benchmarks/placement.py [--quick] [--ray]   # table + results/placement.{json,png}
 
 Ratios (issue 17): ``placed_over_inproc_per_node_1req`` (the worst of the three walks; < 3
 wanted) and ``crossing_over_zmq_floor`` (< 1.5 wanted), lower is better for both;
@@ -133,13 +134,16 @@ def alternating() -> Alternating:
     return Alternating()
 
 
-def direct_vs_star(reps: int, nbytes: int = 1 << 20) -> dict[str, float]:
+def direct_vs_star(reps: int, nbytes: int = 1 << 20, ray: bool = False) -> dict[str, float]:
     """µs per hop of the alternating chain with ``nbytes`` tensors, through the parent (star)
-    and worker to worker (direct), the two runtimes alternating."""
+    and worker to worker (direct), the two runtimes alternating. ``ray``: the ranks are Ray
+    actors of a local Ray instance (tcp; the reader fetches from the maker)."""
     names = [f"h{i}" for i in range(HOPS)]
-    groups = [NodeGroup(names[0::2], rank=1), NodeGroup(names[1::2], rank=2)]
+    extra: dict[str, Any] = dict(num_cpus=0.1) if ray else {}
+    groups = [NodeGroup(names[0::2], rank=1, **extra), NodeGroup(names[1::2], rank=2, **extra)]
     rts = {mode: PlacedRuntime("placement:alternating", groups, progress=False,
-                               shm_bytes=64 << 20, direct_bytes=bytes_)
+                               shm_bytes=64 << 20, direct_bytes=bytes_,
+                               launcher="ray" if ray else "process")
            for mode, bytes_ in (("star", None), ("direct", 64 << 10))}
     x = torch.randn(nbytes // 4)
     # Warm-up: one lap of every arena, so no timed hop touches a page of shared memory for the
@@ -161,7 +165,23 @@ def direct_vs_star(reps: int, nbytes: int = 1 << 20) -> dict[str, float]:
     finally:
         for rt in rts.values():
             rt.close()
-    return {f"{mode}_us_per_hop_1mib": statistics.median(v) / HOPS * 1e6 for mode, v in t.items()}
+    tag = "ray_" if ray else ""
+    return {f"{tag}{mode}_us_per_hop_1mib": statistics.median(v) / HOPS * 1e6
+            for mode, v in t.items()}
+
+
+def ray_direct_vs_star(reps: int) -> dict[str, float]:
+    """:func:`direct_vs_star` between Ray actors of a local Ray instance started here."""
+    import os
+
+    import ray
+
+    os.environ["PYTHONPATH"] = child_pythonpath(str(HERE))  # the actors import this file
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    try:
+        return direct_vs_star(reps, ray=True)
+    finally:
+        ray.shutdown()
 
 
 def run_batch(rt: Any, walk: str, n: int) -> float:
@@ -270,6 +290,8 @@ def alternate(cases: list[tuple[str, Callable[[], float]]], reps: int, label: st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
+    ap.add_argument("--ray", action="store_true",
+                    help="also the 1 MiB hops between Ray actors (local Ray instance, tcp)")
     args = ap.parse_args()
     scale = 1 if args.quick else 4
     reps_1 = {"one": 100 * scale, "chain10": 30 * scale, "loop100": 5 * scale,
@@ -306,6 +328,8 @@ def main() -> None:
         local.close()
     # with only its own two runtimes open (the figure moved 0.44 -> 1.3-1.5 when the others left)
     figures.update(direct_vs_star(30 * scale))
+    if args.ray:
+        figures.update(ray_direct_vs_star(10 * scale))
     ratios: dict[str, float] = {}
     for n_req in (1, 16):
         for walk in ("chain10", "loop100", "decode256"):
@@ -318,6 +342,9 @@ def main() -> None:
     ratios["crossing_over_zmq_floor"] = figures["crossing_us_1req"] / figures["zmq_floor_us"]
     ratios["direct_over_star_speedup"] = (figures["star_us_per_hop_1mib"]
                                           / figures["direct_us_per_hop_1mib"])
+    if args.ray:
+        ratios["ray_direct_over_star_speedup"] = (figures["ray_star_us_per_hop_1mib"]
+                                                  / figures["ray_direct_us_per_hop_1mib"])
 
     print(f"{'walk':>10} {'req':>4} {'in-process':>12} {'placed':>12} {'ratio':>6}   (µs per node)")
     for n_req in (1, 16):
@@ -332,6 +359,11 @@ def main() -> None:
           f"{figures['star_us_per_hop_1mib']:.0f} µs, worker to worker "
           f"{figures['direct_us_per_hop_1mib']:.0f} µs; direct_over_star_speedup "
           f"{ratios['direct_over_star_speedup']:.2f}")
+    if args.ray:
+        print(f"the same between Ray actors (tcp): through the parent "
+              f"{figures['ray_star_us_per_hop_1mib']:.0f} µs, fetched from the maker "
+              f"{figures['ray_direct_us_per_hop_1mib']:.0f} µs; ray_direct_over_star_speedup "
+              f"{ratios['ray_direct_over_star_speedup']:.2f}")
     print(f"placed_over_inproc_per_node_1req (worst walk): "
           f"{ratios['placed_over_inproc_per_node_1req']:.2f}")
     out = HERE / "results" / "placement.json"
