@@ -178,6 +178,8 @@ def test_between_machines_the_reader_fetches_the_bytes_from_the_producer():
         assert torch.equal(got["v"], t) and server.served == 1
         with pytest.raises(CodecError, match="generation 2 is gone"):
             fetch([1, 2] + header[2:])
+        assert torch.equal(reader.unpack(Encoder(None).pack(
+            {"v": RemoteTensor(header, lambda g, k: None)}))["v"], t)  # a fresh socket serves
         exports.free([header[2]])
         with pytest.raises(CodecError, match="no export"):
             fetch(header)

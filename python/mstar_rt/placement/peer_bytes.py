@@ -114,6 +114,8 @@ class PeerFetcher:
                 got, why = msgpack.unpackb(frames[0].bytes)
                 if got == rid:
                     break
+            if why:  # a restarted maker listens elsewhere: this socket is done
+                self._socks.pop(endpoint).close(0)
         if why or len(frames) != 2 or len(frames[1]) != nbytes:
             raise CodecError(f"worker rank {rank} could not send an input tensor's bytes: "
                              f"{why or 'wrong length'}")
