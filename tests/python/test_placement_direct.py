@@ -153,6 +153,7 @@ def test_remote_headers_are_checked():
 def test_between_machines_the_reader_fetches_the_bytes_from_the_producer():
     """Ray actors (placement/peer_bytes.py): the header names the producer's endpoint, the
     reader fetches over tcp; a gone export, a restarted producer or a dead one fail clearly."""
+    import msgpack
     import zmq
 
     from mstar_rt.placement.arena import ShmArena
@@ -180,6 +181,12 @@ def test_between_machines_the_reader_fetches_the_bytes_from_the_producer():
             fetch([1, 2] + header[2:])
         assert torch.equal(reader.unpack(Encoder(None).pack(
             {"v": RemoteTensor(header, lambda g, k: None)}))["v"], t)  # a fresh socket serves
+        bad = ctx.socket(zmq.DEALER)  # malformed fetches are answered, the server lives on
+        bad.connect(server.endpoint)
+        for junk in (b"\xc1", msgpack.packb([1, 3, [2], 0, 4]), msgpack.packb("x")):
+            bad.send(junk)
+            assert bad.poll(2000) and "all integers" in msgpack.unpackb(bad.recv())[1]
+        bad.close(0)
         exports.free([header[2]])
         with pytest.raises(CodecError, match="no export"):
             fetch(header)

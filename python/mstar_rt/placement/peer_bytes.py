@@ -65,9 +65,12 @@ class ExportServer:
 
     def _answer(self, req: bytes) -> list:
         try:
-            rid, gen, key, offset, nbytes = msgpack.unpackb(req)
+            rid, gen, key, offset, nbytes = fields = msgpack.unpackb(req)
         except Exception:
-            return [msgpack.packb([-1, "a fetch is [request id, gen, key, offset, nbytes]"])]
+            fields = None
+        if fields is None or not all(type(x) is int for x in fields):  # never kills the thread
+            return [msgpack.packb([-1, "a fetch is [request id, gen, key, offset, nbytes], "
+                                       "all integers"])]
         if gen != self.gen:
             return [msgpack.packb([rid, f"generation {gen} is gone (now {self.gen}): the "
                                         "worker restarted"])]
