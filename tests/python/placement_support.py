@@ -122,9 +122,10 @@ def idle(rt: PlacedRuntime, rank: int) -> dict:
     return stats
 
 
-def worker_children() -> set[int]:
-    """Live worker processes whose parent is this process (read from /proc)."""
-    found = set()
+def worker_children(parent: int = 0, running: bytes = b"mstar_rt.placement.worker") -> set[int]:
+    """Live processes of ``parent`` (0: this process) whose command line holds ``running`` (read
+    from /proc): by default, its placement workers."""
+    parent, found = parent or os.getpid(), set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -135,7 +136,6 @@ def worker_children() -> set[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if (int(fields[1]) == os.getpid() and fields[0] != "Z"
-                and b"mstar_rt.placement.worker" in cmd):
+        if int(fields[1]) == parent and fields[0] != "Z" and running in cmd:
             found.add(int(entry))
     return found

@@ -3,7 +3,8 @@ each worker rank as a Ray actor on the node whose resources its NodeGroup asks f
 two-node local cluster (tests/python/ray_cluster.py, every address on loopback). Control crosses
 over ZeroMQ ``tcp://`` and tensors inside the messages, except a large one that one actor makes
 for another, which that one fetches from its maker, and a request's K/V moving from a prefill
-actor to a decode actor on the other node; the outputs equal the in-process Runtime's (the pipeline's every value kind, and greedy tokens and logits of a KV-cache LM); an
+actor to a decode actor on the other node; the outputs equal the in-process Runtime's (the
+pipeline's every value kind, and greedy tokens and logits of a KV-cache LM); an
 actor killed mid-run fails only the requests it held and, restarted by Ray, serves again; a
 rank that cannot start fails clearly; close leaves no actor or process."""
 
@@ -29,7 +30,7 @@ from mstar_rt.placement import (ModelSpec, NodeGroup, PlacedRuntime,  # noqa: E4
 
 import placement_models as pm  # noqa: E402
 from placement_support import (PROMPTS, T, alive, generate, pipeline_inputs,  # noqa: E402
-                               reference_outputs, same)
+                               reference_outputs, same, worker_children)
 from walk_models import wait_until  # noqa: E402
 
 # Each node: 2 CPUs and a slot resource that pins a rank to it.
@@ -151,7 +152,7 @@ def test_a_tensor_parallel_rank_runs_in_an_actor_equal_to_tp1(cluster, tmp_path)
         "launcher": "ray", "progress": False,
         "node_groups": [{"nodes": ["prefill", "decode"], "rank": 1, "tp_size": 2, **ON_NODE2}]})
     actor = rt.workers[1]["pid"]
-    followers = [p for p in _children(actor) if "mstar_rt.distributed" in _cmdline(p)]
+    followers = sorted(worker_children(actor, b"mstar_rt.distributed"))
     try:
         assert rt.workers[1]["node"] == NODE2_IP
         assert len(followers) == 1, "the actor did not start its tensor-parallel follower"
@@ -161,26 +162,6 @@ def test_a_tensor_parallel_rank_runs_in_an_actor_equal_to_tp1(cluster, tmp_path)
                        for a, b in zip(g["logits"], w["logits"], strict=True))
     finally:
         _closed_cleanly(rt, [actor, *followers], before)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_a_large_tensor_goes_actor_to_actor_not_through_the_parent(cluster):
