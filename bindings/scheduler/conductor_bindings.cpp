@@ -461,6 +461,12 @@ waiting) and report complete(); each call that changes state returns its outcome
              c.conductor()->set_spin(std::chrono::duration_cast<std::chrono::nanoseconds>(
                  std::chrono::duration<double>(seconds)));
            }, py::arg("seconds"), "How long an idle worker spins before it sleeps (0: never).")
+      .def("set_submitter_takes", [](PyConductor& c, EngineId engine, bool takes) {
+             c.conductor()->set_submitter_takes(engine, takes);
+           }, py::arg("engine"), py::arg("takes"),
+           "submit() leaves this engine's worker asleep: the submitting thread takes the batch.")
+      .def("wake", [](PyConductor& c, EngineId engine) { c.conductor()->wake(engine); },
+           py::arg("engine"), "Wakes a worker of the engine if work waits there.")
       .def("shutdown", [](PyConductor& c) { c.conductor()->shutdown(); })
       .def("values", &PyConductor::values)
       .def("timeline", [](PyConductor& c, RequestId r) {

@@ -348,6 +348,10 @@ class Conductor:
         """How many outputs the request has EMITted so far."""
     def set_spin(self, seconds: float) -> None:
         """How long an idle worker spins before it sleeps (0: never)."""
+    def set_submitter_takes(self, engine: int, takes: bool) -> None:
+        """submit() leaves this engine's worker asleep: the submitting thread takes the batch."""
+    def wake(self, engine: int) -> None:
+        """Wakes a worker of the engine if work waits there."""
     def shutdown(self) -> None: ...
     def values(self, request: int, /) -> dict[str, Any]: ...
     def timeline(self, request: int, /) -> list[tuple[int, int, int, int, int, int, int]]: ...

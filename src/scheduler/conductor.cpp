@@ -58,6 +58,10 @@ RequestId Conductor::submit(WalkId walk, const std::vector<NamedHandle>& inputs,
   Request& ref = *r;
   m.requests.emplace(id, std::move(r));
   if (options.fail_late) ++m.late_watch;
+  struct Submitting {  // reset even when begin_walk throws
+    bool& flag;
+    ~Submitting() { flag = false; }
+  } submitting{m.submitting = true};
   m.begin_walk(ref, walk, out);
   if (options.fail_late && ref.state == Request::State::running) m.admit(ref, out);
   m.expire_late(out);
@@ -141,7 +145,10 @@ void Conductor::next_batch(EngineId engine, std::size_t max_batch, std::chrono::
   batch.clear();
   // wait_for(max) would overflow the clock arithmetic; an hour is "forever" for a worker loop.
   timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
-  if (!q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); })) return;
+  // A zero timeout is a look: even an expired timed futex wait costs ~70 µs on a VM (timer
+  // slack), which a submitter polling an idle engine would pay every time.
+  if (timeout > std::chrono::nanoseconds(0))
+    q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); });
   if (m.stopping || q.ready.empty()) return;
   const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
                                                   m.g.nodes[q.ready.front().node].max_batch);
@@ -183,8 +190,22 @@ bool Conductor::wait_ready(EngineId engine, std::chrono::nanoseconds timeout) {
     lock.lock();
     timeout -= spin;
   }
-  q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); });
+  if (timeout > std::chrono::nanoseconds(0))  // a look costs no timed wait (next_batch)
+    q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); });
   return !m.stopping && !q.ready.empty();
+}
+
+void Conductor::set_submitter_takes(EngineId engine, bool takes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (engine >= impl_->engines.size()) throw std::invalid_argument("set_submitter_takes: unknown engine id");
+  impl_->engines[engine].submitter_takes = takes;
+}
+
+void Conductor::wake(EngineId engine) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (engine >= impl_->engines.size()) throw std::invalid_argument("wake: unknown engine id");
+  auto& q = impl_->engines[engine];
+  if (!q.ready.empty()) q.cv.notify_one();
 }
 
 void Conductor::set_spin(std::chrono::nanoseconds spin) {

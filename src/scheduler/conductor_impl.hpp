@@ -64,6 +64,7 @@ struct Conductor::Impl {
   RequestId next_request = 1;
   bool stopping = false;
   std::chrono::nanoseconds spin = std::chrono::microseconds(100);  // wait_ready's spin
+  bool submitting = false;  // inside submit(): engines whose submitter takes their work sleep on
   std::size_t inflight = 0;
   // Deadlines (deadlines.cpp): live fail_late requests, recent per-item time by node, and a
   // scratch list reused by expire_late.

@@ -16,6 +16,7 @@ struct EngineQueue {
   std::condition_variable cv;
   // Bumped under the mutex by every insert; read without it by a spinning wait_ready.
   std::atomic<std::uint64_t> inserted{0};
+  bool submitter_takes = false;  // Conductor::set_submitter_takes
   void insert(Item* item) {
     const SubmitOptions& o = item->req->options;
     ready.push({{o.deadline_ns, o.priority, item->req->seq, item->id}, item->node, item->walk, item});

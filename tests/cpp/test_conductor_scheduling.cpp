@@ -180,6 +180,36 @@ TEST(Conductor, WaitReadyLeavesTheWorkForALargerBatch) {
   EXPECT_FALSE(app.c.wait_ready(0, std::chrono::seconds(10)));  // returns at once
 }
 
+TEST(Conductor, ASubmitterThatTakesTheWorkLeavesTheWorkerAsleep) {
+  IR ir;
+  ir.node("n", "e0", {"x"}, {"y"}, 1);
+  WalkB w(ir, "main");
+  const WalkId main = w.build(w.node("n"));
+  App app(ir.g);
+  const NameId x = ir.name("x");
+  app.c.set_spin(0ns);  // a spinning worker would see the insert without any wake-up
+  app.c.set_submitter_takes(0, true);
+  EXPECT_THROW(app.c.set_submitter_takes(1, true), std::invalid_argument);
+  EXPECT_THROW(app.c.wake(1), std::invalid_argument);
+  std::atomic<bool> woke{false};
+  std::thread worker([&] {
+    EXPECT_TRUE(app.c.wait_ready(0, 10s));
+    woke = true;
+  });
+  std::this_thread::sleep_for(20ms);
+  app.submit(main, {{x, 1}});
+  app.submit(main, {{x, 2}});
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(woke.load());  // submit woke nobody
+  EXPECT_EQ(app.c.next_batch(0, 1, 0ns).size(), 1u);  // the submitter takes one batch
+  app.c.wake(0);  // and wakes the worker for what it left
+  worker.join();
+  EXPECT_TRUE(woke.load());
+  EXPECT_EQ(app.c.next_batch(0, 1, 0ns).size(), 1u);
+  app.c.wake(0);  // nothing waits: no effect
+  EXPECT_TRUE(app.c.next_batch(0, 1, 0ns).empty());
+}
+
 TEST(Conductor, ShutdownWakesABlockedNextBatch) {
   IR ir;
   ir.node("n", "e0", {"x"}, {"y"});

@@ -170,6 +170,13 @@ class Conductor {
   /// How long wait_ready spins (without the mutex) before it sleeps: 100 µs by default; 0 never
   /// spins. Spinning saves the submitter a wake-up system call and the worker a reschedule.
   void set_spin(std::chrono::nanoseconds spin);
+  /// The thread that calls submit() takes `engine`'s first batch itself (next_batch with a zero
+  /// timeout): submit() then does not wake that engine's worker, which would only wake to find
+  /// nothing and contend with that thread. Other work for the engine wakes it as usual.
+  void set_submitter_takes(EngineId engine, bool takes);
+  /// Wakes a worker of `engine` if work waits there (what a submitter of set_submitter_takes
+  /// left: more than one batch, or no way to send it now).
+  void wake(EngineId engine);
   /// Reports finished items (any subset of batches). Items of cancelled requests are ignored.
   void complete(const std::vector<Completion>& done, Outcome* out);
   /// Reports that items failed: their requests end with `message` (other requests go on).

@@ -27,7 +27,8 @@ worker -> parent (the parent's PULL socket)::
     ready    rank gen pid nodes=[name] walks=[name]
     fatal    rank gen message                 (the worker could not start)
     done     rank gen node items=[item] outputs=[{name: value}] stops=[[loop]]|None
-             states={request: {key: scalar}}
+             states={request: {key: scalar}} [emits=[[request, name, value]]]
+                                              (a segment's last EMITs, delivered first)
     failed   rank gen items=[item] message
     emit     rank gen emits=[[request, name, value]] items=[item]   (a segment's EMITs)
     stats    rank gen token stats={..}

@@ -25,6 +25,8 @@ def complete_from_reply(rt: "PlacedRuntime", msg: dict,
         raise ProtocolError("'done' needs one output map (and stop list) per item")
     if not 0 <= node < len(rt.node_names):
         raise ProtocolError(f"node id {node} is out of range")
+    if "emits" in msg:  # a segment's last outputs, folded in: they reach the handles first
+        deliver_emits(rt, msg)
     taken = take(ids)
     if not taken:
         return

@@ -249,6 +249,8 @@ class PlacedRuntime(Runtime):
                                                               kv_timeout_s, self._host)
             super().__init__(placed, poll_s, {**remote, **local_engines})
             self._remote_engines = list(remote.values())
+            for engine in self._remote_engines:  # submit() sends their first batch (below)
+                self.conductor.set_submitter_takes(engine.engine_id, True)
             self._runtime_started = True
             self._hub.start(self._links)
             _LIVE.add(self)
@@ -289,15 +291,20 @@ class PlacedRuntime(Runtime):
 
     def submit(self, *args: Any, **kwargs: Any) -> Any:
         handle = super().submit(*args, **kwargs)
-        # The request's first batch leaves from this thread: waking a RemoteEngine's thread to
-        # send it costs 100-300 µs on a VM. Not from the hub's thread (a callback submitting),
-        # which must never wait for a worker; the engine threads send whatever is left.
-        if not deferring():
-            for engine in self._remote_engines:
-                if engine.link.state == "up":
+        # The request's first batch leaves from this thread: a RemoteEngine's thread woken to
+        # send it costs 100-300 µs on a VM, and woken only to find nothing it still contends
+        # for the GIL while this thread packs (so submit leaves them asleep). Not from the hub's
+        # thread (a callback submitting), which must never wait for a worker; the engine
+        # threads are woken for whatever is left.
+        inline = not deferring()
+        for engine in self._remote_engines:
+            try:
+                if inline and engine.link.state == "up":
                     batch = self.conductor.next_batch(engine.engine_id, engine.max_batch, 0.0)
                     if batch is not None:
                         engine.link.send_batch(*batch)
+            finally:
+                self.conductor.wake(engine.engine_id)
         return handle
 
     def ended(self, handle: Any, error: Optional[BaseException]) -> None:

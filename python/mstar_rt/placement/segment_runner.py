@@ -2,7 +2,8 @@
 an in-process Runtime over the segment's nodes, so its nodes advance as they would in one
 process -- no parent round trip per node. A run is one request of that Runtime per parent work
 item; it reports once at its end (``done`` with the segment's outputs, or ``failed``), and its
-EMITted outputs go to the parent as they are made (``emit``).
+EMITted outputs go to the parent as they are made (``emit``); those made by the batch that ends
+the run ride in its ``done`` (one message, not two, for a walk whose last node EMITs).
 
 Replies leave through one sender thread, in the order they were made (a run's outputs before
 its end): the nodes' thread only queues them, and what queued while the sender was busy leaves
@@ -24,12 +25,13 @@ from mstar_rt.runtime import RequestCancelled, RequestHandle, Runtime
 class _Run:
     """One segment run: the parent's work item it answers and the request it belongs to."""
 
-    __slots__ = ("context", "item", "request", "node", "outputs", "released")
+    __slots__ = ("context", "item", "request", "node", "outputs", "released", "last_emits")
 
     def __init__(self, context: RequestContext, item: int, request: int, node: int) -> None:
         self.context, self.item, self.request, self.node = context, item, request, node
         self.outputs: dict = {}
         self.released = False
+        self.last_emits: list = []  # made by the batch that ends the run: they leave with it
 
 
 class _SegmentRuntime(Runtime):
@@ -41,7 +43,7 @@ class _SegmentRuntime(Runtime):
 
     def report(self, outcome: tuple) -> None:
         if outcome[0]:
-            self.segment_runner.forward_emits(self, outcome[0])
+            self.segment_runner.forward_emits(self, outcome[0], ending=outcome[1])
         super().report(outcome)
 
     def ended(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
@@ -151,11 +153,17 @@ class SegmentRunner:
         with self._lock:
             return self._runs.pop(id(run.context), None)
 
-    def forward_emits(self, rt: Runtime, emits: list) -> None:
+    def forward_emits(self, rt: Runtime, emits: list, ending: Sequence[int] = ()) -> None:
+        """``ending``: the runs whose walk this same outcome ends; their outputs wait for the
+        run's end (``ended``, at once after this) and leave in its reply."""
         out, items = [], set()
         for sub_rid, name, value in emits:
             run = self._runs.get(id(rt.requests.context(sub_rid)))
-            if run is not None and not run.released:
+            if run is None or run.released:
+                continue
+            if sub_rid in ending:
+                run.last_emits.append([run.request, name, value])
+            else:
                 out.append([run.request, name, value])
                 items.add(run.item)
         if out:  # items: what fails if the values cannot cross
@@ -167,9 +175,13 @@ class SegmentRunner:
         if run is None or run.released:
             return
         if error is None:
+            extra = {"emits": run.last_emits} if run.last_emits else {}
             self._reply("done", node=run.node, items=[run.item], outputs=[run.outputs],
-                        stops=None, states={run.request: scalar_items(run.context.state)})
+                        stops=None, states={run.request: scalar_items(run.context.state)},
+                        **extra)
         elif not isinstance(error, RequestCancelled):
+            if run.last_emits:
+                self._reply("emit", emits=run.last_emits, items=[run.item])
             self._reply("failed", items=[run.item], message=str(error))
 
     def release(self, rid: int) -> None:
@@ -216,6 +228,8 @@ def _coalesce(batch: list) -> list:
             last[1]["items"] += fields["items"]
             last[1]["outputs"] += fields["outputs"]
             last[1]["states"].update(fields["states"])
+            if fields.get("emits"):
+                last[1]["emits"] = last[1].get("emits", []) + fields["emits"]
         else:
             out.append((kind, {k: (list(v) if isinstance(v, list) else
                                    dict(v) if isinstance(v, dict) else v)

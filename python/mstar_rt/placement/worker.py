@@ -88,6 +88,8 @@ class Outbox:
                                            payload, *tensors], copy=not tensors)
                 return
         # isolate the culprit: one message per item, so only its request fails
+        if fields.get("emits"):  # outputs folded into the reply go first, on their own
+            self.send("emit", emits=fields["emits"], items=fields["items"])
         for i, item in enumerate(fields["items"]):
             stops = fields["stops"]
             self.send("done", node=fields["node"], items=[item], outputs=[fields["outputs"][i]],
