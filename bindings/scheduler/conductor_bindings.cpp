@@ -465,6 +465,8 @@ waiting) and report complete(); each call that changes state returns its outcome
              c.conductor()->set_submitter_takes(engine, takes);
            }, py::arg("engine"), py::arg("takes"),
            "submit() leaves this engine's worker asleep: the submitting thread takes the batch.")
+      .def("take_inline", [](PyConductor& c, bool on) { c.conductor()->take_inline(on); },
+           py::arg("on"), "This thread alone takes the work of set_submitter_takes engines.")
       .def("wake", [](PyConductor& c, EngineId engine) { c.conductor()->wake(engine); },
            py::arg("engine"), "Wakes a worker of the engine if work waits there.")
       .def("shutdown", [](PyConductor& c) { c.conductor()->shutdown(); })

@@ -350,6 +350,8 @@ class Conductor:
         """How long an idle worker spins before it sleeps (0: never)."""
     def set_submitter_takes(self, engine: int, takes: bool) -> None:
         """submit() leaves this engine's worker asleep: the submitting thread takes the batch."""
+    def take_inline(self, on: bool) -> None:
+        """This thread alone takes the work of set_submitter_takes engines."""
     def wake(self, engine: int) -> None:
         """Wakes a worker of the engine if work waits there."""
     def shutdown(self) -> None: ...

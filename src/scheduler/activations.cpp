@@ -281,7 +281,7 @@ void Conductor::Impl::dispatch_chunks(Request& r, NodeId node, Activation* act,
   ++r.queued;
   auto& q = engines[n.engine];
   q.insert(item);
-  if (!(submitting && q.submitter_takes)) q.cv.notify_one();
+  if (!(q.submitter_takes && (submitting || inline_taker != std::thread::id()))) q.cv.notify_one();
 }
 
 }  // namespace mstar

@@ -148,8 +148,8 @@ void Conductor::next_batch(EngineId engine, std::size_t max_batch, std::chrono::
   // A zero timeout is a look: even an expired timed futex wait costs ~70 µs on a VM (timer
   // slack), which a submitter polling an idle engine would pay every time.
   if (timeout > std::chrono::nanoseconds(0))
-    q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); });
-  if (m.stopping || q.ready.empty()) return;
+    q.cv.wait_for(lock, timeout, [&] { return m.stopping || m.takable(q); });
+  if (m.stopping || !m.takable(q)) return;
   const std::size_t limit = std::min<std::size_t>(std::max<std::size_t>(max_batch, 1),
                                                   m.g.nodes[q.ready.front().node].max_batch);
   const std::int64_t t = now_ns();
@@ -175,7 +175,7 @@ bool Conductor::wait_ready(EngineId engine, std::chrono::nanoseconds timeout) {
   if (engine >= m.engines.size()) throw std::invalid_argument("wait_ready: unknown engine id");
   auto& q = m.engines[engine];
   timeout = std::min<std::chrono::nanoseconds>(timeout, std::chrono::hours(1));
-  if (!m.stopping && q.ready.empty() && timeout > std::chrono::nanoseconds(0)) {
+  if (!m.stopping && !m.takable(q) && timeout > std::chrono::nanoseconds(0)) {
     // Spin a little before sleeping: a drained queue usually refills within microseconds (the
     // next request of a burst), and a futex sleep plus wake-up costs tens of µs on a VM, paid by
     // the submitter too. Bounded by spin_ and the timeout; shutdown ends the wait below.
@@ -191,14 +191,26 @@ bool Conductor::wait_ready(EngineId engine, std::chrono::nanoseconds timeout) {
     timeout -= spin;
   }
   if (timeout > std::chrono::nanoseconds(0))  // a look costs no timed wait (next_batch)
-    q.cv.wait_for(lock, timeout, [&] { return m.stopping || !q.ready.empty(); });
-  return !m.stopping && !q.ready.empty();
+    q.cv.wait_for(lock, timeout, [&] { return m.stopping || m.takable(q); });
+  return !m.stopping && m.takable(q);
 }
 
 void Conductor::set_submitter_takes(EngineId engine, bool takes) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (engine >= impl_->engines.size()) throw std::invalid_argument("set_submitter_takes: unknown engine id");
   impl_->engines[engine].submitter_takes = takes;
+}
+
+void Conductor::take_inline(bool on) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& m = *impl_;
+  if (on) {
+    m.inline_taker = std::this_thread::get_id();
+    return;
+  }
+  m.inline_taker = std::thread::id();
+  for (auto& q : m.engines)
+    if (q.submitter_takes && !q.ready.empty()) q.cv.notify_one();
 }
 
 void Conductor::wake(EngineId engine) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -65,6 +66,13 @@ struct Conductor::Impl {
   bool stopping = false;
   std::chrono::nanoseconds spin = std::chrono::microseconds(100);  // wait_ready's spin
   bool submitting = false;  // inside submit(): engines whose submitter takes their work sleep on
+  std::thread::id inline_taker{};  // take_inline: the one thread given the work of those engines
+
+  /// Whether this thread may take work from `q` now (work waits, and no inline taker keeps it).
+  bool takable(const detail::EngineQueue& q) const {
+    return !q.ready.empty() && (!q.submitter_takes || inline_taker == std::thread::id() ||
+                                inline_taker == std::this_thread::get_id());
+  }
   std::size_t inflight = 0;
   // Deadlines (deadlines.cpp): live fail_late requests, recent per-item time by node, and a
   // scratch list reused by expire_late.

@@ -210,6 +210,37 @@ TEST(Conductor, ASubmitterThatTakesTheWorkLeavesTheWorkerAsleep) {
   EXPECT_TRUE(app.c.next_batch(0, 1, 0ns).empty());
 }
 
+TEST(Conductor, AnInlineTakerAloneGetsTheWorkUntilItStops) {
+  IR ir;
+  ir.node("n", "e0", {"x"}, {"y"}, 1);
+  ir.node("m", "e1", {"x"}, {"y"}, 1);
+  WalkB w(ir, "main");
+  const WalkId main = w.build(w.node("n"));
+  WalkB w2(ir, "other");
+  const WalkId other = w2.build(w2.node("m"));
+  App app(ir.g);
+  const NameId x = ir.name("x");
+  app.c.set_submitter_takes(0, true);  // e1 is not: its worker is not kept from its work
+  app.c.take_inline(true);
+  app.submit(main, {{x, 1}});
+  app.submit(main, {{x, 2}});
+  app.submit(other, {{x, 3}});
+  std::atomic<bool> got{false};
+  std::thread worker([&] {
+    EXPECT_TRUE(app.c.next_batch(0, 1, 0ns).empty());  // work waits, but not for this thread
+    EXPECT_EQ(app.c.next_batch(0, 1, 10s).size(), 1u);
+    got = true;
+  });
+  std::thread other_worker([&] { EXPECT_EQ(app.c.next_batch(1, 1, 10s).size(), 1u); });
+  other_worker.join();
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(got.load());
+  EXPECT_EQ(app.c.next_batch(0, 1, 0ns).size(), 1u);  // the taker's
+  app.c.take_inline(false);  // wakes the worker for what is left
+  worker.join();
+  EXPECT_TRUE(got.load());
+}
+
 TEST(Conductor, ShutdownWakesABlockedNextBatch) {
   IR ir;
   ir.node("n", "e0", {"x"}, {"y"});

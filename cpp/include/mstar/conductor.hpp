@@ -174,6 +174,10 @@ class Conductor {
   /// timeout): submit() then does not wake that engine's worker, which would only wake to find
   /// nothing and contend with that thread. Other work for the engine wakes it as usual.
   void set_submitter_takes(EngineId engine, bool takes);
+  /// While on, the calling thread alone takes the work of the engines of set_submitter_takes
+  /// (their workers neither wake for it nor get it), to run a short walk start to end itself,
+  /// with no thread hand-off. Turning it off wakes their workers for what it left.
+  void take_inline(bool on);
   /// Wakes a worker of `engine` if work waits there (what a submitter of set_submitter_takes
   /// left: more than one batch, or no way to send it now).
   void wake(EngineId engine);

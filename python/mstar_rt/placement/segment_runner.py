@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mstar_rt.model import NO_DEADLINE, Model, RequestContext
 from mstar_rt.placement.codec import scalar_items
+from mstar_rt.placement.inline_runs import InlineRuns
 from mstar_rt.placement.segments import Segment, SegmentModel
 from mstar_rt.runtime import RequestCancelled, RequestHandle, Runtime
 
@@ -64,11 +65,13 @@ class SegmentRunner:
         self._wake = threading.Condition(threading.Lock())
         self._closing = self._busy = False
         self._runs: dict[int, _Run] = {}           # id(run context) -> run
+        self._driver: Optional[int] = None          # the thread running a run inline
         self._pending = threading.local()           # the run that submit() is binding
         self.segments = {first_id + i: s for i, s in enumerate(segments) if s.rank == rank}
         self.runtimes = {node: _SegmentRuntime(SegmentModel(model, s, self._bind, self._capture),
                                                self)
                          for node, s in self.segments.items()}
+        self._inline = {node: InlineRuns(rt) for node, rt in self.runtimes.items()}
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name="mstar-segment-replies")
         if self.segments:
@@ -76,22 +79,34 @@ class SegmentRunner:
 
     def _reply(self, kind: str, **fields: Any) -> None:
         with self._wake:
-            # A run's end goes out at once from its own thread when nothing waits before it
-            # (a thread hand-off costs more than the send); outputs always queue.
-            inline = kind != "emit" and not self._outbox and not self._busy
-            if inline:
-                self._busy = True
-            else:
-                self._outbox.append((kind, fields))
-                self._wake.notify()
-        if inline:
-            try:
+            self._outbox.append((kind, fields))
+            if kind == "emit":  # outputs go to the sender thread, or wait for the driver's
+                if self._driver != threading.get_ident():  # end (placement/inline_runs.py)
+                    self._wake.notify()
+                return
+        # A run's end goes out at once from its own thread, after the outputs queued before
+        # it, when the sender is idle (a thread hand-off costs more than the sends).
+        self._send_here()
+
+    def _send_here(self) -> None:
+        """Sends what the outbox holds from this thread, unless the sender thread is busy
+        (then it is told: it takes what queued meanwhile)."""
+        with self._wake:
+            if self._busy or not self._outbox:
+                if self._outbox:
+                    self._wake.notify()
+                return
+            self._busy = True
+            batch = list(self._outbox)
+            self._outbox.clear()
+        try:
+            for kind, fields in _coalesce(batch):
                 self._send(kind, **fields)
-            finally:
-                with self._wake:
-                    self._busy = False
-                    if self._outbox:
-                        self._wake.notify()
+        finally:
+            with self._wake:
+                self._busy = False
+                if self._outbox:
+                    self._wake.notify()
 
     def _send_loop(self) -> None:
         while True:
@@ -112,10 +127,29 @@ class SegmentRunner:
 
     # ---- runs ----------------------------------------------------------------------------------
 
-    def submit(self, node: int, items: list) -> list[int]:
+    def submit(self, node: int, items: list, alone: bool = False) -> list[int]:
         """Starts a run per item ``(item, request, inputs)``; the items it could not start (no
-        context for the request) are returned, for the caller to fail."""
-        rt, refused = self.runtimes[node], []
+        context for the request) are returned, for the caller to fail. ``alone``: the message
+        came with no other waiting; a single short run then runs on this thread
+        (placement/inline_runs.py)."""
+        rt, inline = self.runtimes[node], self._inline[node]
+        driving = inline.begin(alone and len(items) == 1)
+        if driving:
+            self._driver = threading.get_ident()  # its outputs wait for its end: one message
+        try:
+            refused = self._start(rt, node, items)
+            if driving:
+                inline.drive()
+        finally:
+            if driving:
+                self._driver = None
+            inline.end(driving)
+            if driving:
+                self._send_here()  # what a run going on on the engine thread made here
+        return refused
+
+    def _start(self, rt: Runtime, node: int, items: list) -> list[int]:
+        refused = []
         for item, rid, inputs in items:
             ctx = self._context(rid)
             if ctx is None:

@@ -375,7 +375,8 @@ class Worker:
         for w in known:
             host.set_walk(w.request, walk)
         if known and segment is not None:
-            refused = host.segments.submit(node, [(w.id, w.request, w.inputs) for w in known])
+            refused = host.segments.submit(node, [(w.id, w.request, w.inputs) for w in known],
+                                           self.alone)
             if refused:
                 self.outbox.send("failed", items=refused, message="the request ended")
         elif known:
