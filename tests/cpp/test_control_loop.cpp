@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/prctl.h>
 
 #include <atomic>
 #include <chrono>
@@ -346,6 +347,23 @@ TEST(ControlLoop, ModeReportsTheThreadsPolicyWithoutRealtime) {
   EXPECT_EQ(loop.mode(), "not run");
   loop.run(2);
   EXPECT_EQ(loop.mode(), "SCHED_OTHER");
+}
+
+TEST(ControlLoop, TicksRunWithoutTimerSlackWhichComesBackAfterRun) {
+  // Linux's default 50 µs slack would make every SCHED_OTHER wake-up up to 50 µs late.
+  const int before = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+  if (before <= 1) GTEST_SKIP() << "this thread already has no timer slack";
+  std::vector<int> during;
+  during.reserve(8);
+  mstar::ControlLoopOptions o;
+  o.rate_hz = 1000.0;
+  mstar::ControlLoop loop(o, [&](const mstar::TickInfo&) {
+    during.push_back(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0));
+  });
+  loop.run(5);
+  ASSERT_FALSE(during.empty());
+  for (int slack : during) EXPECT_EQ(slack, 1);
+  EXPECT_EQ(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), before);
 }
 
 TEST(ControlLoop, RealtimeModeTakesEffectOrSaysWhyAndIsUndoneAfterRun) {

@@ -11,6 +11,8 @@
 // Real-time mode (optional): SCHED_FIFO at a priority, CPU affinity and mlockall(MCL_CURRENT |
 // MCL_FUTURE). Each is attempted only when asked; what took effect is reported in mode(), e.g.
 // "SCHED_FIFO(80) cpu=1 mlockall" or "SCHED_OTHER (SCHED_FIFO refused: Operation not permitted)".
+// Always: the thread's timer slack is 1 ns while it runs (Linux delays a SCHED_OTHER thread's
+// timed wake-ups by up to 50 µs by default), put back afterwards.
 //
 // SimulatedClock has the same interface: sleeping just moves its time to the deadline, so a
 // closed loop (policy, buffer, physics) runs as fast as it can and identically every time.
