@@ -164,6 +164,71 @@ def test_a_tensor_parallel_rank_runs_in_an_actor_equal_to_tp1(cluster, tmp_path)
         _closed_cleanly(rt, [actor, *followers], before)
 
 
+def _processes_running(text: bytes) -> set[int]:
+    """Live processes whose command line holds ``text`` (Ray titles an actor's process
+    ``ray::<class>``)."""
+    found = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text in f.read():
+                    found.add(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def test_one_models_tensor_parallel_ranks_on_two_nodes_equal_tp1(cluster, tmp_path):
+    """``tp_resources`` puts the follower in a Ray actor of its own on the second node while the
+    driver's actor sits on the head node (the group meets at the driver's node address): tokens
+    equal and float32 logits within 1e-4 of tp_size 1 in process; the follower holds a slot of
+    the second node while it runs. Killed, it fails the next request naming its rank and node;
+    close frees every slot."""
+    import torch
+    from llama_ref import BASE, greedy, make_prompts, run_all
+    from test_tensor_parallel import save_llama
+
+    save_llama(tmp_path)
+    prompts = make_prompts(BASE["vocab_size"], (5, 9, 3), seed=7)
+    reqs = [greedy(p, 6) for p in prompts]
+    with Runtime(pm.checkpoint_lm(str(tmp_path))) as local:
+        want = run_all(local, reqs)
+    before = _slots()
+    rt = PlacedRuntime.from_config({
+        "model": {"class": "placement_models:checkpoint_lm", "args": {"path": str(tmp_path)}},
+        "launcher": "ray", "progress": False,
+        "node_groups": [{"nodes": ["prefill", "decode"], "rank": 1, "tp_size": 2, **ON_HEAD,
+                         "tp_resources": [{"node2_slot": 1}]}]})
+    actor = rt.workers[1]["pid"]
+    follower = _processes_running(b"FollowerActor")
+    try:
+        assert rt.workers[1]["node"] == HEAD_IP
+        assert not worker_children(actor, b"mstar_rt.distributed"), "a local follower started"
+        assert len(follower) == 1
+        assert _slots() == {"head_slot": before["head_slot"] - 1,
+                            "node2_slot": before["node2_slot"] - 1}
+        for g, w in zip(run_all(rt, reqs), want, strict=True):
+            assert g["token"] == w["token"]
+            assert all(torch.allclose(a, b, atol=1e-4, rtol=0)
+                       for a, b in zip(g["logits"], w["logits"], strict=True))
+        os.kill(next(iter(follower)), signal.SIGKILL)
+        with pytest.raises(RequestFailed, match=rf"rank 1 \(pid \d+ on {NODE2_IP}\)"):
+            rt.submit(reqs[0]).result(T)
+    finally:
+        _closed_cleanly(rt, [actor, *follower], before)
+
+
+def test_tp_resources_need_the_ray_launcher_and_one_map_per_follower():
+    with pytest.raises(ValueError, match="tp_resources places tensor-parallel followers as Ray"):
+        PlacedRuntime("placement_models:pipeline",
+                      [NodeGroup(["encoder"], rank=1, tp_size=2, tp_resources=[{"x": 1}])],
+                      progress=False)
+    with pytest.raises(ConfigError, match=r"node_groups\[0\].tp_resources: 2 resource maps "
+                                          r"for tp_size 2"):
+        read_config({"model": "placement_models:pipeline", "launcher": "ray", "node_groups": [
+            {"nodes": ["encoder"], "rank": 1, "tp_size": 2, "tp_resources": [{"a": 1}, {"b": 1}]}]})
+
+
 def test_a_large_tensor_goes_actor_to_actor_not_through_the_parent(cluster):
     """The 1 MiB tensor rank 1 (head node) makes for rank 2 (second node): the parent routes a
     handle, rank 2 fetches the bytes from rank 1 over tcp (placement/peer_bytes.py)."""

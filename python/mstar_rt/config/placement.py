@@ -33,7 +33,10 @@ class NodeGroup(Section):
     (see :class:`ModelAndGroups`).
     ``num_cpus``, ``num_gpus``, ``resources``: what the group's Ray actor asks the cluster
     for, with ``launcher: ray`` (docs/placement.md, "Ranks on Ray"); a group on ``cuda`` asks
-    for one GPU unless ``num_gpus`` says otherwise.
+    for one GPU unless ``num_gpus`` says otherwise. ``tp_resources`` (``launcher: ray``, one
+    map per follower rank, ``tp_size - 1`` of them): each tensor-parallel follower runs as a Ray
+    actor of its own on the node these custom resources name (with the group's CPUs and GPUs),
+    so one model's ranks may sit on several hosts; without it they start beside the driver.
 
     ``process`` defaults to true here and in the placement config file; the serving config
     defaults it to false (``mstar-rt serve`` runs in one process unless told)."""
@@ -51,6 +54,7 @@ class NodeGroup(Section):
     num_cpus: Optional[float] = None
     num_gpus: Optional[float] = None
     resources: dict[str, float] = Field(default_factory=dict)
+    tp_resources: Optional[list[dict[str, float]]] = None
 
     @field_validator("num_cpus", "num_gpus", mode="before")
     @classmethod
@@ -62,13 +66,16 @@ class NodeGroup(Section):
     @field_validator("resources", mode="before")
     @classmethod
     def _resources(cls, v: Any) -> Any:
+        return {} if v is None else _resource_map(v)
+
+    @field_validator("tp_resources", mode="before")
+    @classmethod
+    def _tp_resources(cls, v: Any) -> Any:
         if v is None:
-            return {}
-        if not isinstance(v, Mapping) or not all(
-                isinstance(k, str) and isinstance(n, (int, float)) and not isinstance(n, bool)
-                and n >= 0 for k, n in v.items()):
-            raise ValueError(f"must map resource names to amounts >= 0, not {v!r}")
-        return dict(v)
+            return None
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"must list one resource map per follower rank, not {v!r}")
+        return [_resource_map(m) for m in v]
 
     @model_validator(mode="before")
     @classmethod
@@ -96,6 +103,10 @@ class NodeGroup(Section):
 
     def check(self, where: str) -> None:
         """Refuses what this group cannot do, naming ``where`` (e.g. ``node_groups[2]``)."""
+        if self.tp_resources is not None and len(self.tp_resources) != self.tp_size - 1:
+            raise ConfigError(f"{where}.tp_resources: {len(self.tp_resources)} resource maps "
+                              f"for tp_size {self.tp_size}; give one per follower rank "
+                              f"({self.tp_size - 1})")
         if self.process:
             if self.rank == 0:
                 raise ConfigError(f"{where}.rank: rank 0 is the parent process; give a worker "
@@ -105,7 +116,7 @@ class NodeGroup(Section):
                                   "(a node per walk would move KV pages between processes); "
                                   "drop 'walks'")
             return
-        for key in ("num_cpus", "num_gpus", "resources"):
+        for key in ("num_cpus", "num_gpus", "resources", "tp_resources"):
             if getattr(self, key):
                 raise ConfigError(f"{where}.{key}: an in-process group runs in the serving "
                                   "process and asks no cluster for resources; drop it or set "
@@ -125,6 +136,14 @@ class NodeGroup(Section):
         if not self.request_inputs:
             raise ConfigError(f"{where}.request_inputs: an in-process group reads the request's "
                               "inputs without a copy; drop request_inputs or set process: true")
+
+
+def _resource_map(v: Any) -> dict[str, float]:
+    if not isinstance(v, Mapping) or not all(
+            isinstance(k, str) and isinstance(n, (int, float)) and not isinstance(n, bool)
+            and n >= 0 for k, n in v.items()):
+        raise ValueError(f"must map resource names to amounts >= 0, not {v!r}")
+    return dict(v)
 
 
 def check_groups(groups: Any) -> None:

@@ -74,13 +74,18 @@ def serve_steps(conn: Connection, group: Any, module: torch.nn.Module, device: s
 
 
 def main(fd: int) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the driver's to handle
+    watch_parent(os.getppid())
+    return serve(Connection(fd))
+
+
+def serve(conn: Connection) -> int:
+    """The follower over ``conn`` (a socket pair's end, or a Ray follower's TCP connection,
+    distributed/launch.py) until the driver closes it; the exit code."""
     from mstar_rt.distributed.group import TPGroup, join_store
     from mstar_rt.distributed.llama_shards import load_llama_shard
     from mstar_rt.distributed.split import TensorSplit
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the driver's to handle
-    watch_parent(os.getppid())
-    conn = Connection(fd)
     try:
         s = conn.recv()
         if s.get("threads"):
@@ -88,7 +93,7 @@ def main(fd: int) -> int:
         device = s["device"]
         if torch.device(device).type == "cuda":
             torch.cuda.set_device(torch.device(device))
-        store = join_store(s["port"], s["size"], s["timeout_s"])
+        store = join_store(s["port"], s["size"], s["timeout_s"], s.get("host", "127.0.0.1"))
         conn.send((JOINING,))
         group = TPGroup(store, s["key"], s["rank"], s["size"], device, s["timeout_s"])
         split = TensorSplit(s["rank"], s["size"], group.all_reduce)
@@ -106,6 +111,8 @@ def main(fd: int) -> int:
         except OSError:
             pass
         return 1
+    finally:
+        conn.close()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from torch import nn
 from mstar_rt.distributed import follower as fl
 from mstar_rt.distributed.child import spawn_child
 from mstar_rt.distributed.group import TPGroup, open_store
+from mstar_rt.distributed.launch import ray_followers
 from mstar_rt.distributed.llama_shards import checked_config, load_llama_shard
 from mstar_rt.distributed.split import TensorSplit
 from mstar_rt.engines.kv_engine import KVStep
@@ -45,7 +46,7 @@ _groups = itertools.count()
 @dataclass
 class Follower:
     rank: int
-    proc: subprocess.Popen
+    proc: Any  # subprocess.Popen, or a Ray follower's launch.ActorProc (the same calls)
     conn: Connection
 
     def status(self) -> str:
@@ -60,7 +61,8 @@ class Follower:
             pass
         code = self.proc.poll()
         state = "is running" if code is None else f"exited with code {code}"
-        return f"rank {self.rank} (pid {self.proc.pid}) {state}{said}"
+        where = f" on {self.proc.node}" if getattr(self.proc, "node", None) else ""
+        return f"rank {self.rank} (pid {self.proc.pid}{where}) {state}{said}"
 
 
 def stop_followers(followers: list[Follower], wait_s: float = 5.0) -> None:
@@ -247,8 +249,11 @@ def load_llama_tp(path: Union[str, os.PathLike], tp_size: int,
                     dtype=str(dtype).removeprefix("torch."), timeout_s=timeout_s,
                     threads=num_threads)
     followers: list[Follower] = []
+    remote = ray_followers()  # each follower a Ray actor where it asks (distributed/launch.py)
     try:
-        for rank in range(1, tp_size):
+        if remote is not None:  # each on its own node: the first device there
+            followers = remote.spawn(tp_size, {**settings, "device": device}, start_timeout_s)
+        for rank in range(1, tp_size if remote is None else 0):
             where = f"cuda:{index + rank}" if torch.device(device).type == "cuda" else device
             followers.append(spawn_follower(rank, {**settings, "device": where}))
         deadline = time.monotonic() + start_timeout_s

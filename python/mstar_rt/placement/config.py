@@ -31,6 +31,7 @@ class RankPlan:
     model_kwargs: dict[str, Any]
     request_inputs: bool
     ray_options: dict[str, Any]  # its Ray actor's resources (launcher="ray")
+    follower_options: list[dict[str, Any]] = field(default_factory=list)  # tp_resources
 
 
 @dataclass
@@ -69,11 +70,13 @@ def make_plan(model: Model, groups: Sequence[NodeGroup]) -> Plan:
         if g.process:
             plan = workers.get(g.rank)
             ray_options = actor_options(g.num_cpus, g.num_gpus, g.resources, g.device)
+            followers = [actor_options(g.num_cpus, g.num_gpus, r, g.device)
+                         for r in g.tp_resources or ()]
             if plan is None:
                 workers[g.rank] = RankPlan(g.rank, list(g.nodes), g.device, dict(g.model_kwargs),
-                                           g.request_inputs, ray_options)
-            elif ((plan.device, plan.model_kwargs, plan.ray_options)
-                  != (g.device, dict(g.model_kwargs), ray_options)):
+                                           g.request_inputs, ray_options, followers)
+            elif ((plan.device, plan.model_kwargs, plan.ray_options, plan.follower_options)
+                  != (g.device, dict(g.model_kwargs), ray_options, followers)):
                 raise ValueError(f"node groups of rank {g.rank} give different devices, "
                                  "model_kwargs or resources; one worker process builds one model")
             else:

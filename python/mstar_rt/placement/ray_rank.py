@@ -57,6 +57,7 @@ class RankActor:
     def start(self, cfg: dict) -> dict:
         import ray
 
+        from mstar_rt.distributed.launch import followers_on_ray
         from mstar_rt.placement.worker import start_worker
 
         host = ray.util.get_node_ip_address()
@@ -67,8 +68,9 @@ class RankActor:
         if old is not None:  # the parent gave it up (it lost touch): one model at a time
             old.stopping.set()
             self._done[int(old.gen)].wait(5.0)
-        try:
-            worker = start_worker(cfg)  # raises, after telling the parent why, if it cannot
+        try:  # followers of a tensor-parallel model it builds: Ray actors where asked
+            with followers_on_ray(cfg.get("tp_followers") or [], host):
+                worker = start_worker(cfg)  # raises, after telling the parent why, if it cannot
         except BaseException:
             done.set()
             raise
@@ -183,8 +185,9 @@ class RayWorker:
 class RayLauncher:
     """One rank's actor, made on the first start and removed at close."""
 
-    def __init__(self, rank: int, options: dict) -> None:
+    def __init__(self, rank: int, options: dict, followers: Optional[list] = None) -> None:
         self.rank, self.options = rank, dict(options)
+        self.followers = list(followers or ())  # Ray options of its tensor-parallel followers
         self.actor: Any = None
 
     def start(self, cfg: dict, timeout_s: float = 120.0) -> RayWorker:
@@ -205,7 +208,7 @@ class RayLauncher:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
-        return RayWorker(self.actor, cfg)
+        return RayWorker(self.actor, {**cfg, "tp_followers": self.followers})
 
     def close(self) -> None:
         import ray

@@ -210,6 +210,9 @@ class PlacedRuntime(Runtime):
         self.spec = model
         self.user_model = model.build(model.parent_kwargs)
         self.plan = plan = make_plan(self.user_model, node_groups)
+        if launcher != "ray" and any(p.follower_options for p in plan.workers.values()):
+            raise ValueError("tp_resources places tensor-parallel followers as Ray actors; "
+                             "set launcher='ray' (launcher: ray), or drop tp_resources")
         local_engines, worker_engines = split_engines(self.user_model, plan, engines or {})
         direct = ({} if direct_bytes is None
                   else direct_names(self.user_model, plan.node_rank, set(plan.workers)))
@@ -227,7 +230,8 @@ class PlacedRuntime(Runtime):
                 self._hub = _Hub(self._zctx, f"ipc://{self._workdir}/parent.sock")
             self.shm_prefix = tag = f"mstar_{os.getpid()}_{secrets.token_hex(3)}"
             for rank, rank_plan in plan.workers.items():
-                ray = (RayLauncher(rank, rank_plan.ray_options) if launcher == "ray" else None)
+                ray = (RayLauncher(rank, rank_plan.ray_options, rank_plan.follower_options)
+                       if launcher == "ray" else None)
                 self._links[rank] = WorkerLink(self, rank_plan, model, self._zctx, self._workdir,
                                                self._hub.endpoint, tag, shm_bytes,
                                                ready_timeout_s, progress,
