@@ -24,6 +24,8 @@ class InlineRuns:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.engines = list(rt.engines.values())
+        # (id, batch limit, engine), read once: Engine.max_batch scans the engine's nodes
+        self._turns = [(e.engine_id, e.max_batch, e) for e in self.engines]
         # torch's thread settings are per thread: an engine that sets them keeps its own thread
         self.usable = all(type(e) is StatelessEngine and e.num_threads is None
                           for e in self.engines)
@@ -56,14 +58,16 @@ class InlineRuns:
         q, rt = self.rt.conductor, self.rt
         start = time.perf_counter()
         until, batches = start + INLINE_BUDGET_S, 0
-        while q.queued_items and time.perf_counter() < until:
-            for e in self.engines:
+        run_batch, turns, now = q.run_batch, self._turns, time.perf_counter
+        while q.queued_items and now() < until:
+            for engine_id, limit, e in turns:
                 try:
-                    got = q.run_batch(e.engine_id, e.max_batch, 0.0)
+                    got = run_batch(engine_id, limit, 0.0)
                 except Exception:  # a bug in the runtime itself: the engine thread goes on
                     traceback.print_exc()
                     return
-                e.turn(rt, got)  # (a batch the Conductor ran with nothing to report: all None)
+                if got[0] is not None or got[1] is not None or got[2]:
+                    e.turn(rt, got)  # all None: nothing came, or it ran with nothing to say
             batches += 1
         if batches:
             took = (time.perf_counter() - start) / batches
