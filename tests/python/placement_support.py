@@ -6,6 +6,7 @@ in its own fixture, so every file gets fresh workers)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -122,10 +123,11 @@ def idle(rt: PlacedRuntime, rank: int) -> dict:
     return stats
 
 
-def worker_children(parent: int = 0, running: bytes = b"mstar_rt.placement.worker") -> set[int]:
-    """Live processes of ``parent`` (0: this process) whose command line holds ``running`` (read
-    from /proc): by default, its placement workers."""
-    parent, found = parent or os.getpid(), set()
+def worker_children(parent: Optional[int] = 0,
+                    running: bytes = b"mstar_rt.placement.worker") -> set[int]:
+    """Live processes of ``parent`` (0: this process; None: any) whose command line holds
+    ``running`` (read from /proc): by default, its placement workers."""
+    parent, found = (os.getpid() if parent == 0 else parent), set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -136,6 +138,6 @@ def worker_children(parent: int = 0, running: bytes = b"mstar_rt.placement.worke
                 cmd = f.read()
         except OSError:
             continue
-        if int(fields[1]) == parent and fields[0] != "Z" and running in cmd:
+        if parent in (None, int(fields[1])) and fields[0] != "Z" and running in cmd:
             found.add(int(entry))
     return found

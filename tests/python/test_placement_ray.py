@@ -133,11 +133,9 @@ def test_prefill_on_one_node_and_decode_on_the_other_equal_in_process(cluster):
         _closed_cleanly(rt, [rt.workers[1]["pid"], rt.workers[2]["pid"]], before)
 
 
-def test_a_tensor_parallel_rank_runs_in_an_actor_equal_to_tp1(cluster, tmp_path):
-    """A node group with ``tp_size: 2`` as a Ray actor on the second node: the actor drives
-    the LM and starts its follower beside it (gloo on that node); greedy tokens equal and
-    float32 logits within 1e-4 of the same checkpoint at tp_size 1 in process."""
-    import torch
+def _llama_at_tp1(tmp_path) -> tuple[list, list]:
+    """A tiny Llama checkpoint saved at ``tmp_path``, three greedy requests, and what the
+    in-process Runtime at tp_size 1 answers them."""
     from llama_ref import BASE, greedy, make_prompts, run_all
     from test_tensor_parallel import save_llama
 
@@ -145,7 +143,25 @@ def test_a_tensor_parallel_rank_runs_in_an_actor_equal_to_tp1(cluster, tmp_path)
     prompts = make_prompts(BASE["vocab_size"], (5, 9, 3), seed=7)
     reqs = [greedy(p, 6) for p in prompts]
     with Runtime(pm.checkpoint_lm(str(tmp_path))) as local:
-        want = run_all(local, reqs)
+        return reqs, run_all(local, reqs)
+
+
+def _equal_to_tp1(rt: PlacedRuntime, reqs: list, want: list) -> None:
+    """Tokens equal and float32 logits within 1e-4 of ``want``."""
+    import torch
+    from llama_ref import run_all
+
+    for g, w in zip(run_all(rt, reqs), want, strict=True):
+        assert g["token"] == w["token"]
+        assert all(torch.allclose(a, b, atol=1e-4, rtol=0)
+                   for a, b in zip(g["logits"], w["logits"], strict=True))
+
+
+def test_a_tensor_parallel_rank_runs_in_an_actor_equal_to_tp1(cluster, tmp_path):
+    """A node group with ``tp_size: 2`` as a Ray actor on the second node: the actor drives
+    the LM and starts its follower beside it (gloo on that node); greedy tokens equal and
+    float32 logits within 1e-4 of the same checkpoint at tp_size 1 in process."""
+    reqs, want = _llama_at_tp1(tmp_path)
     before = _slots()
     rt = PlacedRuntime.from_config({
         "model": {"class": "placement_models:checkpoint_lm", "args": {"path": str(tmp_path)}},
@@ -156,26 +172,9 @@ def test_a_tensor_parallel_rank_runs_in_an_actor_equal_to_tp1(cluster, tmp_path)
     try:
         assert rt.workers[1]["node"] == NODE2_IP
         assert len(followers) == 1, "the actor did not start its tensor-parallel follower"
-        for g, w in zip(run_all(rt, reqs), want, strict=True):
-            assert g["token"] == w["token"]
-            assert all(torch.allclose(a, b, atol=1e-4, rtol=0)
-                       for a, b in zip(g["logits"], w["logits"], strict=True))
+        _equal_to_tp1(rt, reqs, want)
     finally:
         _closed_cleanly(rt, [actor, *followers], before)
-
-
-def _processes_running(text: bytes) -> set[int]:
-    """Live processes whose command line holds ``text`` (Ray titles an actor's process
-    ``ray::<class>``)."""
-    found = set()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if text in f.read():
-                    found.add(int(entry))
-        except OSError:
-            pass
-    return found
 
 
 def test_one_models_tensor_parallel_ranks_on_two_nodes_equal_tp1(cluster, tmp_path):
@@ -184,15 +183,7 @@ def test_one_models_tensor_parallel_ranks_on_two_nodes_equal_tp1(cluster, tmp_pa
     equal and float32 logits within 1e-4 of tp_size 1 in process; the follower holds a slot of
     the second node while it runs. Killed, it fails the next request naming its rank and node;
     close frees every slot."""
-    import torch
-    from llama_ref import BASE, greedy, make_prompts, run_all
-    from test_tensor_parallel import save_llama
-
-    save_llama(tmp_path)
-    prompts = make_prompts(BASE["vocab_size"], (5, 9, 3), seed=7)
-    reqs = [greedy(p, 6) for p in prompts]
-    with Runtime(pm.checkpoint_lm(str(tmp_path))) as local:
-        want = run_all(local, reqs)
+    reqs, want = _llama_at_tp1(tmp_path)
     before = _slots()
     rt = PlacedRuntime.from_config({
         "model": {"class": "placement_models:checkpoint_lm", "args": {"path": str(tmp_path)}},
@@ -200,17 +191,14 @@ def test_one_models_tensor_parallel_ranks_on_two_nodes_equal_tp1(cluster, tmp_pa
         "node_groups": [{"nodes": ["prefill", "decode"], "rank": 1, "tp_size": 2, **ON_HEAD,
                          "tp_resources": [{"node2_slot": 1}]}]})
     actor = rt.workers[1]["pid"]
-    follower = _processes_running(b"FollowerActor")
+    follower = worker_children(None, b"FollowerActor")  # Ray titles it ray::FollowerActor
     try:
         assert rt.workers[1]["node"] == HEAD_IP
         assert not worker_children(actor, b"mstar_rt.distributed"), "a local follower started"
         assert len(follower) == 1
         assert _slots() == {"head_slot": before["head_slot"] - 1,
                             "node2_slot": before["node2_slot"] - 1}
-        for g, w in zip(run_all(rt, reqs), want, strict=True):
-            assert g["token"] == w["token"]
-            assert all(torch.allclose(a, b, atol=1e-4, rtol=0)
-                       for a, b in zip(g["logits"], w["logits"], strict=True))
+        _equal_to_tp1(rt, reqs, want)
         os.kill(next(iter(follower)), signal.SIGKILL)
         with pytest.raises(RequestFailed, match=rf"rank 1 \(pid \d+ on {NODE2_IP}\)"):
             rt.submit(reqs[0]).result(T)
