@@ -206,6 +206,22 @@ def test_one_models_tensor_parallel_ranks_on_two_nodes_equal_tp1(cluster, tmp_pa
         _closed_cleanly(rt, [actor, *follower], before)
 
 
+def test_a_follower_no_node_can_hold_fails_at_once_and_leaves_no_actor(cluster, tmp_path):
+    from test_tensor_parallel import save_llama
+
+    save_llama(tmp_path)
+    before = _slots()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"follower rank 1 asks for 1 'nowhere'"):
+        PlacedRuntime.from_config({
+            "model": {"class": "placement_models:checkpoint_lm", "args": {"path": str(tmp_path)}},
+            "launcher": "ray", "progress": False,
+            "node_groups": [{"nodes": ["prefill", "decode"], "rank": 1, "tp_size": 2, **ON_HEAD,
+                             "tp_resources": [{"nowhere": 1}]}]})
+    assert time.monotonic() - t0 < 60, "it waited for a placement that cannot happen"
+    assert wait_until(lambda: _slots() == before, timeout=T), (_slots(), before)
+
+
 def test_tp_resources_need_the_ray_launcher_and_one_map_per_follower():
     with pytest.raises(ValueError, match="tp_resources places tensor-parallel followers as Ray"):
         PlacedRuntime("placement_models:pipeline",

@@ -107,6 +107,22 @@ class FollowerActor:
         return follower.serve(conn)
 
 
+def check_feasible(options: Sequence[dict], cluster: dict[str, float]) -> None:
+    """Refuses at once a follower whose resources no node of the cluster has at all (Ray would
+    keep its actor pending forever), naming the resource and what the cluster offers."""
+    for rank, opts in enumerate(options, start=1):
+        wants = dict(opts.get("resources", {}))
+        for key, name in (("num_cpus", "CPU"), ("num_gpus", "GPU")):
+            if opts.get(key):
+                wants[name] = opts[key]
+        for name, amount in wants.items():
+            if cluster.get(name, 0.0) < amount:
+                offered = sorted(k for k in cluster if not k.startswith("node:"))
+                raise ValueError(f"tensor-parallel follower rank {rank} asks for {amount:g} "
+                                 f"{name!r}, which the Ray cluster does not have (it has "
+                                 f"{offered}); fix tp_resources or the cluster's resources")
+
+
 def _handshake(sock: socket.socket, key: bytes, timeout_s: float) -> Optional[Connection]:
     """The connection of a follower that proved it holds ``key`` (and sent its hello), else
     None. A peer silent for ``timeout_s`` fails too (a receive timeout on the socket)."""
@@ -144,6 +160,7 @@ class RayFollowers:
         if len(self.options) != tp_size - 1:
             raise ValueError(f"tp_resources gives {len(self.options)} follower placements for "
                              f"tp_size {tp_size}; give one per follower rank ({tp_size - 1})")
+        check_feasible(self.options, ray.cluster_resources())
         key = secrets.token_bytes(32)
         server = socket.create_server((self.host, 0))
         port = server.getsockname()[1]
@@ -183,4 +200,5 @@ class RayFollowers:
         return sorted(followers, key=lambda f: f.rank)
 
 
-__all__ = ["ActorProc", "FollowerActor", "RayFollowers", "followers_on_ray", "ray_followers"]
+__all__ = ["ActorProc", "FollowerActor", "RayFollowers", "check_feasible", "followers_on_ray",
+           "ray_followers"]
