@@ -281,7 +281,9 @@ void Conductor::Impl::dispatch_chunks(Request& r, NodeId node, Activation* act,
   ++r.queued;
   auto& q = engines[n.engine];
   q.insert(item);
-  if (!(q.submitter_takes && (submitting || inline_taker != std::thread::id()))) q.cv.notify_one();
+  // An engine whose work the submitter (or an inline taker) takes itself sleeps on.
+  const bool taken_here = q.submitter_takes && (submitting || inline_taker != std::thread::id());
+  if (!taken_here) q.cv.notify_one();
 }
 
 }  // namespace mstar
