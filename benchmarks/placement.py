@@ -10,6 +10,8 @@ thread hand-offs, no runtime), timed alternately with it: the floor a crossing c
 Last, a chain of 8 nodes placed alternately on ranks 1 and 2, each copying a 1 MiB tensor: per
 hop through the parent (``direct_bytes=None``) against worker to worker (placement/direct.py);
 with ``--ray`` the same hops between Ray actors of a local Ray instance (placement/peer_bytes.py).
+And a small random Llama on a KV cache decoding 64 tokens: in-process, on a worker with its
+walks as segments (the decode loop runs inside the worker), and on a worker node by node.
 
     python benchmarks/placement.py [--quick] [--ray]   # table + results/placement.{json,png}
 
@@ -100,6 +102,67 @@ class Walks(Model):
 def walks() -> Walks:
     """The factory the worker imports (``placement:walks``, this file on its sys.path)."""
     return Walks()
+
+
+KV_TOKENS = 64  # tokens per request of the KV-cache LM
+
+
+def kv_lm() -> Any:
+    """A small random Llama on a paged KV cache (``placement:kv_lm``): its decode steps cost
+    little, so what placement adds per token shows."""
+    from mstar_rt.engines import KVCacheEngine
+    from mstar_rt.models.causal_lm import CausalLM
+    from mstar_rt.models.llama import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=256)
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config)
+    module = module.to_empty(device="cpu")
+    module.rotary.inv_freq = config.rope.inv_freq(config.head_dim)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=g))
+    return CausalLM(module, (), max_seq_len=256, max_batch=16,
+                    engine=KVCacheEngine(page_size=16, num_pages=512, max_batch=16))
+
+
+def kv_decode(reps: int) -> dict[str, float]:
+    """µs per generated token of the KV-cache LM: in-process, on a worker with its walks as
+    segments (the decode loop inside the worker), and on a worker node by node (a crossing
+    per token), for 1 and 8 requests at once."""
+    from mstar_rt.models.causal_lm import SamplingParams
+
+    req = {"prompt": [1, 2, 3, 4], "params": SamplingParams(max_tokens=KV_TOKENS,
+                                                            ignore_eos=True)}
+    group = [NodeGroup(["prefill", "decode"], rank=1)]
+    runtimes = {"inproc": Runtime(kv_lm()),
+                "segments": PlacedRuntime("placement:kv_lm", group, progress=False),
+                "per_node": PlacedRuntime("placement:kv_lm", group, progress=False,
+                                          segments=False)}
+
+    def serve(rt: Any, n: int) -> float:
+        t0 = time.perf_counter()
+        for h in [rt.submit(req) for _ in range(n)]:
+            assert len(h.result(120)["token"]) == KV_TOKENS
+        return time.perf_counter() - t0
+
+    figures: dict[str, float] = {}
+    try:
+        for rt in runtimes.values():
+            serve(rt, 2)  # warm-up
+        for n in (1, 8):
+            t = alternate([(k, lambda rt=rt: serve(rt, n)) for k, rt in runtimes.items()],
+                          reps, f"kv decode x{n}")
+            for k in runtimes:
+                figures[f"kv_{k}_us_per_token_{n}req"] = (statistics.median(t[k])
+                                                          / (n * KV_TOKENS) * 1e6)
+    finally:
+        for rt in runtimes.values():
+            rt.close()
+    return figures
 
 
 HOPS = 8  # nodes of the alternating chain
@@ -328,6 +391,7 @@ def main() -> None:
         local.close()
     # with only its own two runtimes open (the figure moved 0.44 -> 1.3-1.5 when the others left)
     figures.update(direct_vs_star(30 * scale))
+    figures.update(kv_decode(5 * scale))
     if args.ray:
         figures.update(ray_direct_vs_star(10 * scale))
     ratios: dict[str, float] = {}
@@ -342,6 +406,11 @@ def main() -> None:
     ratios["crossing_over_zmq_floor"] = figures["crossing_us_1req"] / figures["zmq_floor_us"]
     ratios["direct_over_star_speedup"] = (figures["star_us_per_hop_1mib"]
                                           / figures["direct_us_per_hop_1mib"])
+    for n in (1, 8):
+        ratios[f"kv_placed_over_inproc_per_token_{n}req"] = (
+            figures[f"kv_segments_us_per_token_{n}req"] / figures[f"kv_inproc_us_per_token_{n}req"])
+        ratios[f"kv_segments_speedup_{n}req"] = (figures[f"kv_per_node_us_per_token_{n}req"]
+                                                 / figures[f"kv_segments_us_per_token_{n}req"])
     if args.ray:
         ratios["ray_direct_over_star_speedup"] = (figures["ray_star_us_per_hop_1mib"]
                                                   / figures["ray_direct_us_per_hop_1mib"])
@@ -364,6 +433,15 @@ def main() -> None:
               f"{figures['ray_star_us_per_hop_1mib']:.0f} µs, fetched from the maker "
               f"{figures['ray_direct_us_per_hop_1mib']:.0f} µs; ray_direct_over_star_speedup "
               f"{ratios['ray_direct_over_star_speedup']:.2f}")
+    print(f"{'KV-cache LM':>10} {'req':>4} {'in-process':>12} {'segments':>12} {'per node':>12}"
+          "   (µs per token)")
+    for n in (1, 8):
+        print(f"{'decode':>10} {n:>4} " + " ".join(
+            f"{figures[f'kv_{k}_us_per_token_{n}req']:>12.1f}"
+            for k in ("inproc", "segments", "per_node")))
+    print(f"kv_segments_speedup (per node over segments): 1 request "
+          f"{ratios['kv_segments_speedup_1req']:.2f}, 8 requests "
+          f"{ratios['kv_segments_speedup_8req']:.2f}")
     print(f"placed_over_inproc_per_node_1req (worst walk): "
           f"{ratios['placed_over_inproc_per_node_1req']:.2f}")
     out = HERE / "results" / "placement.json"

@@ -26,6 +26,10 @@ class RequestContext:
     state: dict = field(default_factory=dict)  # free for the model's own bookkeeping
     deadline_ns: int = NO_DEADLINE
     priority: int = 0
+    #: The id engines keep this request's cached state under (its KV pages): its own ``id``,
+    #: except in a placement worker's segment runs, which share the request's (-1 until the
+    #: runtime sets it). Nodes that read an engine's cache by request use this id.
+    cache_id: int = -1
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class NodeSubmodule(abc.ABC):
 
     def cleanup(self, request: RequestContext) -> None:
         """Called once when a request ends (finished, failed or cancelled)."""
+
+    #: True when the per-request state that :meth:`cleanup` drops lives in ``request.state`` or
+    #: under ``request.cache_id``: a placement worker may then run the node inside a segment
+    #: (placement/segments.py), calling ``cleanup`` once, when the request ends.
+    cleanup_by_cache_id = False
 
 
 def _given(model: "Model", name: str) -> Mapping[str, Any]:

@@ -87,7 +87,8 @@ class RequestHandle:
     """A submitted request: iterate it for EMIT outputs as ``(name, value)``, or wait for
     :meth:`result`; :meth:`cancel` stops it; :meth:`stats` / :meth:`chrome_trace` time it."""
 
-    def __init__(self, runtime: "Runtime", ctx: RequestContext, keep_outputs: bool = True) -> None:
+    def __init__(self, runtime: "Runtime", ctx: RequestContext, keep_outputs: bool = True,
+                 borrows_cache: bool = False) -> None:
         self._runtime = runtime
         self.context = ctx
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -100,6 +101,7 @@ class RequestHandle:
         self._emitted: dict[str, list] = {}  # every output, or (not kept) those result() took
         self._keep = keep_outputs
         self._received = 0  # outputs delivered (Runtime._end waits for all of them)
+        self.borrows_cache = borrows_cache  # a segment run's: its engine state is not its own
         self._timeline: bytes | list[tuple] = b""
 
     @property
@@ -200,11 +202,12 @@ class Runtime:
     ``submit(inputs)`` returns a :class:`RequestHandle`; ``close()`` stops and joins every
     thread. Use it as a context manager. ``spin_us``: how long an idle worker polls for work
     (without the GIL) before it sleeps. ``fail_late``: the default of :meth:`submit`'s option.
+    ``request_cleanup=False``: no ``cleanup`` as requests end (a placement worker's segment runs).
     """
 
     def __init__(self, model: Model, poll_s: float = 0.05,
                  engines: Optional[Mapping[str, Engine]] = None, spin_us: float = 100.0,
-                 fail_late: bool = False) -> None:
+                 fail_late: bool = False, request_cleanup: bool = True) -> None:
         self.model = model
         self.graph = compile_model(model)
         g = self.graph
@@ -258,7 +261,7 @@ class Runtime:
         self._releasing_engines = [e for e in self.engines.values()
                                    if overrides(e, "release", Engine)]
         self._cleaning_submodules = [s for s in self.nodes.unique_submodules()
-                                     if overrides(s, "cleanup", NodeSubmodule)]
+                                     if request_cleanup and overrides(s, "cleanup", NodeSubmodule)]
         self._workers = []
         for engine in self.engines.values():
             t = threading.Thread(target=engine.serve, name=f"mstar-engine-{engine.name}",
@@ -311,7 +314,9 @@ class Runtime:
                 self.graph.walk_ids[walk], values, deadline_ns, priority,
                 self.fail_late if fail_late is None else fail_late)
             ctx.id = rid
-            handle = RequestHandle(self, ctx, keep_outputs)
+            borrows = ctx.cache_id >= 0  # initial_walk gave it another's (a segment run)
+            ctx.cache_id = ctx.cache_id if borrows else rid
+            handle = RequestHandle(self, ctx, keep_outputs, borrows)
             self.requests.add(rid, handle)
         if outcome.emits or outcome.walks_done or outcome.failed or outcome.part_choices:
             self.report(outcome)
@@ -400,7 +405,8 @@ class Runtime:
             return
         if timeline is None:
             timeline = self.conductor.take_timeline(rid)  # decoded by stats(), if ever
-        for engine in self._releasing_engines:
+        # what engines hold under a borrowed cache id is freed by the request that owns it
+        for engine in () if handle.borrows_cache else self._releasing_engines:
             try:
                 engine.release(rid)
             except Exception:  # must not take the runtime down; report it

@@ -3,7 +3,7 @@
 ``pipeline`` is a plain multi-node walk (encoder -> DynamicLoop backbone with a streamed token
 -> head) whose values exercise every kind the codec carries; ``tiny_llama`` is a small random
 Llama served by CausalLM on a paged KV cache (greedy decoding, logits EMITted); ``text_llama``
-puts a tokenizer node of its own in front of it.
+puts a tokenizer node of its own in front of it; ``lerobot_policy`` is LeRobot's tiny pi0 fixture.
 """
 
 from __future__ import annotations
@@ -208,3 +208,19 @@ def checkpoint_lm(path: str, tp_size: int = 1) -> CausalLM:
     """A Llama checkpoint directory as a CausalLM (``tp_size`` > 1: tensor-parallel, the
     followers started beside the process that builds it)."""
     return CausalLM.from_pretrained(path, tp_size=tp_size, progress=False, emit_logits=True)
+
+
+def lerobot_policy(family: str = "pi0"):
+    """LeRobot's tiny pi0 / pi0.5 fixture (tests/reference/fixtures) as a walk graph: vision,
+    prefix on the KV engine, a Loop of flow steps reading it."""
+    import json
+    from pathlib import Path
+
+    from mstar_rt.models.lerobot_pi0 import LeRobotPi0Policy
+    from mstar_rt.models.lerobot_pi0_load import load_lerobot_pi0
+
+    d = Path(__file__).resolve().parents[1] / "reference" / "fixtures" / family
+    tiny = json.loads((d / "tiny_sizes.json").read_text())
+    heads = tiny["paligemma_hf_config"]["vision_config"]["num_attention_heads"]
+    return LeRobotPi0Policy(load_lerobot_pi0(d / "checkpoint", tokenizer=d / "tokenizer",
+                                             sizes={"vision_heads": heads}, verbose=False))

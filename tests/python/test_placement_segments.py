@@ -2,7 +2,8 @@
 parent round trip per segment. Outputs equal the in-process Runtime's (EMITs streamed in order,
 state mirrored for next_walk, persisted values across walks); a failure, a cancel, a deadline
 and a dying worker fail exactly their requests and leave nothing held; where a segment would be
-unsafe (streams, KV engines, loops run by the parent) the per-node path stays."""
+unsafe (streams, a KV engine split over workers or inside a Part, loops run by the parent) the
+per-node path stays (a KV engine on one worker: test_placement_kv_segments.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from mstar_rt import RequestCancelled, RequestFailed, Runtime
+from mstar_rt import Part, RequestCancelled, RequestFailed, Runtime
 from mstar_rt.placement import NodeGroup, PlacedRuntime
 from mstar_rt.placement.segments import find_segments
 
@@ -115,8 +116,11 @@ def test_segments_are_not_made_where_they_would_change_what_nodes_see():
     plan = find_segments(model, {"pre": 0, "a": 1, "b": 1, "gen": 1, "post": 0, "c": 1,
                                  "d": 1}, {1})
     assert [s.walk for s in plan.segments] == ["again"]
-    # A KV engine's nodes share its pages with other walks: never a segment.
+    # A KV engine's nodes join segments only when all of them can (its pages live in one
+    # Runtime): not split over two workers, nor with one inside a Part.
     lm = pm.tiny_llama()
+    assert find_segments(lm, {"prefill": 1, "decode": 2}, {1, 2}).segments == []
+    lm.walks = {"prefill": "prefill", "decode": Part("p", {"d": lm.walks["decode"]})}
     assert find_segments(lm, {n.name: 1 for n in lm.nodes}, {1}).segments == []
 
 

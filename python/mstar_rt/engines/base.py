@@ -19,6 +19,11 @@ class Engine(abc.ABC):
     the host closes), and :meth:`release` whenever a request ends.
     """
 
+    #: True when the engine keeps per-request state under ``RequestContext.cache_id`` (not the
+    #: request id of its host): a placement worker may then run its nodes inside segments,
+    #: whose runs of one request share that state (placement/segments.py).
+    keys_by_cache_id = False
+
     def __init__(self, num_threads: Optional[int] = None) -> None:
         #: torch intra-op threads on this engine's worker (None: leave torch's setting).
         self.num_threads = num_threads

@@ -119,6 +119,8 @@ class KVCacheEngine(Engine):
     docs/engines.md), else torch's setting; None leaves torch's setting.
     """
 
+    keys_by_cache_id = True  # pages are kept per RequestContext.cache_id
+
     def __init__(self, page_size: int = 16, num_pages: int = 1024, max_batch: int = 64,
                  max_tokens_per_step: int = 4096, attention_backend: str = "auto",
                  num_threads: Union[int, str, None] = "auto") -> None:
@@ -264,8 +266,8 @@ class KVCacheEngine(Engine):
         keys: set[tuple[int, str]] = set()
         tokens = 0
         for node, item, work in pending:
-            rid = item.request
-            if not self._live(rid):  # ended while it waited: tell the Conductor the item is done
+            rid = self._cache_id(item.request)
+            if not self._live(item.request):  # ended while it waited: the item is done
                 self._fail([item.id], "request ended")
                 cache.release(rid)
                 continue
@@ -302,7 +304,7 @@ class KVCacheEngine(Engine):
         # pages were taken: give them back now, before any K/V is written.
         for entry in [c for c in chosen if not self._live(c[1].request)]:
             chosen.remove(entry)
-            cache.release(entry[1].request)
+            cache.release(self._cache_id(entry[1].request))
             self._fail([entry[1].id], "request ended")
         if not chosen and waiting and self._stuck(waiting):
             node, item, work = waiting.pop()  # the youngest waiter gives way
@@ -310,15 +312,22 @@ class KVCacheEngine(Engine):
                 f"the KV cache is full ({cache.num_pages} pages of {cache.page_size} tokens) and "
                 "every request holding pages is waiting for more; raise num_pages, or lower "
                 "max_batch / the requests' reserve"))
-            cache.release(item.request)
+            cache.release(self._cache_id(item.request))
         return chosen, waiting
 
     def _live(self, rid: int) -> bool:
         return self.host.requests.knows(rid)
 
+    def _cache_id(self, rid: int) -> int:
+        """The id the cache keeps request ``rid``'s pages under (RequestContext.cache_id)."""
+        requests = self.host.requests
+        entry = requests.get(rid)  # else submit may not have registered it yet: ask under lock
+        cache_id = (entry.context if entry is not None else requests.context(rid)).cache_id
+        return cache_id if cache_id >= 0 else rid
+
     def _stuck(self, waiting: list) -> bool:
         """True when no request outside ``waiting`` holds pages, so none will free any."""
-        waiting_rids = {item.request for _n, item, _w in waiting}
+        waiting_rids = {self._cache_id(item.request) for _n, item, _w in waiting}
         return self.cache.holders() <= waiting_rids
 
     def _run_step(self, chosen: list) -> None:
@@ -353,7 +362,7 @@ class KVCacheEngine(Engine):
         stops = sub.check_stop(works, outputs) if entry.stops else None
         for _n, item, work, _s in group:
             if work.persist:
-                cache.commit(item.request, work.label, work.num_tokens)
+                cache.commit(self._cache_id(item.request), work.label, work.num_tokens)
         return [(entry, outputs[i], stops[i] if stops is not None else ())
                 for i, entry in enumerate(group)]
 

@@ -45,6 +45,8 @@ class LMNode(KVNodeSubmodule):
     ``max_tokens``. ``logits_processor`` (see :data:`LogitsProcessor`) runs per request on the
     rows that are sampled; emitted ``logits`` are the model's, before it."""
 
+    cleanup_by_cache_id = True  # its request state is in request.state; handoffs by cache_id
+
     def __init__(self, module: torch.nn.Module, eos_token_ids: Sequence[int], max_seq_len: int,
                  max_batch: int = 64, emit_logits: bool = False, cuda_graphs: bool = False,
                  compile: Union[bool, str] = False, prefill_samples: bool = True,
@@ -116,7 +118,7 @@ class LMNode(KVNodeSubmodule):
         """A request's first decode step after a prefill elsewhere: its handoff (``state``,
         ``kv``), taken from :attr:`handoffs` under ``inputs["handoff"]`` (else the request id),
         restores the state and brings the K/V for the engine to write (``KVWork.kv_import``)."""
-        key = inputs.get("handoff", ctx.request.id)
+        key = inputs.get("handoff", ctx.request.cache_id)
         handoff = self.handoffs.take(key) if self.handoffs is not None else None
         if handoff is None:
             raise KeyError(f"decode of request {ctx.request.id} found no handoff under key "
@@ -130,7 +132,7 @@ class LMNode(KVNodeSubmodule):
 
     def cleanup(self, request: RequestContext) -> None:
         if self.handoffs is not None:  # a handoff whose decode never started
-            self.handoffs.take(request.inputs.get("handoff", request.id))
+            self.handoffs.take(request.inputs.get("handoff", request.cache_id))
 
     def handoff_state(self, state: dict) -> dict:
         """What a decode elsewhere needs of a request's state after prefill, as plain data: the

@@ -128,7 +128,7 @@ class DenoiseNode(KVNodeSubmodule):
         h = self.policy.config.chunk_size
         # The action tokens see every cached token and each other; nothing is written.
         return KVWork(h, persist=False, mask=BlockCausal(h, start=s["cached"]),
-                      payload=(inputs["x"], ctx.iteration, s["request"], ctx.request.id))
+                      payload=(inputs["x"], ctx.iteration, s["request"], ctx.request.cache_id))
 
     def attention(self, works: list[KVWork], step: KVStep) -> Optional[SuffixAttention]:
         """The batch's suffix attention: the last one while the batch holds the same request

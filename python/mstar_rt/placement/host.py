@@ -42,7 +42,9 @@ class LocalQueue:
     def __init__(self, host: "WorkerHost", num_engines: int, engine_of_node: dict[int, int],
                  reply: Callable[..., None]) -> None:
         self._host = host
-        self._ready = _core.ReadyQueue(num_engines, [e.max_batch for e in host.nodes.entries])
+        # (one engine at least: a worker whose nodes all run in segments queues nothing here)
+        self._ready = _core.ReadyQueue(max(1, num_engines),
+                                       [e.max_batch for e in host.nodes.entries])
         self._engine_of_node = engine_of_node
         self._lock = threading.Lock()
         self._item_rid: dict[int, int] = {}  # items handed to an engine -> request
@@ -159,19 +161,18 @@ class WorkerHost:
         self.runner = NodeRunner(self.nodes.entries, self.requests)
         self.node_names, self.walk_names = self.nodes.names, list(g.walk_ids)
         self._closed = False
-        self.node_ids = [g.node_ids[n] for n in nodes]
-        self._submodules = self.nodes.unique_submodules(self.node_ids)
+        # Nodes of an engine that serves segments only (segment_runner.py) are the segments'.
+        in_segments = {e for s in segments if s.rank == rank for e in s.engines}
+        every = [g.node_ids[n] for n in nodes]
+        self._submodules = self.nodes.unique_submodules(every)  # cleanup: all, per request
+        self.node_ids = [i for i in every if self.nodes[i].engine not in in_segments]
         names = sorted({self.nodes[i].engine for i in self.node_ids})
         engine_of_node = {i: names.index(self.nodes[i].engine) for i in self.node_ids}
         self.conductor = LocalQueue(self, len(names), engine_of_node, reply)
         self.engines: dict[str, Engine] = {}
+        built = _kv_engines(kv_settings)
         for engine_id, name in enumerate(names):
-            if kv_settings and name in kv_settings:
-                from mstar_rt.engines.kv_engine import KVCacheEngine
-
-                engine: Engine = KVCacheEngine(**kv_settings[name])
-            else:
-                engine = model.engine_specs.get(name) or StatelessEngine()
+            engine: Engine = built.get(name) or model.engine_specs.get(name) or StatelessEngine()
             engine.attach(self, engine_id, name,
                           [i for i in self.node_ids if engine_of_node[i] == engine_id])
             self.engines[name] = engine
@@ -183,7 +184,8 @@ class WorkerHost:
             t.start()
         # Segment node ids follow the model's own (the parent's view appends them in order).
         self.segments = SegmentRunner(model, segments, len(self.node_names), rank,
-                                      self._context, reply)
+                                      self._context, reply,
+                                      {e: x for e, x in built.items() if e in in_segments})
         self.segment_names = [s.name for s in segments]
 
     def _context(self, rid: int) -> Optional[RequestContext]:
@@ -248,7 +250,7 @@ class WorkerHost:
         with self.requests.lock:
             if self.requests.get(rid) is None:
                 ctx = RequestContext(id=rid, inputs=inputs or {}, deadline_ns=order[0],
-                                     priority=order[1])
+                                     priority=order[1], cache_id=rid)
                 ctx.state.update(state)
                 self.requests.add(rid, _Request(ctx))
 
@@ -275,11 +277,14 @@ class WorkerHost:
 
     def stats(self) -> dict:
         kv = {}
-        for name, engine in self.engines.items():
+        engines = {**self.engines, **{e.name: e for e in self.segments.stateful}}
+        for name, engine in engines.items():
             cache = getattr(engine, "cache", None)
             if cache is not None:
                 kv[name] = dict(pages_in_use=cache.num_pages - cache.free_pages,
-                                num_pages=cache.num_pages, sequences=cache.live_sequences)
+                                num_pages=cache.num_pages, sequences=cache.live_sequences,
+                                steps=getattr(engine, "steps", 0),
+                                largest_step=max(getattr(engine, "step_sizes", ()), default=0))
         return dict(live_requests=len(self.requests), queued_items=self.conductor.queued,
                     batches=self.conductor.batches, kv=kv,
                     kv_pages_in_use=sum(v["pages_in_use"] for v in kv.values()),
@@ -293,3 +298,12 @@ class WorkerHost:
             t.join(timeout=10)
         for rid in self.requests.ids():
             self.release(rid)
+
+
+def _kv_engines(settings: Optional[dict[str, dict]]) -> dict[str, Engine]:
+    """The KVCacheEngines the config builds with settings of its own, by name."""
+    if not settings:
+        return {}
+    from mstar_rt.engines.kv_engine import KVCacheEngine
+
+    return {name: KVCacheEngine(**kw) for name, kw in settings.items()}

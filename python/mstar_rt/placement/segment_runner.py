@@ -36,11 +36,13 @@ class _Run:
 
 
 class _SegmentRuntime(Runtime):
-    """A Runtime whose outputs and ends go to the segment runner."""
+    """A Runtime whose outputs and ends go to the segment runner. Its runs call no ``cleanup``:
+    the worker calls it once, as the request ends (WorkerHost.release)."""
 
-    def __init__(self, model: Model, runner: "SegmentRunner") -> None:
+    def __init__(self, model: Model, runner: "SegmentRunner",
+                 engines: Optional[dict] = None) -> None:
         self.segment_runner = runner
-        super().__init__(model)
+        super().__init__(model, engines=engines, request_cleanup=False)
 
     def report(self, outcome: tuple) -> None:
         if outcome[0]:
@@ -54,11 +56,17 @@ class _SegmentRuntime(Runtime):
 class SegmentRunner:
     """Runs this rank's segments. ``segments``: every segment of the model, in the order that
     gives their node ids from ``first_id`` on; ``context(rid)``: the worker's context of a
-    request; ``reply(kind, **fields)``: the worker's sender."""
+    request; ``reply(kind, **fields)``: the worker's sender; ``engines``: stateful engines built
+    with the worker's settings, by name, instead of the model's.
+
+    Each segment has a Runtime of its own, except those whose nodes use a stateful engine: they
+    share one, which holds that engine; a request's runs there share its state through the
+    request's cache id (RequestContext.cache_id), which is freed when the request ends
+    (:meth:`release`)."""
 
     def __init__(self, model: Model, segments: Sequence[Segment], first_id: int, rank: int,
                  context: Callable[[int], Optional[RequestContext]],
-                 reply: Callable[..., None]) -> None:
+                 reply: Callable[..., None], engines: Optional[dict] = None) -> None:
         self._context, self._send = context, reply
         self._lock = threading.Lock()
         self._outbox: collections.deque = collections.deque()
@@ -68,10 +76,24 @@ class SegmentRunner:
         self._driver: Optional[int] = None          # the thread running a run inline
         self._pending = threading.local()           # the run that submit() is binding
         self.segments = {first_id + i: s for i, s in enumerate(segments) if s.rank == rank}
-        self.runtimes = {node: _SegmentRuntime(SegmentModel(model, s, self._bind, self._capture),
-                                               self)
-                         for node, s in self.segments.items()}
-        self._inline = {node: InlineRuns(rt) for node, rt in self.runtimes.items()}
+        self.runtimes: dict[int, _SegmentRuntime] = {}
+        shared = {n: s for n, s in self.segments.items() if s.engines}
+        if shared:
+            names = {e for s in shared.values() for e in s.engines}
+            rt = _SegmentRuntime(SegmentModel(model, list(shared.values()), self._bind,
+                                              self._capture), self,
+                                 {e: x for e, x in (engines or {}).items() if e in names})
+            self.runtimes.update((n, rt) for n in shared)
+            #: the stateful engines, which keep requests' state between their runs
+            self.stateful = [rt.engines[e] for e in sorted(names)]
+        else:
+            self.stateful = []
+        for node, s in self.segments.items():
+            if node not in shared:
+                self.runtimes[node] = _SegmentRuntime(
+                    SegmentModel(model, [s], self._bind, self._capture), self)
+        inline = {id(rt): InlineRuns(rt) for rt in self.runtimes.values()}
+        self._inline = {node: inline[id(rt)] for node, rt in self.runtimes.items()}
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name="mstar-segment-replies")
         if self.segments:
@@ -167,14 +189,16 @@ class SegmentRunner:
                 self._pending.run = None
         return refused
 
-    def _bind(self, run_ctx: RequestContext) -> None:
-        """In submit, before the run's first node: its nodes see the request's own inputs and
-        state (the per-node path's context), and the run is known before it can end."""
+    def _bind(self, run_ctx: RequestContext) -> Segment:
+        """In submit, before the run's first node: its nodes see the request's own inputs, state
+        and cache id (the per-node path's context), and the run is known before it can end."""
         run: _Run = self._pending.run
         run_ctx.inputs, run_ctx.state = run.context.inputs, run.context.state
+        run_ctx.cache_id = run.request
         run.context = run_ctx
         with self._lock:
             self._runs[id(run_ctx)] = run
+        return self.segments[run.node]
 
     def _capture(self, run_ctx: RequestContext, outputs: dict) -> None:
         run = self._runs.get(id(run_ctx))
@@ -228,18 +252,20 @@ class SegmentRunner:
             handle = self.runtimes[r.node].requests.get(r.context.id)
             if handle is not None:
                 handle.cancel()
+        for engine in self.stateful:  # what its runs left for the next (K/V pages)
+            engine.release(rid)
 
     # ---- introspection and lifetime ------------------------------------------------------------
 
     def stats(self) -> dict:
         live = {"requests": 0, "handles": 0, "stored": 0, "queued": 0, "inflight": 0}
-        for rt in self.runtimes.values():
+        for rt in {id(rt): rt for rt in self.runtimes.values()}.values():
             for k, v in rt.live.items():
                 live[k] += v
         return dict(segment_runs=len(self._runs), segment_live=live)
 
     def close(self) -> None:
-        for rt in self.runtimes.values():
+        for rt in {id(rt): rt for rt in self.runtimes.values()}.values():
             rt.close()
         with self._wake:
             self._closing = True

@@ -11,19 +11,25 @@ Both processes compute the same segments from the model and the node ranks
 (:func:`find_segments`), so nothing but the node names crosses to agree on them (the worker's
 ``ready`` lists them and the parent checks).
 
-Where a segment would change what a node sees, the per-node path stays: a node on a stateful
-engine (a KV cache, whose pages its other nodes share), one that keeps per-request state
-(``cleanup``), one that reads or writes a stream, hears a stream's end, a Loop with
-``accumulated_outputs``, anything inside a Part, and anything inside a Loop that runs in the
-parent (its iterations and stops are the parent's). A segment of one node gains nothing and is
-not made.
+A stateful engine's nodes (a KV cache, whose pages a request's walks share) join segments when
+the engine keeps per-request state under ``RequestContext.cache_id`` (``Engine.keys_by_cache_id``)
+and every one of its nodes, wherever a walk runs it, can sit in a segment of one worker -- alone
+if need be: the worker then serves all of that engine's work through one Runtime whose runs of a
+request share the request's cache id (placement/segment_runner.py). Otherwise the engine's nodes
+keep the per-node path.
+
+Where a segment would change what a node sees, the per-node path stays: a node that keeps
+per-request state ``cleanup`` drops (unless it keys it by cache id), one that reads or writes a
+stream, hears a stream's end, a Loop with ``accumulated_outputs``, anything inside a Part, and
+anything inside a Loop that runs in the parent (its iterations and stops are the parent's). A
+segment of one node gains nothing and is not made, except for a stateful engine's node.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Parallel, Part,
                             SectionLike, Sequential, StreamingGraphEdge)
@@ -44,6 +50,7 @@ class Segment:
     nodes: tuple[str, ...]
     inputs: tuple[str, ...]        # what it reads from outside
     outputs: tuple[Any, ...]       # the stand-in's outputs: what it leaves visible after it
+    engines: tuple[str, ...] = ()  # the stateful engines its nodes use (shared across runs)
 
 
 @dataclass
@@ -55,11 +62,19 @@ class SegmentPlan:
 def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int]) -> SegmentPlan:
     """The segments of every walk of ``model`` (its Parts left alone) and the rewritten walks."""
     finder = _Finder(model, node_rank, workers)
-    walks = {}
-    for walk, root in model.walks.items():
-        finder.walk, finder.count = walk, 0
-        walks[walk] = finder.rewrite(root, inside_loop=False)
-    return SegmentPlan(finder.segments, walks)
+    while True:
+        walks = {}
+        finder.segments = []
+        for walk, root in model.walks.items():
+            finder.walk, finder.count = walk, 0
+            walks[walk] = finder.rewrite(root, inside_loop=False)
+        # A stateful engine with a node left outside every segment keeps the per-node path
+        # whole: its state lives in one place.
+        left = {n for w in walks.values() for n in all_nodes(w)}
+        lost = {e for e, nodes in finder.shared.items() if nodes & left}
+        if not lost:
+            return SegmentPlan(finder.segments, walks)
+        finder.drop(lost)
 
 
 def stand_in_nodes(segments: list[Segment]) -> list[GraphNode]:
@@ -73,12 +88,24 @@ class _Finder:
         subs, engines = node_submodules(model), node_engines(model)
         streams = {o.to for n in model.nodes for o in n.outputs
                    if isinstance(o, StreamingGraphEdge)}
-        self.eligible = {
+        fits = {
             n.name for n in model.nodes
-            if n.name in self.rank and engines[n.name] not in model.engine_specs
-            and not overrides(subs[n.name], "cleanup", NodeSubmodule)
+            if n.name in self.rank
+            and (not overrides(subs[n.name], "cleanup", NodeSubmodule)
+                 or subs[n.name].cleanup_by_cache_id)
             and not hears_stream_end(subs[n.name]) and n.name not in streams
             and not any(isinstance(o, StreamingGraphEdge) for o in n.outputs)}
+        specs = model.engine_specs
+        self.engine_of = engines
+        self.eligible = {n for n in fits if engines[n] not in specs}
+        # stateful engine -> its nodes, when they may all join segments of one worker
+        self.shared: dict[str, set[str]] = {}
+        for e, spec in specs.items():
+            members = {n.name for n in model.nodes if engines[n.name] == e}
+            if (getattr(spec, "keys_by_cache_id", False) and members and members <= fits
+                    and len({self.rank[n] for n in members}) == 1):
+                self.shared[e] = members
+                self.eligible |= members
         self.persisted = {o.name for n in model.nodes for o in n.outputs
                           if isinstance(o, GraphEdge) and o.persist}
         # What a segment must send back: names read outside it or kept for later walks; all
@@ -105,20 +132,29 @@ class _Finder:
         ranks = {self.whole_rank(p) for p in parts}
         return ranks.pop() if len(ranks) == 1 else None
 
-    @staticmethod
-    def worth_it(s: SectionLike) -> bool:
-        """More than one node execution per run: a Loop, or two nodes or more."""
-        return not isinstance(s, str) and (isinstance(s, Loop) or len(section_nodes(s)) > 1)
+    def worth_it(self, s: SectionLike) -> bool:
+        """More than one node execution per run (a Loop, or two nodes or more), or a node of a
+        stateful engine whose work all runs in segments."""
+        if isinstance(s, str):
+            return self.engine_of[s] in self.shared
+        return isinstance(s, Loop) or len(section_nodes(s)) > 1
+
+    def drop(self, engines: set[str]) -> None:
+        """``engines``' nodes keep the per-node path."""
+        for e in engines:
+            self.eligible -= self.shared.pop(e)
 
     # ---- rewriting -------------------------------------------------------------------------
 
     def rewrite(self, s: SectionLike, inside_loop: bool) -> SectionLike:
-        if isinstance(s, str) or isinstance(s, Part):
+        if isinstance(s, Part):
             return s
         if not inside_loop:
             rank = self.whole_rank(s)
             if rank is not None and self.worth_it(s):
                 return self.make(s, rank)
+        if isinstance(s, str):
+            return s
         if isinstance(s, Loop):
             body = self.rewrite(s.section, True)
             if isinstance(s, DynamicLoop):
@@ -170,8 +206,9 @@ class _Finder:
                      for n in members for e in self.nodes[n].outputs
                      if isinstance(e, GraphEdge) and e.name == x and e.to != EMIT}
             outputs.extend(sorted(edges, key=lambda e: (e.to, e.persist)) or [x])
+        engines = sorted({self.engine_of[n] for n in members} & set(self.shared))
         self.segments.append(Segment(name, self.walk, rank, section, tuple(sorted(members)),
-                                     tuple(inputs), tuple(outputs)))
+                                     tuple(inputs), tuple(outputs), tuple(engines)))
         return name
 
     def flow(self, s: SectionLike, made: set[str], reads: list[str]) -> set[str]:
@@ -209,37 +246,60 @@ def section_nodes(s: SectionLike) -> list[str]:
     return []
 
 
-class SegmentModel(Model):
-    """What a worker's in-process Runtime serves for one segment: the segment's nodes (with the
-    worker's submodules), one walk named as the parent's (the section), the segment's inputs.
-    Edges to nodes outside it become plain outputs. ``bind(request)`` runs in ``submit`` (it
-    gives the run the worker's context of the request); ``capture(request, outputs)`` gets the
-    segment's outputs at its end."""
+def all_nodes(s: SectionLike) -> list[str]:
+    """Every node a walk section names, inside Parts too."""
+    if isinstance(s, str):
+        return [s]
+    if isinstance(s, Part):
+        return [n for w in s.walks.values() for n in all_nodes(w)]
+    if isinstance(s, Sequential):
+        return [n for p in s.parts for n in all_nodes(p)]
+    if isinstance(s, Parallel):
+        return [n for b in s.branches for n in all_nodes(b)]
+    if isinstance(s, Loop):
+        return all_nodes(s.section)
+    return []
 
-    def __init__(self, model: Model, segment: Segment, bind: Callable[[Any], None],
-                 capture: Callable[[Any, dict], None]) -> None:
+
+class SegmentModel(Model):
+    """What a worker's in-process Runtime serves for its ``segments`` (one, or those sharing a
+    stateful engine): their nodes (with the worker's submodules), one walk per segment (its
+    section, named as the segment), their inputs (those a run does not read default to None).
+    An edge to a node outside every segment of its node becomes a plain output.
+    ``bind(request)`` runs in ``submit`` and returns the run's segment (it gives the run the
+    worker's context of the request); ``capture(request, outputs)`` gets the segment's outputs
+    at its end."""
+
+    def __init__(self, model: Model, segments: Sequence[Segment],
+                 bind: Callable[[Any], Segment], capture: Callable[[Any, dict], None]) -> None:
         subs, engines = node_submodules(model), node_engines(model)
-        members = set(segment.nodes)
-        self.segment = segment
+        near = {n: set() for s in segments for n in s.nodes}  # node -> nodes it shares a run with
+        for s in segments:
+            for n in s.nodes:
+                near[n] |= set(s.nodes)
         self.nodes = [dataclasses.replace(
-            n, outputs=tuple(o if isinstance(o, str) or o.to in members or o.to == EMIT
+            n, outputs=tuple(o if isinstance(o, str) or o.to in near[n.name] or o.to == EMIT
                              else GraphEdge("", o.name, o.persist) for o in n.outputs),
             submodule=subs[n.name], engine=engines[n.name])
-            for n in model.nodes if n.name in members]
-        self.walks = {segment.walk: segment.section}
-        self.inputs = segment.inputs
+            for n in model.nodes if n.name in near]
+        self.walks = {s.name: s.section for s in segments}
+        self.inputs = tuple(dict.fromkeys(x for s in segments for x in s.inputs))
+        if len(segments) > 1:
+            self.input_defaults = {x: None for x in self.inputs}
+        self.engine_specs = {e: model.engine_specs[e] for s in segments for e in s.engines}
         self._bind, self._capture = bind, capture
-        self._out_names = {o if isinstance(o, str) else o.name for o in segment.outputs}
+        self._out_names = {s.name: {o if isinstance(o, str) else o.name for o in s.outputs}
+                           for s in segments}
 
     def initial_walk(self, request: Any) -> str:
-        self._bind(request)
-        return self.segment.walk
+        return self._bind(request).name
 
     def next_walk(self, request: Any, finished_walk: str, persisted: Mapping[str, Any]
                   ) -> Optional[str]:
-        self._capture(request, {x: v for x, v in persisted.items() if x in self._out_names})
+        names = self._out_names[finished_walk]
+        self._capture(request, {x: v for x, v in persisted.items() if x in names})
         return None
 
 
-__all__ = ["SEGMENT_ENGINE", "Segment", "SegmentModel", "SegmentPlan", "find_segments",
-           "stand_in_nodes"]
+__all__ = ["SEGMENT_ENGINE", "Segment", "SegmentModel", "SegmentPlan", "all_nodes",
+           "find_segments", "stand_in_nodes"]

@@ -1,0 +1,118 @@
+"""A KV engine's walks inside one worker (issue 17, item 0): when every node of a KV engine sits on
+one worker, its walks become segments there, so a placed LM's decode loop and a placed policy's
+flow steps cross to the worker once per walk, not once per token or step. Tokens, logits and
+action chunks equal the in-process Runtime's; concurrent requests still share the engine's
+steps; a request's runs share its pages, which are freed when it ends, is cancelled or fails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mstar_rt import RequestCancelled, Runtime
+from mstar_rt.models.causal_lm import SamplingParams
+from mstar_rt.placement import NodeGroup, PlacedRuntime
+
+import placement_models as pm
+from placement_support import (LM_GROUPS, PROMPTS, T, generate, idle, reference_outputs,
+                               start_placed_lm)
+from walk_models import settled, wait_until
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_outputs()
+
+
+@pytest.fixture(scope="module")
+def placed_lm():
+    yield from start_placed_lm()
+
+
+def messages(rt: PlacedRuntime) -> int:
+    """Messages the worker has taken (a stats request is one of them)."""
+    return rt.worker_stats(1)["messages"]
+
+
+def test_an_lm_on_one_worker_decodes_inside_it_with_the_same_tokens(placed_lm, reference):
+    assert [n for n in placed_lm.node_names if n.startswith("segment:")] == \
+        ["segment:prefill:0", "segment:decode:0"]
+    for want, got in zip(reference["lm"], generate(placed_lm, PROMPTS)):
+        assert got["token"] == want["token"]
+        assert all(torch.equal(a, b) for a, b in zip(got["logits"], want["logits"]))
+    # 40 tokens: a prefill run and a decode run (and the release), not one message per token
+    before = messages(placed_lm)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    out = placed_lm.submit({"prompt": PROMPTS[0], "params": params}).result(T)
+    assert len(out["token"]) == 40
+    idle(placed_lm, 1)
+    assert messages(placed_lm) - before <= 5
+    with Runtime(pm.tiny_llama()) as local:
+        assert local.submit({"prompt": PROMPTS[0], "params": params}).result(T)["token"] == \
+            out["token"]
+
+
+def test_concurrent_requests_share_the_workers_decode_steps(placed_lm, reference):
+    together = generate(placed_lm, PROMPTS, concurrent=True)
+    assert [r["token"] for r in together] == [r["token"] for r in reference["lm"]]
+    stats = idle(placed_lm, 1)
+    assert stats["kv"]["lm"]["largest_step"] > 1
+    assert stats["segment_runs"] == 0 and stats["kv_pages_in_use"] == 0
+
+
+def test_a_cancel_mid_decode_frees_the_requests_pages(placed_lm, reference):
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    handle = placed_lm.submit({"prompt": PROMPTS[1], "params": params})
+    tokens = iter(handle)
+    next(tokens), next(tokens)
+    assert placed_lm.worker_stats(1)["kv_pages_in_use"] > 0
+    handle.cancel()
+    with pytest.raises(RequestCancelled):
+        handle.result(T)
+    stats = idle(placed_lm, 1)
+    assert wait_until(lambda: placed_lm.worker_stats(1)["segment_runs"] == 0, T)
+    assert stats["kv_pages_in_use"] == 0 and stats["kv"]["lm"]["sequences"] == 0
+    assert generate(placed_lm, PROMPTS[:1])[0]["token"] == reference["lm"][0]["token"]
+    assert settled(placed_lm) == dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
+
+
+def test_with_segments_off_each_token_crosses_on_its_own():
+    with PlacedRuntime("placement_models:tiny_llama", LM_GROUPS, progress=False,
+                       segments=False) as rt:
+        assert not any(n.startswith("segment:") for n in rt.node_names)
+        before = messages(rt)
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        assert len(rt.submit({"prompt": PROMPTS[0], "params": params}).result(T)["token"]) == 20
+        assert messages(rt) - before >= 20  # the contrast: one crossing per token
+
+
+def test_a_lerobot_pi0_on_one_worker_runs_its_flow_steps_inside_it():
+    d = pm.__file__.rsplit("/", 3)[0] + "/tests/reference/fixtures/pi0"
+    io = load_file(f"{d}/io.safetensors")
+    meta = json.loads(open(f"{d}/io.json").read())
+    obs = {"images": {k: io[f"input.{k}"] for k in meta["cameras_in_order"]},
+           "state": io["input.observation.state"], "task": meta["prompt"],
+           "noise": io["input.noise"]}
+    want = io["output.action_chunk"][0]
+    with PlacedRuntime("placement_models:lerobot_policy",
+                       [NodeGroup(["vision", "prefix", "denoise"], rank=1)],
+                       progress=False) as rt:
+        assert [n for n in rt.node_names if n.startswith("segment:")] == \
+            ["segment:prefix:0", "segment:action_gen:0"]
+        before = messages(rt)
+        got = rt.submit(obs).result(T)["actions"][0]
+        assert (got - want).abs().max().item() <= 1e-4  # LeRobot's chunk
+        idle(rt, 1)
+        assert messages(rt) - before <= 5  # not one crossing per flow step (10 of them)
+        seeded = [dict(obs, noise=None, seed=s) for s in (1, 2, 3)]
+        with Runtime(pm.lerobot_policy()) as local:
+            alone = [local.submit(o).result(T)["actions"][0] for o in seeded]
+        handles = [rt.submit(o) for o in seeded]
+        for a, h in zip(alone, handles):
+            assert (h.result(T)["actions"][0] - a).abs().max().item() <= 1e-4
+        assert idle(rt, 1)["kv_pages_in_use"] == 0
