@@ -2,6 +2,8 @@
 // for. The Python Runtime drives it; see python/mstar_rt/runtime.py.
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <memory>
 #include <mutex>
 
@@ -222,9 +224,10 @@ class PyConductor {
     c_->complete(done, out);
   }
 
-  py::tuple fail_items(const std::vector<std::uint64_t>& ids, const std::string& msg) {
+  py::tuple fail_items(const std::vector<std::uint64_t>& ids, const std::string& msg,
+                       bool named = false) {
     Outcome out;
-    c_->fail_items(ids, msg, &out);
+    c_->fail_items(ids, msg, &out, named);
     return outcome(out);
   }
   py::tuple start_walk(RequestId r, WalkId w) {
@@ -454,7 +457,18 @@ waiting) and report complete(); each call that changes state returns its outcome
                           const py::list& outputs, const py::object& stops) {
              return c.complete(node, ids, outputs, stops);
            }, py::arg("node"), py::arg("items"), py::arg("outputs"), py::arg("stops") = py::none())
-      .def("fail_items", &PyConductor::fail_items)
+      .def("fail_items", &PyConductor::fail_items, py::arg("items"), py::arg("message"),
+           py::arg("named") = false,
+           "Fails the items' requests with the message, after \"node '<node>' in walk '<walk>' "
+           "failed: \" unless named (the message says where).")
+      .def("running", [](PyConductor& c) {
+             const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now().time_since_epoch()).count();
+             py::list out;
+             for (const auto& [node, since] : c.conductor()->running())
+               out.append(py::make_tuple(node, std::max<double>(0.0, (now - since) * 1e-9)));
+             return out;
+           }, "[(node id, seconds since its batch was taken)] for the batches not yet reported.")
       .def("emitted", [](PyConductor& c, RequestId r) { return c.conductor()->emitted(r); },
            py::arg("request"), "How many outputs the request has EMITted so far.")
       .def("set_spin", [](PyConductor& c, double seconds) {

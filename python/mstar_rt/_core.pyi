@@ -343,7 +343,11 @@ class Conductor:
         outputs: list[dict[str, Any]],
         stops: Sequence[Sequence[int]] | None = None,
     ) -> _Outcome: ...
-    def fail_items(self, items: Sequence[int], message: str, /) -> _Outcome: ...
+    def fail_items(self, items: Sequence[int], message: str, named: bool = False) -> _Outcome:
+        """Fails the items' requests with the message, after "node '<node>' in walk '<walk>'
+        failed: " unless named (the message says where)."""
+    def running(self) -> list[tuple[int, float]]:
+        """[(node id, seconds since its batch was taken)] for the batches not yet reported."""
     def emitted(self, request: int) -> int:
         """How many outputs the request has EMITted so far."""
     def set_spin(self, seconds: float) -> None:

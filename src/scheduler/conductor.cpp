@@ -239,7 +239,7 @@ void Conductor::expire(Outcome* out) {
 }
 
 void Conductor::fail_items(const std::vector<std::uint64_t>& ids, const std::string& message,
-                           Outcome* out) {
+                           Outcome* out, bool named) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto& m = *impl_;
   for (std::uint64_t id : ids) {
@@ -249,12 +249,29 @@ void Conductor::fail_items(const std::vector<std::uint64_t>& ids, const std::str
     --r.inflight;
     --m.inflight;
     for (Handle h : item->handles) m.release(h, out);
-    const std::string where = "node '" + m.g.nodes[item->node].name + "' in walk '" +
-                              m.g.walks[item->walk].name + "' failed: ";
+    const std::string where = named ? std::string() : "node '" + m.g.nodes[item->node].name +
+                                                          "' in walk '" + m.g.walks[item->walk].name +
+                                                          "' failed: ";
     m.free_item(item);
     m.fail_request(r, where + message, out);
     m.reap(r.id);
   }
+}
+
+std::vector<std::pair<NodeId, std::int64_t>> Conductor::running() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<std::pair<NodeId, std::int64_t>> out;
+  for (const auto& slot : impl_->slots) {  // once per heartbeat, not on a hot path
+    const detail::Item* item = slot.get();
+    if (item == nullptr || !item->in_use || item->batch_size == 0) continue;
+    auto same = std::find_if(out.begin(), out.end(),
+                             [&](const auto& e) { return e.first == item->node; });
+    if (same == out.end())
+      out.emplace_back(item->node, item->started_ns);
+    else
+      same->second = std::min(same->second, item->started_ns);
+  }
+  return out;
 }
 
 void Conductor::shutdown() {

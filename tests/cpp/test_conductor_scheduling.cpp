@@ -461,6 +461,46 @@ TEST(Conductor, WrongNumberOfOutputsFailsTheRequest) {
   app.expect_all_released();
 }
 
+TEST(Conductor, RunningListsTakenBatchesAndANamedFailureKeepsItsMessage) {
+  IR ir;
+  ir.node("a", "e0", {"x"}, {"y"}, 4);
+  ir.node("b", "e1", {"x"}, {"z"}, 4);
+  WalkB w(ir, "main");
+  const WalkId main = w.build(w.par({w.node("a"), w.node("b")}));
+  App app(ir.g);
+  const RequestId r1 = app.submit(main, {{ir.name("x"), 1}});
+  app.submit(main, {{ir.name("x"), 2}});
+  EXPECT_TRUE(app.c.running().empty());  // queued is not running
+  const auto before = std::chrono::steady_clock::now().time_since_epoch();
+  const auto batch_a = app.c.next_batch(0, 8, 0ns);
+  const auto batch_b = app.c.next_batch(1, 8, 0ns);
+  ASSERT_EQ(batch_a.size(), 2u);
+  const auto running = app.c.running();
+  ASSERT_EQ(running.size(), 2u);  // one entry per node, however many items
+  for (const auto& [node, since] : running) {
+    EXPECT_TRUE(node == batch_a[0]->node || node == batch_b[0]->node);
+    EXPECT_GE(since, std::chrono::duration_cast<std::chrono::nanoseconds>(before).count());
+  }
+  Outcome o;
+  app.c.complete(app.run(batch_b), &o);
+  app.handle(o);
+  ASSERT_EQ(app.c.running().size(), 1u);
+  EXPECT_EQ(app.c.running()[0].first, batch_a[0]->node);
+  // named: the message says where (a placement worker's segment), so nothing is prefixed
+  Outcome of;
+  app.c.fail_items({batch_a[0]->id}, "node 'inner' in walk 'main' failed: boom", &of, true);
+  ASSERT_EQ(of.failed.size(), 1u);
+  EXPECT_EQ(of.failed[0].first, r1);
+  EXPECT_EQ(of.failed[0].second, "node 'inner' in walk 'main' failed: boom");
+  app.handle(of);
+  Outcome rest;
+  auto done = app.run(batch_a);
+  done.erase(done.begin());  // the failed item's outputs are never handed in
+  app.c.complete(done, &rest);
+  app.handle(rest);
+  EXPECT_TRUE(app.c.running().empty());
+}
+
 TEST(Conductor, StaleAndDuplicateItemIdsAreRejected) {
   IR ir;
   ir.node("n", "e0", {"x"}, {"y"});

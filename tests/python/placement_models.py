@@ -3,7 +3,8 @@
 ``pipeline`` is a plain multi-node walk (encoder -> DynamicLoop backbone with a streamed token
 -> head) whose values exercise every kind the codec carries; ``tiny_llama`` is a small random
 Llama served by CausalLM on a paged KV cache (greedy decoding, logits EMITted); ``text_llama``
-puts a tokenizer node of its own in front of it; ``lerobot_policy`` is LeRobot's tiny pi0 fixture.
+puts a tokenizer node of its own in front of it; ``lerobot_policy`` is LeRobot's tiny pi0 fixture;
+``tiny_tts`` a tiny random Orpheus (an LM streaming codes to SNAC).
 """
 
 from __future__ import annotations
@@ -224,3 +225,10 @@ def lerobot_policy(family: str = "pi0"):
     heads = tiny["paligemma_hf_config"]["vision_config"]["num_attention_heads"]
     return LeRobotPi0Policy(load_lerobot_pi0(d / "checkpoint", tokenizer=d / "tokenizer",
                                              sizes={"vision_heads": heads}, verbose=False))
+
+
+def tiny_tts():
+    """A tiny random Orpheus: its speak walk streams the LM's codes to SNAC in the same walk."""
+    from mstar_rt.models.orpheus import OrpheusTTS
+
+    return OrpheusTTS.tiny(0, constrain_codes=True)

@@ -1,13 +1,15 @@
 """A KV engine's walks inside one worker (issue 17, item 0): when every node of a KV engine sits on
-one worker, its walks become segments there, so a placed LM's decode loop and a placed policy's
-flow steps cross to the worker once per walk, not once per token or step. Tokens, logits and
-action chunks equal the in-process Runtime's; concurrent requests still share the engine's
-steps; a request's runs share its pages, which are freed when it ends, is cancelled or fails."""
+one worker, its walks become segments there, so a placed LM's decode loop, a placed policy's
+flow steps and a placed TTS's code stream to SNAC cross to the worker once per walk, not once
+per token or step. Tokens, logits, action chunks and audio equal the in-process Runtime's;
+concurrent requests still share the engine's steps; a request's runs share its pages, which are
+freed when it ends or is cancelled."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -116,3 +118,24 @@ def test_a_lerobot_pi0_on_one_worker_runs_its_flow_steps_inside_it():
         for a, h in zip(alone, handles):
             assert (h.result(T)["actions"][0] - a).abs().max().item() <= 1e-4
         assert idle(rt, 1)["kv_pages_in_use"] == 0
+
+
+def test_a_tts_on_one_worker_streams_its_audio_from_inside_it():
+    """Orpheus' speak walk (the LM's decode loop streaming codes to SNAC) is one segment: the
+    stream stays in the worker, the audio reaches the caller as it is made."""
+    req = {"text": "hello there", "params": SamplingParams(max_tokens=120, seed=0,
+                                                           ignore_eos=True)}
+    with Runtime(pm.tiny_tts()) as local:
+        want = np.concatenate(local.submit(req).result(T)["audio"])
+    with PlacedRuntime("placement_models:tiny_tts",
+                       [NodeGroup(["prefill", "decode", "snac_decoder"], rank=1)],
+                       progress=False) as rt:
+        assert [n for n in rt.node_names if n.startswith("segment:")] == \
+            ["segment:prefill:0", "segment:speak:0"]
+        before = messages(rt)
+        streamed = [v for k, v in rt.submit(req) if k == "audio"]
+        assert len(streamed) > 1  # in pieces, as made
+        np.testing.assert_allclose(np.concatenate(streamed), want, atol=1e-5)
+        stats = idle(rt, 1)
+        assert messages(rt) - before <= 5  # not one per token, nor per audio chunk
+        assert stats["segment_runs"] == 0

@@ -105,10 +105,14 @@ def test_a_worker_dying_mid_segment_fails_its_requests_and_restarts():
 
 
 def test_segments_are_not_made_where_they_would_change_what_nodes_see():
-    # Streams (backbone -> collect) and single nodes keep the per-node path.
+    # A stream (backbone -> collect) is never cut: with both ends on one worker their section
+    # is a segment, with its ends apart the per-node path stays; single nodes keep it too.
     walk = pm.pipeline()
     ranks = {"encoder": 1, "embed": 0, "backbone": 2, "collect": 2, "head": 0}
-    assert find_segments(walk, ranks, {1, 2}).segments == []
+    assert [s.nodes for s in find_segments(walk, ranks, {1, 2}).segments] == \
+        [("backbone", "collect")] * 2
+    assert "tok" not in find_segments(walk, ranks, {1, 2}).segments[0].inputs
+    assert find_segments(walk, dict(ranks, collect=1), {1, 2}).segments == []
     # A loop the parent runs keeps its iterations there: nothing inside it is a segment.
     model = sm.segmented()
     model.walks = {"main": sm.DynamicLoop(sm.Sequential("a", "b", "post"), 4, "gen"),
@@ -131,3 +135,16 @@ def test_segments_can_be_turned_off_and_give_the_same_outputs(placed):
         for i in range(3):
             c = inputs(i, again=True)
             assert same(rt.submit(c).result(T), placed.submit(c).result(T))
+
+
+def test_a_node_hung_inside_a_segment_is_seen_by_node_timeout():
+    with PlacedRuntime("placement_segment_models:segmented", [NodeGroup(sm.GROUP, rank=1)],
+                       progress=False, shm_bytes=1 << 20, restart="auto",
+                       heartbeat_timeout_s=2.0, node_timeout_s=1.0) as rt:
+        t0 = time.monotonic()
+        stuck = rt.submit(inputs(0, n=3, pause=30.0))
+        with pytest.raises(RequestFailed, match=r"hung in node 'gen'.*node_timeout_s=1"):
+            stuck.result(T)
+        assert time.monotonic() - t0 < 1.0 + 2.5
+        assert wait_until(lambda: rt.workers[1]["state"] == "up", T)
+        assert len(rt.submit(inputs(1)).result(T)["tok"]) == 4

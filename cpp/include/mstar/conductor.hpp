@@ -183,8 +183,14 @@ class Conductor {
   void wake(EngineId engine);
   /// Reports finished items (any subset of batches). Items of cancelled requests are ignored.
   void complete(const std::vector<Completion>& done, Outcome* out);
-  /// Reports that items failed: their requests end with `message` (other requests go on).
-  void fail_items(const std::vector<std::uint64_t>& items, const std::string& message, Outcome* out);
+  /// Reports that items failed: their requests end with `message` (other requests go on), after
+  /// "node '<node>' in walk '<walk>' failed: " unless `named` (the message says where already:
+  /// a placement worker's segment names the node inside it that failed).
+  void fail_items(const std::vector<std::uint64_t>& items, const std::string& message, Outcome* out,
+                  bool named = false);
+  /// The nodes of the batches taken and not yet reported, each with when its oldest such item
+  /// was taken (steady clock, ns): what a placement worker's heartbeat tells its watchdog.
+  std::vector<std::pair<NodeId, std::int64_t>> running() const;
   /// Wakes every waiting next_batch; later calls return at once.
   void shutdown();
 

@@ -232,6 +232,11 @@ class WorkerHost:
                 engine.running.release()
         q.put(node, walk, items)
 
+    def busy(self) -> list[list]:
+        """[[node name, seconds it has been running]] for the batches its engines and its
+        segments' runs have taken (the heartbeat's, for node_timeout_s)."""
+        return self.conductor.busy() + self.segments.busy()
+
     def report(self, outcome: tuple) -> None:
         """Outcomes are the parent's business; the LocalQueue already sent the results."""
 

@@ -447,19 +447,19 @@ class WorkerLink:
         self._say(f"malformed message from the worker: {text}")
 
     def _dispatch(self, kind: str, msg: dict) -> None:
-        rt = self.rt
         if kind == "done":
             complete_from_reply(self.rt, msg, self._take)
         elif kind == "failed":
-            self._report_failed(int_list(msg, "items"), field(msg, "message", str))
+            named = msg.get("named") is True  # the message names the node (a segment's)
+            self._report_failed(int_list(msg, "items"), field(msg, "message", str), named)
         elif kind == "emit":
-            deliver_emits(rt, msg)
+            deliver_emits(self.rt, msg)
         elif kind == "ready":
             nodes, walks = field(msg, "nodes", list), field(msg, "walks", list)
-            if nodes != rt.node_names or walks != rt.walk_names:
+            if nodes != self.rt.node_names or walks != self.rt.walk_names:
                 self._fatal = (f"it built a model whose nodes {nodes} / walks {walks} differ "
-                               f"from the parent's {rt.node_names} / {rt.walk_names}; build "
-                               "the same model in every process")
+                               f"from the parent's {self.rt.node_names} / "
+                               f"{self.rt.walk_names}; build the same model in every process")
                 if self.worker is not None:
                     self.worker.kill()
                 return
@@ -480,10 +480,10 @@ class WorkerLink:
         with self._lock:
             return self._ledger.take(ids)
 
-    def _report_failed(self, ids: list[int], message: str) -> None:
+    def _report_failed(self, ids: list[int], message: str, named: bool = False) -> None:
         taken = self._take(ids)
         if taken:
-            self.rt.report(self.rt.conductor.fail_items(sorted(taken), message))
+            self.rt.report(self.rt.conductor.fail_items(sorted(taken), message, named=named))
 
     # ---- introspection ------------------------------------------------------------------------
 

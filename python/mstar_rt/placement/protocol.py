@@ -29,7 +29,8 @@ worker -> parent (the parent's PULL socket)::
     done     rank gen node items=[item] outputs=[{name: value}] stops=[[loop]]|None
              states={request: {key: scalar}} [emits=[[request, name, value]]]
                                               (a segment's last EMITs, delivered first)
-    failed   rank gen items=[item] message
+    failed   rank gen items=[item] message [named=true]
+                                              (named: the message says which node failed)
     emit     rank gen emits=[[request, name, value]] items=[item]   (a segment's EMITs)
     stats    rank gen token stats={..}
     error    rank gen message                 (it got a malformed message)

@@ -240,7 +240,7 @@ class SegmentRunner:
         elif not isinstance(error, RequestCancelled):
             if run.last_emits:
                 self._reply("emit", emits=run.last_emits, items=[run.item])
-            self._reply("failed", items=[run.item], message=str(error))
+            self._reply("failed", items=[run.item], message=str(error), named=True)
 
     def release(self, rid: int) -> None:
         """The request ended in the parent: its runs stop (their pages and values freed)."""
@@ -257,15 +257,23 @@ class SegmentRunner:
 
     # ---- introspection and lifetime ------------------------------------------------------------
 
+    def busy(self) -> list[list]:
+        """[[node name, seconds it has been running]] for the batches the runs have taken."""
+        return [[rt.node_names[node], seconds] for rt in self._unique_runtimes()
+                for node, seconds in rt.conductor.running()]
+
+    def _unique_runtimes(self) -> list[Runtime]:
+        return list({id(rt): rt for rt in self.runtimes.values()}.values())
+
     def stats(self) -> dict:
         live = {"requests": 0, "handles": 0, "stored": 0, "queued": 0, "inflight": 0}
-        for rt in {id(rt): rt for rt in self.runtimes.values()}.values():
+        for rt in self._unique_runtimes():
             for k, v in rt.live.items():
                 live[k] += v
         return dict(segment_runs=len(self._runs), segment_live=live)
 
     def close(self) -> None:
-        for rt in {id(rt): rt for rt in self.runtimes.values()}.values():
+        for rt in self._unique_runtimes():
             rt.close()
         with self._wake:
             self._closing = True

@@ -18,11 +18,14 @@ if need be: the worker then serves all of that engine's work through one Runtime
 request share the request's cache id (placement/segment_runner.py). Otherwise the engine's nodes
 keep the per-node path.
 
+A stream whose producer and consumer sit in one segment is the segment Runtime's own (its chunk
+policy, windows and end as in one process); a segment never cuts a stream.
+
 Where a segment would change what a node sees, the per-node path stays: a node that keeps
-per-request state ``cleanup`` drops (unless it keys it by cache id), one that reads or writes a
-stream, hears a stream's end, a Loop with ``accumulated_outputs``, anything inside a Part, and
-anything inside a Loop that runs in the parent (its iterations and stops are the parent's). A
-segment of one node gains nothing and is not made, except for a stateful engine's node.
+per-request state ``cleanup`` drops (unless it keys it by cache id), a stream with one end
+outside the section, a Loop with ``accumulated_outputs``, anything inside a Part, and anything
+inside a Loop that runs in the parent (its iterations and stops are the parent's). A segment of
+one node gains nothing and is not made, except for a stateful engine's node.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Parallel, Part,
                             SectionLike, Sequential, StreamingGraphEdge)
-from mstar_rt.model import Model, NodeSubmodule, hears_stream_end, node_engines, node_submodules
+from mstar_rt.model import Model, NodeSubmodule, node_engines, node_submodules
 from mstar_rt.nodes import overrides
 
 SEGMENT_ENGINE = "segment@rank{rank}"
@@ -86,15 +89,14 @@ class _Finder:
         self.nodes = {n.name: n for n in model.nodes}
         self.rank = {n: r for n, r in node_rank.items() if r in workers}
         subs, engines = node_submodules(model), node_engines(model)
-        streams = {o.to for n in model.nodes for o in n.outputs
-                   if isinstance(o, StreamingGraphEdge)}
-        fits = {
-            n.name for n in model.nodes
-            if n.name in self.rank
-            and (not overrides(subs[n.name], "cleanup", NodeSubmodule)
-                 or subs[n.name].cleanup_by_cache_id)
-            and not hears_stream_end(subs[n.name]) and n.name not in streams
-            and not any(isinstance(o, StreamingGraphEdge) for o in n.outputs)}
+        # (producer, consumer) of each stream: a segment holds both or neither
+        self.streams = {(n.name, o.to) for n in model.nodes for o in n.outputs
+                        if isinstance(o, StreamingGraphEdge)}
+        self.consumes = {(o.to, o.name) for n in model.nodes for o in n.outputs
+                         if isinstance(o, StreamingGraphEdge)}  # (consumer, stream name)
+        fits = {n.name for n in model.nodes
+                if n.name in self.rank and (not overrides(subs[n.name], "cleanup", NodeSubmodule)
+                                            or subs[n.name].cleanup_by_cache_id)}
         specs = model.engine_specs
         self.engine_of = engines
         self.eligible = {n for n in fits if engines[n] not in specs}
@@ -139,6 +141,11 @@ class _Finder:
             return self.engine_of[s] in self.shared
         return isinstance(s, Loop) or len(section_nodes(s)) > 1
 
+    def closed(self, s: SectionLike) -> bool:
+        """No stream crosses the section's edge: its Runtime then serves the streams inside."""
+        members = set(section_nodes(s))
+        return all((p in members) == (c in members) for p, c in self.streams)
+
     def drop(self, engines: set[str]) -> None:
         """``engines``' nodes keep the per-node path."""
         for e in engines:
@@ -151,7 +158,7 @@ class _Finder:
             return s
         if not inside_loop:
             rank = self.whole_rank(s)
-            if rank is not None and self.worth_it(s):
+            if rank is not None and self.worth_it(s) and self.closed(s):
                 return self.make(s, rank)
         if isinstance(s, str):
             return s
@@ -172,7 +179,7 @@ class _Finder:
             if not run:
                 return
             section = run[0] if len(run) == 1 else Sequential(*run)
-            if not inside_loop and self.worth_it(section):
+            if not inside_loop and self.worth_it(section) and self.closed(section):
                 out.append(self.make(section, run_rank))  # type: ignore[arg-type]
             else:
                 out.extend(self.rewrite(p, inside_loop) for p in run)
@@ -215,8 +222,9 @@ class _Finder:
         """Names visible after ``s`` given ``made`` before it (as the graph compiler's made_by);
         appends to ``reads`` what it reads from outside."""
         if isinstance(s, str):
-            node = self.nodes[s]
-            reads.extend(x for x in node.inputs if x not in made and x not in reads)
+            node = self.nodes[s]  # (a stream it consumes comes from inside: closed())
+            reads.extend(x for x in node.inputs if x not in made and x not in reads
+                         and (s, x) not in self.consumes)
             return made | set(node.output_names)
         if isinstance(s, Sequential):
             for p in s.parts:
@@ -264,7 +272,7 @@ def all_nodes(s: SectionLike) -> list[str]:
 class SegmentModel(Model):
     """What a worker's in-process Runtime serves for its ``segments`` (one, or those sharing a
     stateful engine): their nodes (with the worker's submodules), one walk per segment (its
-    section, named as the segment), their inputs (those a run does not read default to None).
+    section), their inputs (those a run does not read default to None).
     An edge to a node outside every segment of its node becomes a plain output.
     ``bind(request)`` runs in ``submit`` and returns the run's segment (it gives the run the
     worker's context of the request); ``capture(request, outputs)`` gets the segment's outputs
@@ -282,17 +290,21 @@ class SegmentModel(Model):
                              else GraphEdge("", o.name, o.persist) for o in n.outputs),
             submodule=subs[n.name], engine=engines[n.name])
             for n in model.nodes if n.name in near]
-        self.walks = {s.name: s.section for s in segments}
+        # A run's walk has the parent's walk name (its errors then read as in one process),
+        # unless two of these segments share it.
+        walks = [s.walk for s in segments]
+        self._walk = {s.name: s.walk if walks.count(s.walk) == 1 else s.name for s in segments}
+        self.walks = {self._walk[s.name]: s.section for s in segments}
         self.inputs = tuple(dict.fromkeys(x for s in segments for x in s.inputs))
         if len(segments) > 1:
             self.input_defaults = {x: None for x in self.inputs}
         self.engine_specs = {e: model.engine_specs[e] for s in segments for e in s.engines}
         self._bind, self._capture = bind, capture
-        self._out_names = {s.name: {o if isinstance(o, str) else o.name for o in s.outputs}
-                           for s in segments}
+        self._out_names = {self._walk[s.name]: {o if isinstance(o, str) else o.name
+                                                for o in s.outputs} for s in segments}
 
     def initial_walk(self, request: Any) -> str:
-        return self._bind(request).name
+        return self._walk[self._bind(request).name]
 
     def next_walk(self, request: Any, finished_walk: str, persisted: Mapping[str, Any]
                   ) -> Optional[str]:

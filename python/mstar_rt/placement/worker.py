@@ -165,7 +165,7 @@ class Worker:
         period = float(self.cfg.get("heartbeat_s", 1.0))
         while not self.stopping.wait(period):
             try:
-                self.outbox.send("heartbeat", busy=self.host.conductor.busy())
+                self.outbox.send("heartbeat", busy=self.host.busy())
             except Exception:  # the socket closed under us at shutdown
                 return
 
