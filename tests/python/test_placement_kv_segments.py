@@ -8,6 +8,7 @@ freed when it ends or is cancelled."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,9 +42,17 @@ def messages(rt: PlacedRuntime) -> int:
     return rt.worker_stats(1)["messages"]
 
 
+def segments_of(rt: PlacedRuntime) -> list[str]:
+    return [n for n in rt.node_names if n.startswith("segment:")]
+
+
+def on_one_worker(factory: str, nodes: list[str]) -> PlacedRuntime:
+    return PlacedRuntime(f"placement_models:{factory}", [NodeGroup(nodes, rank=1)],
+                         progress=False)
+
+
 def test_an_lm_on_one_worker_decodes_inside_it_with_the_same_tokens(placed_lm, reference):
-    assert [n for n in placed_lm.node_names if n.startswith("segment:")] == \
-        ["segment:prefill:0", "segment:decode:0"]
+    assert segments_of(placed_lm) == ["segment:prefill:0", "segment:decode:0"]
     for want, got in zip(reference["lm"], generate(placed_lm, PROMPTS)):
         assert got["token"] == want["token"]
         assert all(torch.equal(a, b) for a, b in zip(got["logits"], want["logits"]))
@@ -86,7 +95,7 @@ def test_a_cancel_mid_decode_frees_the_requests_pages(placed_lm, reference):
 def test_with_segments_off_each_token_crosses_on_its_own():
     with PlacedRuntime("placement_models:tiny_llama", LM_GROUPS, progress=False,
                        segments=False) as rt:
-        assert not any(n.startswith("segment:") for n in rt.node_names)
+        assert segments_of(rt) == []
         before = messages(rt)
         params = SamplingParams(max_tokens=20, ignore_eos=True)
         assert len(rt.submit({"prompt": PROMPTS[0], "params": params}).result(T)["token"]) == 20
@@ -94,18 +103,15 @@ def test_with_segments_off_each_token_crosses_on_its_own():
 
 
 def test_a_lerobot_pi0_on_one_worker_runs_its_flow_steps_inside_it():
-    d = pm.__file__.rsplit("/", 3)[0] + "/tests/reference/fixtures/pi0"
-    io = load_file(f"{d}/io.safetensors")
-    meta = json.loads(open(f"{d}/io.json").read())
+    d = Path(__file__).resolve().parents[1] / "reference" / "fixtures" / "pi0"
+    io = load_file(str(d / "io.safetensors"))
+    meta = json.loads((d / "io.json").read_text())
     obs = {"images": {k: io[f"input.{k}"] for k in meta["cameras_in_order"]},
            "state": io["input.observation.state"], "task": meta["prompt"],
            "noise": io["input.noise"]}
     want = io["output.action_chunk"][0]
-    with PlacedRuntime("placement_models:lerobot_policy",
-                       [NodeGroup(["vision", "prefix", "denoise"], rank=1)],
-                       progress=False) as rt:
-        assert [n for n in rt.node_names if n.startswith("segment:")] == \
-            ["segment:prefix:0", "segment:action_gen:0"]
+    with on_one_worker("lerobot_policy", ["vision", "prefix", "denoise"]) as rt:
+        assert segments_of(rt) == ["segment:prefix:0", "segment:action_gen:0"]
         before = messages(rt)
         got = rt.submit(obs).result(T)["actions"][0]
         assert (got - want).abs().max().item() <= 1e-4  # LeRobot's chunk
@@ -127,11 +133,8 @@ def test_a_tts_on_one_worker_streams_its_audio_from_inside_it():
                                                            ignore_eos=True)}
     with Runtime(pm.tiny_tts()) as local:
         want = np.concatenate(local.submit(req).result(T)["audio"])
-    with PlacedRuntime("placement_models:tiny_tts",
-                       [NodeGroup(["prefill", "decode", "snac_decoder"], rank=1)],
-                       progress=False) as rt:
-        assert [n for n in rt.node_names if n.startswith("segment:")] == \
-            ["segment:prefill:0", "segment:speak:0"]
+    with on_one_worker("tiny_tts", ["prefill", "decode", "snac_decoder"]) as rt:
+        assert segments_of(rt) == ["segment:prefill:0", "segment:speak:0"]
         before = messages(rt)
         streamed = [v for k, v in rt.submit(req) if k == "audio"]
         assert len(streamed) > 1  # in pieces, as made

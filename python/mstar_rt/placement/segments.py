@@ -73,7 +73,7 @@ def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int])
             walks[walk] = finder.rewrite(root, inside_loop=False)
         # A stateful engine with a node left outside every segment keeps the per-node path
         # whole: its state lives in one place.
-        left = {n for w in walks.values() for n in all_nodes(w)}
+        left = {n for w in walks.values() for n in section_nodes(w, parts=True)}
         lost = {e for e, nodes in finder.shared.items() if nodes & left}
         if not lost:
             return SegmentPlan(finder.segments, walks)
@@ -241,31 +241,19 @@ class _Finder:
             set(s.accumulated_outputs)
 
 
-def section_nodes(s: SectionLike) -> list[str]:
-    """The nodes a walk section runs, in order (a Part's sub-walks are chosen per request: none)."""
-    if isinstance(s, str):
-        return [s]
-    if isinstance(s, Sequential):
-        return [n for p in s.parts for n in section_nodes(p)]
-    if isinstance(s, Parallel):
-        return [n for b in s.branches for n in section_nodes(b)]
-    if isinstance(s, Loop):
-        return section_nodes(s.section)
-    return []
-
-
-def all_nodes(s: SectionLike) -> list[str]:
-    """Every node a walk section names, inside Parts too."""
+def section_nodes(s: SectionLike, parts: bool = False) -> list[str]:
+    """The nodes a walk section runs, in order; a Part's sub-walks are chosen per request, so
+    their nodes count only with ``parts``."""
     if isinstance(s, str):
         return [s]
     if isinstance(s, Part):
-        return [n for w in s.walks.values() for n in all_nodes(w)]
+        return [n for w in s.walks.values() for n in section_nodes(w, True)] if parts else []
     if isinstance(s, Sequential):
-        return [n for p in s.parts for n in all_nodes(p)]
+        return [n for p in s.parts for n in section_nodes(p, parts)]
     if isinstance(s, Parallel):
-        return [n for b in s.branches for n in all_nodes(b)]
+        return [n for b in s.branches for n in section_nodes(b, parts)]
     if isinstance(s, Loop):
-        return all_nodes(s.section)
+        return section_nodes(s.section, parts)
     return []
 
 
@@ -313,5 +301,5 @@ class SegmentModel(Model):
         return None
 
 
-__all__ = ["SEGMENT_ENGINE", "Segment", "SegmentModel", "SegmentPlan", "all_nodes",
-           "find_segments", "stand_in_nodes"]
+__all__ = ["SEGMENT_ENGINE", "Segment", "SegmentModel", "SegmentPlan", "find_segments",
+           "stand_in_nodes"]
