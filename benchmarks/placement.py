@@ -460,9 +460,9 @@ def plot(figures: dict[str, float], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
     walks_ = ["chain10", "loop100", "decode256"]
-    for ax, n_req in zip(axes, (1, 16)):
+    for ax, n_req in zip(axes[:2], (1, 16)):
         xs = range(len(walks_))
         ax.bar([x - 0.2 for x in xs], [figures[f"inproc_us_per_node_{w}_{n_req}req"]
                                        for w in walks_], 0.4, label="in-process")
@@ -473,6 +473,15 @@ def plot(figures: dict[str, float], path: Path) -> None:
         ax.set_ylabel("µs per node execution")
         ax.set_title(f"{n_req} request{'s' if n_req > 1 else ''}")
         ax.legend()
+    ax = axes[2]
+    for i, (side, label) in enumerate((("inproc", "in-process"), ("segments", "placed, segments"),
+                                       ("per_node", "placed, node by node"))):
+        ax.bar([x + (i - 1) * 0.27 for x in (0, 1)],
+               [figures[f"kv_{side}_us_per_token_{n}req"] for n in (1, 8)], 0.27, label=label)
+    ax.set_xticks([0, 1], ["1 request", "8 requests"])
+    ax.set_ylabel("µs per generated token")
+    ax.set_title("KV-cache LM (64 tokens)")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
