@@ -481,7 +481,7 @@ def plot(figures: dict[str, float], path: Path) -> None:
     ax.set_xticks([0, 1], ["1 request", "8 requests"])
     ax.set_ylabel("µs per generated token")
     ax.set_title("KV-cache LM (64 tokens)")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

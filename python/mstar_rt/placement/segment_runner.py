@@ -77,6 +77,7 @@ class SegmentRunner:
         self._pending = threading.local()           # the run that submit() is binding
         self.segments = {first_id + i: s for i, s in enumerate(segments) if s.rank == rank}
         self.runtimes: dict[int, _SegmentRuntime] = {}
+        self.stateful: list = []  # the stateful engines: requests' state lives between runs
         shared = {n: s for n, s in self.segments.items() if s.engines}
         if shared:
             names = {e for s in shared.values() for e in s.engines}
@@ -84,10 +85,7 @@ class SegmentRunner:
                                               self._capture), self,
                                  {e: x for e, x in (engines or {}).items() if e in names})
             self.runtimes.update((n, rt) for n in shared)
-            #: the stateful engines, which keep requests' state between their runs
             self.stateful = [rt.engines[e] for e in sorted(names)]
-        else:
-            self.stateful = []
         for node, s in self.segments.items():
             if node not in shared:
                 self.runtimes[node] = _SegmentRuntime(
