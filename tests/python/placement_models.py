@@ -3,8 +3,9 @@
 ``pipeline`` is a plain multi-node walk (encoder -> DynamicLoop backbone with a streamed token
 -> head) whose values exercise every kind the codec carries; ``tiny_llama`` is a small random
 Llama served by CausalLM on a paged KV cache (greedy decoding, logits EMITted); ``text_llama``
-puts a tokenizer node of its own in front of it; ``lerobot_policy`` is LeRobot's tiny pi0 fixture;
-``tiny_tts`` a tiny random Orpheus (an LM streaming codes to SNAC).
+puts a tokenizer node of its own in front of it; ``lerobot_policy`` and ``smolvla_policy`` are
+LeRobot's tiny pi0 and SmolVLA fixtures; ``tiny_tts`` a tiny random Orpheus (an LM streaming codes
+to SNAC).
 """
 
 from __future__ import annotations
@@ -232,3 +233,14 @@ def tiny_tts():
     from mstar_rt.models.orpheus import OrpheusTTS
 
     return OrpheusTTS.tiny(0, constrain_codes=True)
+
+
+def smolvla_policy():
+    """LeRobot's tiny SmolVLA fixture as a walk graph (prefix on the KV engine, flow steps)."""
+    from pathlib import Path
+
+    from mstar_rt.models.smolvla import SmolVLAPolicy
+    from mstar_rt.models.smolvla_checkpoint import load_lerobot_smolvla
+
+    d = Path(__file__).resolve().parents[1] / "reference" / "fixtures" / "smolvla"
+    return SmolVLAPolicy(load_lerobot_smolvla(d / "checkpoint", progress=False))

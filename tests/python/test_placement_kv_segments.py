@@ -1,6 +1,6 @@
 """A KV engine's walks inside one worker (issue 17, item 0): when every node of a KV engine sits on
 one worker, its walks become segments there, so a placed LM's decode loop, a placed policy's
-flow steps and a placed TTS's code stream to SNAC cross to the worker once per walk, not once
+(pi0, SmolVLA) flow steps and a placed TTS's code stream to SNAC cross to the worker once per walk, not once
 per token or step. Tokens, logits, action chunks and audio equal the in-process Runtime's;
 concurrent requests still share the engine's steps; a request's runs share its pages, which are
 freed when it ends or is cancelled."""
@@ -102,23 +102,32 @@ def test_with_segments_off_each_token_crosses_on_its_own():
         assert messages(rt) - before >= 20  # the contrast: one crossing per token
 
 
-def test_a_lerobot_pi0_on_one_worker_runs_its_flow_steps_inside_it():
-    d = Path(__file__).resolve().parents[1] / "reference" / "fixtures" / "pi0"
+def observation(family: str) -> tuple[dict, torch.Tensor]:
+    """The fixture's observation (two cameras, a prompt, fixed noise) and LeRobot's chunk."""
+    d = Path(__file__).resolve().parents[1] / "reference" / "fixtures" / family
     io = load_file(str(d / "io.safetensors"))
     meta = json.loads((d / "io.json").read_text())
-    obs = {"images": {k: io[f"input.{k}"] for k in meta["cameras_in_order"]},
+    cameras = meta.get("cameras_in_order") or ["observation.images.camera1",
+                                               "observation.images.camera2"]
+    obs = {"images": {k: io[f"input.{k}"] for k in cameras},
            "state": io["input.observation.state"], "task": meta["prompt"],
            "noise": io["input.noise"]}
-    want = io["output.action_chunk"][0]
-    with on_one_worker("lerobot_policy", ["vision", "prefix", "denoise"]) as rt:
+    return obs, io["output.action_chunk"].reshape(-1, *io["output.action_chunk"].shape[-2:])[0]
+
+
+@pytest.mark.parametrize("family, factory", [("pi0", "lerobot_policy"),
+                                             ("smolvla", "smolvla_policy")])
+def test_a_lerobot_policy_on_one_worker_runs_its_flow_steps_inside_it(family, factory):
+    obs, want = observation(family)
+    with on_one_worker(factory, ["vision", "prefix", "denoise"]) as rt:
         assert segments_of(rt) == ["segment:prefix:0", "segment:action_gen:0"]
         before = messages(rt)
         got = rt.submit(obs).result(T)["actions"][0]
-        assert (got - want).abs().max().item() <= 1e-4  # LeRobot's chunk
+        assert (got.reshape(want.shape) - want).abs().max().item() <= 1e-4  # LeRobot's chunk
         idle(rt, 1)
         assert messages(rt) - before <= 5  # not one crossing per flow step (10 of them)
         seeded = [dict(obs, noise=None, seed=s) for s in (1, 2, 3)]
-        with Runtime(pm.lerobot_policy()) as local:
+        with Runtime(getattr(pm, factory)()) as local:
             alone = [local.submit(o).result(T)["actions"][0] for o in seeded]
         handles = [rt.submit(o) for o in seeded]
         for a, h in zip(alone, handles):
