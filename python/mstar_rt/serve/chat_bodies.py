@@ -24,7 +24,8 @@ class ChatBody(Body):
     and ``input_audio`` parts, assistant), ``modalities`` (``["text"]`` or ``["text",
     "audio"]``), ``audio`` {voice, format: wav | pcm16}, ``max_tokens`` /
     ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stream``,
-    ``stream_options.include_usage``. ``seed``, ``user``, ``metadata``, ``store`` and
+    ``stream_options.include_usage``, ``seed`` (an integer seeds the talker's sampling: the
+    same request gives the same audio). ``user``, ``metadata``, ``store`` and
     ``parallel_tool_calls`` are accepted and ignored; the others are accepted only at their
     defaults (``n`` 1, no ``stop``, no ``tools``, no penalties, no ``logprobs``)."""
 
@@ -89,6 +90,17 @@ class ChatBody(Body):
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+    def talker_sampling(self) -> Optional[dict[str, Any]]:
+        """The talker's default sampling seeded with ``seed``; None (the model's default,
+        unseeded) without an integer seed."""
+        if type(self.seed) is not int:
+            return None
+        import dataclasses
+
+        from mstar_rt.models.qwen3_omni.talker_node import TALKER_SAMPLING
+
+        return dict(dataclasses.asdict(TALKER_SAMPLING), seed=self.seed)
 
     def thinker_sampling(self) -> Optional[dict[str, Any]]:
         """The text sampling asked for: None (greedy) when no temperature, top_p or top_k is

@@ -87,7 +87,8 @@ def add_chat_routes(app: Any, state: Any) -> None:
         inputs = {"prompt": prompt, "audio_features": features, "speaker": speaker,
                   "return_audio": req.wants_audio, "max_tokens": req.token_limit,
                   "max_audio_frames": AUDIO_FRAMES_PER_TOKEN * req.token_limit,
-                  "thinker_sampling": req.thinker_sampling(), "talker_sampling": None,
+                  "thinker_sampling": req.thinker_sampling(),
+                  "talker_sampling": req.talker_sampling(),
                   "code_predictor_sampling": None}
         answer = _Answer(chat, req, d.name, prompt)
         if req.stream:
