@@ -13,6 +13,7 @@ void bind_ready_queue(py::module_& m);
 void bind_control(py::module_& m);
 void bind_work_context(py::module_& m);
 void bind_node_runner(py::module_& m);
+void bind_spin(py::module_& m);
 }  // namespace mstar::py_bind
 
 PYBIND11_MODULE(_core, m) {
@@ -29,4 +30,5 @@ PYBIND11_MODULE(_core, m) {
   mstar::py_bind::bind_conductor(m);
   mstar::py_bind::bind_ready_queue(m);
   mstar::py_bind::bind_control(m);
+  mstar::py_bind::bind_spin(m);
 }

@@ -501,3 +501,7 @@ class ControlLoop:
     def lateness_bins_ms(self) -> tuple[npt.NDArray[np.int64], float]: ...
     @property
     def stats(self) -> dict[str, Any]: ...
+
+def spin_until_changed(addresses: list[int], values: list[int], budget_s: float) -> int:
+    """Index of the first 64-bit word (by address) that no longer holds its value, or -1 after
+    ``budget_s`` seconds (GIL released); the words must stay mapped meanwhile."""

@@ -146,6 +146,10 @@ def test_placement_options_reach_every_placed_runtime_setting():
                         "direct_bytes": 4096})
     with pytest.raises(ValueError, match="direct_bytes"):
         PlacementOptions(direct_bytes=0)
+    assert PlacementOptions(spin_us=0).given() == {"spin_us": 0}  # always sleep
+    for bad in (-1, 20_000, True, "fast"):
+        with pytest.raises(ValueError, match=r"spin_us[\s\S]*microseconds from 0"):
+            PlacementOptions(spin_us=bad)
     params = set(inspect.signature(PlacedRuntime.__init__).parameters) - {"self"}
     settings = set(PlacementOptions.model_fields) - {"direct"}
     assert settings <= params, settings - params

@@ -1,6 +1,7 @@
 """The placement worker protocol fuzzed as its parent (issue 16, item 2): a worker this test starts
-and feeds itself, through a hand-made parent (the two arenas, the PULL socket, a DEALER with the
-parent's routing id), so the arena-carrying path is fuzzed too: random frames and messages
+and feeds itself, through a hand-made parent (the two arenas and the two mailboxes with their
+bells, as a local worker's parent has them: placement/mailbox.py), so the arena-carrying path is
+fuzzed too: random frames and messages
 (wire_frames.py), batches that pass the worker's checks with values a node may or may not
 accept, and a parent lying about where its arena bytes end.
 
@@ -16,6 +17,7 @@ import collections
 import itertools
 import json
 import os
+import select
 import shutil
 import tempfile
 import time
@@ -30,9 +32,9 @@ from hypothesis import strategies as st
 
 from mstar_rt.placement.arena import ShmArena
 from mstar_rt.placement.codec import Decoder, Encoder
+from mstar_rt.placement.mailbox import Bell, MailboxSocket, worker_mail
 from mstar_rt.placement.process import WorkerProcess
-from mstar_rt.placement.protocol import (PARENT_ID, TO_PARENT, TO_PARENT_HEADER,
-                                         TO_WORKER_HEADER)
+from mstar_rt.placement.protocol import TO_PARENT, TO_PARENT_HEADER, TO_WORKER_HEADER
 
 import placement_models as pm
 from placement_support import our_segments, pipeline_inputs, same
@@ -52,8 +54,8 @@ class Replies:
 
 
 class FakeParent:
-    """The parent's half of the protocol, by hand: the two arenas, the PULL socket the worker
-    reports to and a DEALER with the parent's routing id; the worker is the real one
+    """The parent's half of the protocol, by hand: the two arenas, the two mailboxes, the
+    parent's bell and the PULL socket a failed start reports to; the worker is the real one
     (``python -m mstar_rt.placement.worker``) serving every node of placement_models.pipeline."""
 
     def __init__(self, shm_bytes: int = 1 << 20) -> None:
@@ -67,14 +69,18 @@ class FakeParent:
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(f"ipc://{self.workdir}/parent.sock")
         self.endpoint = f"ipc://{self.workdir}/rank1-g0.sock"
-        self.dealer = self.ctx.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.ROUTING_ID, PARENT_ID)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.connect(self.endpoint)
+        to_worker, self.inbox, worker_bell = worker_mail(f"{self.tag}_r1_g0",
+                                                         f"{self.workdir}/rank1-g0.bell")
+        self.bell = Bell(f"{self.workdir}/parent.bell", create=True)
+        self.outbox = MailboxSocket(to_worker, worker_bell,
+                                    lambda: self.worker.failure() is None, owner=True)
+        self.mail: collections.deque = collections.deque()
         cfg = dict(rank=1, gen=0, parent_pid=os.getpid(), factory="placement_models:pipeline",
                    kwargs={}, nodes=PIPELINE_NODES, device="cpu", engines={},
                    endpoint=self.endpoint, parent=f"ipc://{self.workdir}/parent.sock",
-                   p2w=self.p2w.name, w2p=self.w2p.name)
+                   p2w=self.p2w.name, w2p=self.w2p.name, spin_us=50.0,
+                   mail=dict(p2w=to_worker.name, w2p=self.inbox.name, bell=worker_bell.path,
+                             parent_bell=self.bell.path))
         path = os.path.join(self.workdir, "rank1-g0.json")
         with open(path, "w") as f:
             json.dump(cfg, f)
@@ -86,8 +92,15 @@ class FakeParent:
     def recv(self, timeout: float) -> dict | None:
         """The worker's next message but heartbeats (nobody watches this worker's pulse)."""
         deadline = time.monotonic() + timeout
-        while self.pull.poll(max(0.0, deadline - time.monotonic()) * 1000):
-            head, payload = self.pull.recv_multipart()
+        poller = select.poll()
+        poller.register(self.bell.fileno(), select.POLLIN)
+        while self.mail or poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            if not self.mail:
+                self.bell.drain()
+                self.mail.extend(self.inbox.take())
+                if not self.mail:
+                    continue
+            head, payload = self.mail.popleft()
             rank, gen, span = TO_PARENT_HEADER.unpack(head)
             msg = self.decoder.unpack(payload)
             self.w2p.free_to(span)
@@ -113,7 +126,7 @@ class FakeParent:
         self.send_raw(self.pack(message))
 
     def send_raw(self, frames: list[bytes]) -> None:
-        self.dealer.send_multipart(frames)
+        self.outbox.send_multipart(frames)
 
     def sync(self, replies: Replies, timeout: float = T) -> dict:
         """Sends a stats probe and collects every reply before its answer; returns the stats."""
@@ -153,10 +166,11 @@ class FakeParent:
             self.send({"v": 1, "kind": "shutdown"})
             self.worker.stop(graceful=True)
         finally:
-            self.dealer.close(0)
+            self.outbox.close()
+            self.bell.close(unlink=True)
             self.pull.close(0)
             self.ctx.term()
-            for arena in (self.p2w, self.w2p):
+            for arena in (self.p2w, self.w2p, self.inbox):
                 arena.close()
                 arena.unlink()
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -172,6 +172,16 @@ class PlacementOptions(Section):
     # through the parent; ``direct_bytes`` is the least size that goes directly
     direct: Optional[Flag] = None
     direct_bytes: Optional[PositiveInt] = None
+    # how long a receiver watches its mailbox before it sleeps (placement/mailbox.py)
+    spin_us: Optional[float] = None
+
+    @field_validator("spin_us", mode="before")
+    @classmethod
+    def _spin_us(cls, v: Any) -> Optional[float]:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not 0 <= v <= 10_000):
+            raise ValueError(f"must be microseconds from 0 (always sleep) to 10000, not {v!r}")
+        return v
 
     @field_validator("launcher")
     @classmethod

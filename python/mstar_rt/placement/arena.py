@@ -237,7 +237,7 @@ def unlink_quietly(name: str) -> None:
         pass
 
 
-_OURS = re.compile(r"^mstar_(\d+)_[0-9a-f]+_r\d+_g\d+_(p2w|w2p|out)$")
+_OURS = re.compile(r"^mstar_(\d+)_[0-9a-f]+_r\d+_g\d+_(p2w|w2p|out|p2w_mail|w2p_mail)$")
 _WORKDIR = re.compile(r"^mstar-placement-(\d+)-\w+$")
 
 

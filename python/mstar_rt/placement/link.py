@@ -24,19 +24,22 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import zmq
 
-from mstar_rt.placement.arena import ShmArena, arena_pair
+from mstar_rt.placement.arena import arena_pair
 from mstar_rt.placement.asks import Asks
 from mstar_rt.placement.inline import InlineArena
-from mstar_rt.placement.codec import CodecError, Decoder, scalar_items
+from mstar_rt.placement.codec import CodecError, Decoder
 from mstar_rt.placement.config import ModelSpec, RankPlan
 from mstar_rt.placement.channel import SendChannel, deferring
 from mstar_rt.placement.direct import LinkExports, remote_values
+from mstar_rt.placement.hub import bell_path
 from mstar_rt.placement.ledger import ItemLedger
-from mstar_rt.placement.replies import complete_from_reply, deliver_emits, fail_for_death
+from mstar_rt.placement.inbox import Inbox
+from mstar_rt.placement.mailbox import MailboxSocket, worker_mail
+from mstar_rt.placement.replies import (complete_from_reply, deliver_emits, fail_for_death,
+                                        open_entry)
 from mstar_rt.placement.watchdog import Watchdog, heartbeat_period
 from mstar_rt.placement.process import ProcessLauncher, WorkerProcess, WorkerStartError, say
-from mstar_rt.placement.protocol import (TO_PARENT, VERSION, ProtocolError,
-                                         check_header, field, int_list)
+from mstar_rt.placement.protocol import VERSION, ProtocolError, field, int_list
 
 if TYPE_CHECKING:
     from mstar_rt.placement.ray_rank import RayLauncher, RayWorker
@@ -71,14 +74,12 @@ class WorkerLink:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._restart_lock = threading.Lock()
-        self._rx = threading.Lock()   # the incoming arena
+        self.inbox = Inbox()  # the incoming arena and mailbox
         self._channel = SendChannel(self.rank)  # the DEALER socket and the outgoing arena
         self._ledger = ItemLedger()  # under _lock
         self._watchdog: Optional[Watchdog] = None
         self._hang: tuple[int, str] = (-1, "")  # (generation, why it counts as hung)
-        self._rx_gen = self._dead_gen = -1
-        self._w2p: Optional[ShmArena | InlineArena] = None
-        self._decoder: Optional[Decoder] = None
+        self._dead_gen = -1
         self._ready = threading.Event()
         self._fatal: Optional[str] = None
         self._threads: list[threading.Thread] = []
@@ -98,23 +99,29 @@ class WorkerLink:
             self._fatal = None
         # tensor bytes: in shared memory for a local process, in the messages for a Ray actor
         # (which may be on another machine)
+        base = f"{self._tag}_r{self.rank}_g{gen}"
         p2w, w2p = ((InlineArena(), InlineArena()) if not self._local
-                    else arena_pair(f"{self._tag}_r{self.rank}_g{gen}", self.shm_bytes))
-        out = (self.exports.create(f"{self._tag}_r{self.rank}_g{gen}", self.shm_bytes)
+                    else arena_pair(base, self.shm_bytes))
+        out = (self.exports.create(base, self.shm_bytes)
                if self._local else None)  # a Ray actor makes its own (peer_bytes.py)
-        if self._local:  # the worker binds where we say: connect now
+        to_worker, from_worker, bell = (worker_mail(base, f"{self._workdir}/rank{self.rank}-g{gen}"
+                                                    ".bell") if self._local else (None,) * 3)
+        if to_worker is not None:  # messages through shared memory; its socket serves its peers
             self.endpoint = f"ipc://{self._workdir}/rank{self.rank}-g{gen}.sock"
-            self._channel.connect(self._zctx, gen, self.endpoint, p2w)
+            self._channel.attach(gen, MailboxSocket(to_worker, bell, lambda: self._alive(gen),
+                                                    owner=True), p2w)
         else:  # the actor picks its port: connect once it says which (wait_ready)
             self.endpoint, self._p2w_next = "", p2w
-        with self._rx:
-            self._w2p, self._decoder = w2p, Decoder(w2p, remote=lambda h: self.exports.handle(gen, h))
-            self._rx_gen = gen
+        self.inbox.attach(gen, w2p, Decoder(w2p, remote=lambda h: self.exports.handle(gen, h)),
+                           from_worker)
         cfg = dict(rank=self.rank, gen=gen, factory=self.spec.factory,
                    kwargs={**self.spec.args, **self.plan.model_kwargs}, nodes=self.plan.nodes,
                    device=self.plan.device, engines=self.engine_settings, endpoint=self.endpoint,
                    parent=self._parent_endpoint, p2w=p2w.name, w2p=w2p.name,
-                   heartbeat_s=heartbeat_period(self.rt.heartbeat_timeout_s),
+                   mail=None if bell is None else dict(
+                       p2w=to_worker.name, w2p=from_worker.name, bell=bell.path,
+                       parent_bell=bell_path(self._workdir)),
+                   spin_us=self.rt.spin_us, heartbeat_s=heartbeat_period(self.rt.heartbeat_timeout_s),
                    node_rank=self.rt.plan.node_rank, worker_ranks=sorted(self.rt.plan.workers),
                    segments=self.rt.segments_enabled, shm_prefix=self._tag,
                    out=out, direct=self.exports.names, direct_bytes=self.exports.min_bytes,
@@ -220,18 +227,10 @@ class WorkerLink:
         self._disconnect()
 
     def _disconnect(self, gen: Optional[int] = None) -> None:
-        """Closes the socket and unmaps and unlinks both arenas (only if they are still those
-        of generation ``gen``, when given: a restart may have replaced them)."""
-        if not self._channel.detach(gen):
+        """Closes the socket and unmaps and unlinks both arenas and mailboxes (only if they are
+        still those of generation ``gen``, when given: a restart may have replaced them)."""
+        if not self._channel.detach(gen) or not self.inbox.detach(gen, self.exports.remove):
             return
-        with self._rx:
-            if gen is not None and gen != self._rx_gen:
-                return
-            if self._w2p is not None:
-                self._w2p.unlink()
-                self._w2p.close()
-            self._w2p, self._decoder = None, None
-            self.exports.remove()
         if self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint.removeprefix("ipc://"))
@@ -333,14 +332,6 @@ class WorkerLink:
         if live:
             self._transmit(gen, node, walk, live, opens)
 
-    def _open(self, rid: int) -> dict:
-        handle = self.rt.requests.get(rid)
-        if handle is None:
-            return {"inputs": None, "state": {}}
-        ctx = handle.context
-        return {"inputs": dict(ctx.inputs) if self.plan.request_inputs else None,
-                "state": scalar_items(ctx.state), "order": list(self.rt.order_of(ctx))}
-
     def _transmit(self, gen: int, node: int, walk: int, items: list, opens: list) -> None:
         failures: list[tuple[list[int], str]] = []
         channel = self._channel
@@ -352,7 +343,7 @@ class WorkerLink:
             groups = [items] if items else []
             while groups:
                 group = groups.pop()
-                group_opens = {rid: self._open(rid) for rid in opens
+                group_opens = {rid: open_entry(self.rt, self.plan, rid) for rid in opens
                                if any(it.request == rid for it in group)}
                 msg = {"v": VERSION, "kind": "batch", "node": node, "walk": walk,
                        "items": [[it.id, it.request, it.iteration, it.inputs, it.chunk] for it in group],
@@ -416,22 +407,22 @@ class WorkerLink:
 
     # ---- receiving (the hub's receiver thread) ------------------------------------------------
 
+    def take_mail(self) -> list[list[bytes]]:
+        """The replies waiting in a local worker's mailbox. A corrupt mailbox cannot be read
+        on: the worker is killed (its death fails its requests)."""
+        replies, error = self.inbox.take_mail()
+        if error is not None:
+            self._bad_reply(f"{error}; killing the worker")
+            if self.worker is not None:
+                self.worker.kill()
+        return replies
+
     def on_message(self, gen: int, span: int, payload: bytes, tensors: list | tuple = ()) -> None:
-        with self._rx:
-            if gen != self.gen or self._decoder is None or self._w2p is None:
-                return  # from a generation that is gone: its arena and items went with it
-            try:
-                self._w2p.receive(tensors)  # a Ray actor's tensor frames (placement/inline.py)
-                msg = self._decoder.unpack(payload)
-                kind = check_header(msg, TO_PARENT)
-            except (ProtocolError, CodecError) as e:
-                self._bad_reply(str(e))
-                return
-            finally:
-                try:
-                    self._w2p.free_to(span)
-                except ValueError as e:
-                    self._bad_reply(str(e))
+        kind, msg, problems = self.inbox.decode(gen, span, payload, tensors)
+        for text in problems:
+            self._bad_reply(text)
+        if kind is None or msg is None or gen != self.gen:
+            return
         try:
             self._dispatch(kind, msg)
         except (ProtocolError, CodecError) as e:
@@ -491,7 +482,8 @@ class WorkerLink:
         worker = self.worker
         with self._lock:
             inflight, known = len(self._ledger.inflight), len(self._ledger.known)
-        shm = [f"{self._tag}_r{self.rank}_g{self.gen}_{d}" for d in ("p2w", "w2p")] * self._local
+        shm = [f"{self._tag}_r{self.rank}_g{self.gen}_{d}"
+               for d in ("p2w", "w2p", "p2w_mail", "w2p_mail")] * self._local
         return dict(rank=self.rank, nodes=list(self.plan.nodes), device=self.plan.device,
                     state=self.state, pid=None if worker is None else worker.pid, gen=self.gen,
                     node=None if worker is None else worker.node, endpoint=self.endpoint,

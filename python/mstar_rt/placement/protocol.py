@@ -1,14 +1,19 @@
 """The messages between the parent and a worker, and their validation.
 
-Every message is two ZeroMQ frames: a fixed binary header (the sender's generation, its rank
-when it is a worker, and ``span``: where its arena allocations for this message end), then a
-msgpack map ``{"v": 1, "kind": ..., ...}`` whose tensors are arena references (codec.py). A
-receiver checks every field it reads before acting, so a malformed or foreign message gets an
-error reply and changes nothing; a malformed batch from the parent also gets a ``failed`` for
-every item it names. A second peer that claims the parent's routing id is never heard (ZeroMQ's
-ROUTER keeps the first).
+Every message is two frames: a fixed binary header (the sender's generation, its rank when it
+is a worker, and ``span``: where its arena allocations for this message end), then a msgpack
+map ``{"v": 1, "kind": ..., ...}`` whose tensors are arena references (codec.py). A receiver
+checks every field it reads before acting, so a malformed or foreign message gets an error reply
+and changes nothing; a malformed batch from the parent also gets a ``failed`` for every item it
+names.
 
-parent -> worker (worker's ROUTER socket)::
+A local worker and its parent exchange the frames through two mailboxes in shared memory
+(mailbox.py); the worker's ROUTER socket then serves only its peers, and a peer claiming the
+parent's routing id is a peer. A Ray actor's parent uses the actor's ROUTER (ZeroMQ keeps the
+first peer with an identity, so a second one claiming the parent's is never heard) and the
+parent's PULL socket.
+
+parent -> worker (worker's mailbox, or its ROUTER socket)::
 
     batch    gen node walk items=[[item, request, iteration, {input: value}, chunk|None]]
              open={request: {"inputs": {..}|None, "state": {..},
@@ -22,7 +27,7 @@ parent -> worker (worker's ROUTER socket)::
     kv_send  gen request engine peer key port timeout_s   (export the request's K/V to rank
     kv_recv  gen request engine peer key port timeout_s    peer / expect them: kv_moves.py)
 
-worker -> parent (the parent's PULL socket)::
+worker -> parent (its mailbox, or the parent's PULL socket)::
 
     ready    rank gen pid nodes=[name] walks=[name]
     fatal    rank gen message                 (the worker could not start)

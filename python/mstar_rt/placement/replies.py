@@ -5,10 +5,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from mstar_rt.placement.codec import scalar_items
 from mstar_rt.placement.protocol import ProtocolError, field, int_list
 
 if TYPE_CHECKING:
+    from mstar_rt.placement.config import RankPlan
     from mstar_rt.placement.runtime import PlacedRuntime
+
+
+def open_entry(rt: "PlacedRuntime", plan: "RankPlan", rid: int) -> dict:
+    """What a worker learns of a request with its first item: its inputs (when the rank's
+    nodes read them), its scalar state and its order in the ready queue."""
+    handle = rt.requests.get(rid)
+    if handle is None:
+        return {"inputs": None, "state": {}}
+    ctx = handle.context
+    return {"inputs": dict(ctx.inputs) if plan.request_inputs else None,
+            "state": scalar_items(ctx.state), "order": list(rt.order_of(ctx))}
 
 
 def complete_from_reply(rt: "PlacedRuntime", msg: dict,

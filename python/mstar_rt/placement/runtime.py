@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import tempfile
-import threading
 import traceback
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -23,12 +22,13 @@ import zmq
 from mstar_rt.engines.base import Engine
 from mstar_rt.placement.arena import sweep_stale
 from mstar_rt.placement.config import ModelSpec, NodeGroup, make_plan, read_config
-from mstar_rt.placement.channel import deferring, mark_hub_thread
+from mstar_rt.placement.channel import deferring
 from mstar_rt.placement.direct import DIRECT_BYTES, direct_names
+from mstar_rt.placement.hub import Hub, bell_path
+from mstar_rt.placement.mailbox import SPIN_US
 from mstar_rt.placement.link import WorkerLink
 from mstar_rt.placement.ray_rank import RayLauncher, connect_ray, disconnect_ray
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
-from mstar_rt.placement.protocol import TO_PARENT_HEADER
 from mstar_rt.model import RequestContext, node_engines
 from mstar_rt.placement.segments import SEGMENT_ENGINE, SegmentPlan, find_segments
 from mstar_rt.runtime import Runtime, compile_model
@@ -43,63 +43,6 @@ def _close_all() -> None:  # no orphan workers or shared memory, whatever the ca
             rt.close()
         except Exception:
             traceback.print_exc()
-
-
-class _Hub:
-    """The parent's one receiving socket: every worker pushes its replies here, tagged with its
-    rank and generation; one thread reads them and hands them to the worker's link. With
-    ``inline`` (Ray actors, ``tcp://``) a message may carry tensor frames after its payload."""
-
-    def __init__(self, zctx: zmq.Context, endpoint: str, inline: bool = False) -> None:
-        self.inline = inline
-        self.sock = zctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        self.sock.bind(endpoint)  # tcp: port * -- the one picked is in LAST_ENDPOINT
-        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.links: dict[int, WorkerLink] = {}
-        self.bad_frames = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="mstar-placement-hub", daemon=True)
-
-    def start(self, links: Mapping[int, WorkerLink]) -> None:
-        self.links = dict(links)
-        self._thread.start()
-
-    def _run(self) -> None:
-        sock, header = self.sock, TO_PARENT_HEADER
-        mark_hub_thread()
-        while not self._stop:
-            if not sock.poll(1 if any(link.holds for link in self.links.values()) else 100):
-                for link in self.links.values():
-                    link.flush_posts(held=True)
-                continue
-            if self.inline:  # tensor frames stay in ZeroMQ's buffers until decoded
-                got = sock.recv_multipart(copy=False)
-                frames = [f.bytes for f in got[:2]] + [f.buffer for f in got[2:]]
-            else:
-                frames = sock.recv_multipart()
-            if (len(frames) != 2 and not self.inline) or len(frames) < 2 \
-                    or len(frames[0]) != header.size:
-                self.bad_frames += 1
-                continue
-            rank, gen, span = header.unpack(frames[0])
-            link = self.links.get(rank)
-            if link is None:
-                self.bad_frames += 1
-                continue
-            try:
-                link.on_message(gen, span, frames[1], frames[2:])
-                for each in self.links.values():  # releases it caused, now the caller woke
-                    each.flush_posts()
-            except Exception:  # a bug here must not stop every worker's replies
-                traceback.print_exc()
-
-    def close(self) -> None:
-        self._stop = True
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        self.sock.close(0)
 
 
 def split_engines(model: Any, plan: Any, engines: Mapping[str, Engine]
@@ -181,11 +124,12 @@ class PlacedRuntime(Runtime):
                  progress: bool = True, heartbeat_timeout_s: float = 10.0,
                  node_timeout_s: Optional[float] = None, segments: bool = True,
                  launcher: str = "process", ray_address: Optional[str] = None,
-                 kv_timeout_s: float = 60.0, direct_bytes: Optional[int] = DIRECT_BYTES) -> None:
+                 kv_timeout_s: float = 60.0, direct_bytes: Optional[int] = DIRECT_BYTES,
+                 spin_us: float = SPIN_US) -> None:
         self._links: dict[int, WorkerLink] = {}
         self._remote_engines: list[RemoteEngine] = []
         self.kv_moves: Any = None
-        self._hub: Optional[_Hub] = None
+        self._hub: Optional[Hub] = None
         self._zctx: Optional[zmq.Context] = None
         self._workdir: Optional[str] = None
         self._runtime_started = False
@@ -200,6 +144,9 @@ class PlacedRuntime(Runtime):
             raise ValueError(f"heartbeat_timeout_s ({heartbeat_timeout_s}) and node_timeout_s "
                              f"({node_timeout_s}) must be > 0 seconds (node_timeout_s may be None)")
         self.heartbeat_timeout_s, self.node_timeout_s = heartbeat_timeout_s, node_timeout_s
+        if not 0 <= spin_us <= 10_000:
+            raise ValueError(f"spin_us={spin_us}: give 0 (always sleep) to 10000 microseconds")
+        self.spin_us = float(spin_us)
         if restart not in ("manual", "auto"):
             raise ValueError(f"restart={restart!r}; use 'manual' or 'auto'")
         self.restart_policy, self.max_restarts = restart, max_restarts
@@ -225,9 +172,10 @@ class PlacedRuntime(Runtime):
             self._zctx = zmq.Context()
             if launcher == "ray":  # workers anywhere in the cluster reach this node's address
                 self._ray_owned, self._host = connect_ray(ray_address)
-                self._hub = _Hub(self._zctx, f"tcp://{self._host}:*", inline=True)
+                self._hub = Hub(self._zctx, f"tcp://{self._host}:*", inline=True)
             else:
-                self._hub = _Hub(self._zctx, f"ipc://{self._workdir}/parent.sock")
+                self._hub = Hub(self._zctx, f"ipc://{self._workdir}/parent.sock",
+                               bell_path=bell_path(self._workdir), spin_us=spin_us)
             self.shm_prefix = tag = f"mstar_{os.getpid()}_{secrets.token_hex(3)}"
             for rank, rank_plan in plan.workers.items():
                 ray = (RayLauncher(rank, rank_plan.ray_options, rank_plan.follower_options)

@@ -26,13 +26,15 @@ import zmq
 
 from mstar_rt import _core
 from mstar_rt.malloc_tuning import tune_malloc
-from mstar_rt.placement.arena import ArenaFull, ShmArena
+from mstar_rt.placement.arena import ShmArena, unlink_quietly
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder
-from mstar_rt.placement.direct import ExportArena, mark_exports
+from mstar_rt.placement.direct import ExportArena
 from mstar_rt.placement.config import ModelSpec
 from mstar_rt.placement.inline import InlineArena
+from mstar_rt.placement.mailbox import Bell, Mailbox, MailboxError, MailboxSocket
+from mstar_rt.placement.outbox import Outbox
 from mstar_rt.placement.peer_bytes import DirectEnds
-from mstar_rt.placement.protocol import (PARENT_ID, TO_PARENT_HEADER, TO_WORKER, TO_WORKER_HEADER,
+from mstar_rt.placement.protocol import (PARENT_ID, TO_WORKER, TO_WORKER_HEADER,
                                          VERSION, ProtocolError, check_header, field, int_list)
 
 
@@ -44,56 +46,6 @@ def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
     except OSError:  # the parent (reading our output) is gone
         pass
-
-
-class Outbox:
-    """Sends to the parent from any thread: one lock keeps arena allocations in message order."""
-
-    def __init__(self, sock: zmq.Socket, arena: Optional[ShmArena | InlineArena], rank: int,
-                 gen: int, exports: Optional[ExportArena] = None,
-                 direct: frozenset = frozenset(), direct_bytes: int = 0) -> None:
-        self._sock, self._arena, self.rank, self.gen = sock, arena, rank, gen
-        self._exports, self._direct, self._direct_bytes = exports, direct, direct_bytes
-        self._encoder = Encoder(arena, exports=exports, rank=rank, gen=gen)
-        self._plain = Encoder(None)
-        self._lock = threading.Lock()
-
-    def send(self, kind: str, **fields: Any) -> None:
-        msg = {"v": VERSION, "kind": kind, "rank": self.rank, "gen": self.gen, **fields}
-        if kind == "done" and self._exports is not None:  # large tensors other workers read
-            msg["outputs"] = mark_exports(fields["outputs"], self._direct, self._direct_bytes)
-        with self._lock:
-            if self._arena is None:
-                self._sock.send_multipart([TO_PARENT_HEADER.pack(self.rank, self.gen, 0),
-                                           self._plain.pack(msg)])
-                return
-            mark = self._arena.mark()
-            try:
-                payload = self._encoder.pack(msg)
-            except (CodecError, ArenaFull) as e:
-                self._arena.rollback(mark)
-                if self._exports is not None:  # what it exported will never be read
-                    self._exports.free(self._encoder.exported)
-                if kind != "done" or len(fields["items"]) == 1:
-                    failed = {"v": VERSION, "kind": "failed", "rank": self.rank, "gen": self.gen,
-                              "items": list(fields.get("items", ())),
-                              "message": f"its outputs cannot go back to the parent: {e}"}
-                    payload = self._plain.pack(failed)
-                else:
-                    payload = None
-            if payload is not None:
-                span = self._arena.publish()
-                tensors = self._arena.take_frames()
-                self._sock.send_multipart([TO_PARENT_HEADER.pack(self.rank, self.gen, span),
-                                           payload, *tensors], copy=not tensors)
-                return
-        # isolate the culprit: one message per item, so only its request fails
-        if fields.get("emits"):  # outputs folded into the reply go first, on their own
-            self.send("emit", emits=fields["emits"], items=fields["items"])
-        for i, item in enumerate(fields["items"]):
-            stops = fields["stops"]
-            self.send("done", node=fields["node"], items=[item], outputs=[fields["outputs"][i]],
-                      stops=None if stops is None else [stops[i]], states=fields["states"])
 
 
 class Worker:
@@ -114,6 +66,11 @@ class Worker:
         self.exports: Optional[ExportArena] = None
         self.direct: Optional[DirectEnds] = None
         self.router: Optional[zmq.Socket] = None
+        # a local worker's messages with the parent (placement/mailbox.py); its router then
+        # serves only its peers
+        self.mail: Optional[Mailbox] = None
+        self.bell: Optional[Bell] = None
+        self.spin_s = float(cfg.get("spin_us", 0.0)) * 1e-6
         self.host: Any = None
         self.moves: Any = None
         self.bad_messages = 0
@@ -129,10 +86,16 @@ class Worker:
             self.p2w, self.w2p = InlineArena(), InlineArena()
         else:
             self.p2w, self.w2p = ShmArena.attach(cfg["p2w"]), ShmArena.attach(cfg["w2p"])
+        sock: Any = self.push
+        if cfg.get("mail"):
+            mail, ppid = cfg["mail"], cfg["parent_pid"]
+            self.mail, self.bell = Mailbox.attach(mail["p2w"]), Bell(mail["bell"])
+            sock = MailboxSocket(Mailbox.attach(mail["w2p"]), Bell(mail["parent_bell"]),
+                                 lambda: os.getppid() == ppid)
         # tensors this worker makes for other workers, and theirs it reads (placement/direct.py)
         self.direct = DirectEnds(cfg, self.ctx)
         self.exports = self.direct.exports
-        self.outbox = Outbox(self.push, self.w2p, self.rank, self.gen, self.exports,
+        self.outbox = Outbox(sock, self.w2p, self.rank, self.gen, self.exports,
                              frozenset(cfg.get("direct") or ()), int(cfg.get("direct_bytes", 0)))
         self.decoder, self.plain = Decoder(self.p2w, remote_arena=self.direct.reader), Decoder(None)
         say(f"building {cfg['factory']} for nodes {cfg['nodes']} on {cfg['device']}")
@@ -174,6 +137,8 @@ class Worker:
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        if self.bell is not None:
+            poller.register(self.bell.fileno(), zmq.POLLIN)
         # A Ray actor has no parent pid to watch: Ray ends it with the driver that owns it.
         ppid = self.cfg["parent_pid"]
         while not self.stopping.is_set():  # set by a Ray actor starting a newer generation
@@ -181,7 +146,7 @@ class Worker:
                 self.orphan_cleanup()
                 say("the parent process is gone; exiting")
                 return
-            if not poller.poll(200):
+            if not self.mail_soon() and not poller.poll(200):
                 continue
             burst = self.receive_burst()
             # what piled up while this thread ran a batch is queued whole, then taken by deadline
@@ -196,9 +161,28 @@ class Worker:
                 if not self.alone:
                     self.host.conductor.hold(False)
 
-    def receive_burst(self) -> list[tuple[bytes, list]]:
-        """Every message already waiting (up to BURST_MAX), as (sender, frames)."""
-        burst = []
+    def mail_soon(self) -> bool:
+        """Whether the parent's next message arrived within the spin budget (the mailbox's
+        head watched without sleeping: placement/mailbox.py)."""
+        if self.mail is None or self.spin_s <= 0:
+            return False
+        address, seen = self.mail.watch()
+        return _core.spin_until_changed([address], [seen], self.spin_s) >= 0
+
+    def receive_burst(self) -> list[tuple[Optional[bytes], list]]:
+        """Every message already waiting (up to BURST_MAX), as (sender, frames); the sender of
+        those from the mailbox is None: the parent."""
+        burst: list[tuple[Optional[bytes], list]] = []
+        if self.mail is not None and self.bell is not None:
+            self.bell.drain()  # before the ring: a message written after this rings again
+            try:
+                burst = [(None, frames) for frames in self.mail.take(BURST_MAX)]
+            except MailboxError as e:  # only a broken parent writes this: nothing to serve
+                say(f"exiting: {e}")
+                self.stopping.set()
+                return []
+            if len(burst) == BURST_MAX:  # more may wait: come back after these
+                self.bell.ring()
         while len(burst) < BURST_MAX:
             try:
                 if self.inline:  # the tensor frames stay in ZeroMQ's buffers until decoded
@@ -211,21 +195,23 @@ class Worker:
             burst.append((frames[0], frames[1:]))
         return burst
 
-    def serve_one(self, ident: bytes, frames: list) -> Optional[str]:
+    def serve_one(self, ident: Optional[bytes], frames: list) -> Optional[str]:
         self.messages += 1
+        # With a mailbox the parent writes only there: a peer claiming its id is a peer.
+        from_parent = ident is None or (ident == PARENT_ID and self.mail is None)
         try:
-            return self.handle(ident == PARENT_ID, frames)
+            return self.handle(from_parent, frames)
         except (ProtocolError, CodecError) as e:
-            self.reject(ident, str(e))
+            self.reject(ident, from_parent, str(e))
         except Exception as e:  # a bug here must not take the worker down
             traceback.print_exc()
-            self.reject(ident, f"{type(e).__name__}: {e}")
+            self.reject(ident, from_parent, f"{type(e).__name__}: {e}")
         return None
 
-    def reject(self, ident: bytes, message: str) -> None:
+    def reject(self, ident: Optional[bytes], from_parent: bool, message: str) -> None:
         self.bad_messages += 1
         text = f"worker rank {self.rank} rejected a message: {message}"
-        if ident == PARENT_ID:
+        if from_parent or ident is None:
             self.outbox.send("error", message=text)
         else:
             reply = {"v": VERSION, "kind": "error", "rank": self.rank, "gen": self.gen,
@@ -396,9 +382,13 @@ class Worker:
     def orphan_cleanup(self) -> None:  # a local worker process only
         """The parent died without closing us: remove what it would have removed -- our arenas
         and its socket directory (everything in it was the dead parent's)."""
+        mail = self.cfg.get("mail") or {}
         for arena in (self.p2w, self.w2p, self.exports and self.exports.arena):
             if arena is not None:
                 arena.unlink()
+        for name in (mail.get("p2w"), mail.get("w2p")):
+            if name is not None:
+                unlink_quietly(name)
         workdir = os.path.dirname(self.cfg["endpoint"].removeprefix("ipc://"))
         if os.path.basename(workdir).startswith(f"mstar-placement-{self.cfg['parent_pid']}-"):
             shutil.rmtree(workdir, ignore_errors=True)
@@ -413,11 +403,14 @@ class Worker:
             self.router.close(0)
         if self.direct is not None:
             self.direct.close()
+        self.outbox.close(sock=self.mail is not None)
         self.push.close(2000)
         self.ctx.term()
-        for arena in (self.p2w, self.w2p, self.exports and self.exports.arena):
-            if arena is not None:
-                arena.close()
+        for ring in (self.p2w, self.w2p, self.exports and self.exports.arena, self.mail):
+            if ring is not None:
+                ring.close()
+        if self.bell is not None:
+            self.bell.close()
 
 
 def _item_ids(items: Any) -> list[int]:
