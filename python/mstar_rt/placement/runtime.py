@@ -25,7 +25,7 @@ from mstar_rt.placement.config import ModelSpec, NodeGroup, make_plan, read_conf
 from mstar_rt.placement.channel import deferring
 from mstar_rt.placement.direct import DIRECT_BYTES, direct_names
 from mstar_rt.placement.hub import Hub, bell_path
-from mstar_rt.placement.mailbox import SPIN_US
+from mstar_rt.placement.mailbox import spin_default
 from mstar_rt.placement.link import WorkerLink
 from mstar_rt.placement.ray_rank import RayLauncher, connect_ray, disconnect_ray
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
@@ -113,6 +113,11 @@ class PlacedRuntime(Runtime):
     control over ``tcp://``, tensors inside the messages or fetched from the actor that made
     them (placement/ray_rank.py).
 
+    ``spin_us``: how long this process and each local worker watch for the next message
+    before they sleep (placement/mailbox.py): waking a sleeper costs tens of microseconds on a
+    VM, watching costs a core meanwhile. Default: 200 when the CPUs this process may use are at
+    least one per process (this one and each local worker), else 0.
+
     A worker that dies fails the requests it was serving or held state for (RequestFailed
     naming the rank, node and exit status) within a second; other requests continue.
     """
@@ -125,7 +130,7 @@ class PlacedRuntime(Runtime):
                  node_timeout_s: Optional[float] = None, segments: bool = True,
                  launcher: str = "process", ray_address: Optional[str] = None,
                  kv_timeout_s: float = 60.0, direct_bytes: Optional[int] = DIRECT_BYTES,
-                 spin_us: float = SPIN_US) -> None:
+                 spin_us: Optional[float] = None) -> None:
         self._links: dict[int, WorkerLink] = {}
         self._remote_engines: list[RemoteEngine] = []
         self.kv_moves: Any = None
@@ -144,9 +149,8 @@ class PlacedRuntime(Runtime):
             raise ValueError(f"heartbeat_timeout_s ({heartbeat_timeout_s}) and node_timeout_s "
                              f"({node_timeout_s}) must be > 0 seconds (node_timeout_s may be None)")
         self.heartbeat_timeout_s, self.node_timeout_s = heartbeat_timeout_s, node_timeout_s
-        if not 0 <= spin_us <= 10_000:
+        if spin_us is not None and not 0 <= spin_us <= 10_000:
             raise ValueError(f"spin_us={spin_us}: give 0 (always sleep) to 10000 microseconds")
-        self.spin_us = float(spin_us)
         if restart not in ("manual", "auto"):
             raise ValueError(f"restart={restart!r}; use 'manual' or 'auto'")
         self.restart_policy, self.max_restarts = restart, max_restarts
@@ -157,6 +161,8 @@ class PlacedRuntime(Runtime):
         self.spec = model
         self.user_model = model.build(model.parent_kwargs)
         self.plan = plan = make_plan(self.user_model, node_groups)
+        self.spin_us = float(spin_us if spin_us is not None else
+                             spin_default(0 if launcher == "ray" else len(plan.workers)))
         if launcher != "ray" and any(p.follower_options for p in plan.workers.values()):
             raise ValueError("tp_resources places tensor-parallel followers as Ray actors; "
                              "set launcher='ray' (launcher: ray), or drop tp_resources")
@@ -175,7 +181,7 @@ class PlacedRuntime(Runtime):
                 self._hub = Hub(self._zctx, f"tcp://{self._host}:*", inline=True)
             else:
                 self._hub = Hub(self._zctx, f"ipc://{self._workdir}/parent.sock",
-                               bell_path=bell_path(self._workdir), spin_us=spin_us)
+                               bell_path=bell_path(self._workdir), spin_us=self.spin_us)
             self.shm_prefix = tag = f"mstar_{os.getpid()}_{secrets.token_hex(3)}"
             for rank, rank_plan in plan.workers.items():
                 ray = (RayLauncher(rank, rank_plan.ray_options, rank_plan.follower_options)
