@@ -244,3 +244,10 @@ def smolvla_policy():
 
     d = Path(__file__).resolve().parents[1] / "reference" / "fixtures" / "smolvla"
     return SmolVLAPolicy(load_lerobot_smolvla(d / "checkpoint", progress=False))
+
+
+def tiny_omni(directory: str):
+    """The tiny random Qwen3-Omni saved in ``directory`` (omni_support.tiny_qwen3_omni)."""
+    from mstar_rt.models.qwen3_omni.omni import Qwen3Omni
+
+    return Qwen3Omni.from_pretrained(directory, progress=False)

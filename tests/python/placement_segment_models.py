@@ -12,7 +12,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from mstar_rt import EMIT, DynamicLoop, GraphEdge, GraphNode, Model, NodeSubmodule, Sequential
+from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Model, NodeSubmodule, Part,
+                      Sequential)
 
 GROUP = ["a", "b", "gen", "c", "d"]
 
@@ -88,3 +89,26 @@ class Segmented(Model):
 
 def segmented() -> Segmented:
     return Segmented()
+
+
+class Parted(Segmented):
+    """One walk, a Part whose next sub-walk the model picks from the request: ``first``, then
+    ``again`` when asked for, then ``end``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walks = {"main": Part("p", {"first": Sequential("pre", "a", "b"),
+                                         "again": Sequential("c", "d"), "end": "post"})}
+
+    def next_walk(self, request: Any, finished_walk: str,
+                  persisted: Mapping[str, Any]) -> Optional[str]:
+        return None
+
+    def next_part_walk(self, request: Any, part: str, finished: Optional[str]) -> Optional[str]:
+        if finished == "first":
+            return "again" if request.inputs["again"] else "end"
+        return {None: "first", "again": "end"}.get(finished)
+
+
+def parted() -> Parted:
+    return Parted()

@@ -151,3 +151,42 @@ def test_a_tts_on_one_worker_streams_its_audio_from_inside_it():
         stats = idle(rt, 1)
         assert messages(rt) - before <= 5  # not one per token, nor per audio chunk
         assert stats["segment_runs"] == 0
+
+
+def test_qwen3_omni_on_one_worker_runs_its_parts_inside_it(tmp_path):
+    """Qwen3-Omni's walks are Parts (thinker and talker, each its own loop) joined by streams:
+    placed whole on one worker, each walk is one segment and the worker asks the model which
+    sub-walk comes next. Tokens and audio equal in-process; a request is a handful of messages,
+    not one per token, talker step and code-predictor step; both KV caches are freed."""
+    from omni_support import tiny_qwen3_omni
+
+    import omni_tiny as ot
+
+    local_model = tiny_qwen3_omni(str(tmp_path))
+    prompt = ot.chat_prompt([5, 9, 13])
+    req = {"prompt": prompt, "speaker": "ethan", "audio_features": [],
+           "thinker_sampling": {"max_tokens": 12},
+           "talker_sampling": {"temperature": 0.0, "max_tokens": 40}}
+
+    def collect(handle) -> tuple[list, np.ndarray]:
+        out = list(handle)
+        audio = [v for k, v in out if k == "audio"]
+        return [v for k, v in out if k == "token"], np.concatenate(audio)
+
+    with Runtime(local_model) as local:
+        want_tokens, want_audio = collect(local.submit(req))
+        want_text = [v for k, v in local.submit({**req, "return_audio": False}) if k == "token"]
+    nodes = [n.name for n in local_model.nodes]
+    with PlacedRuntime("placement_models:tiny_omni", [NodeGroup(nodes, rank=1)],
+                       model_kwargs={"directory": str(tmp_path)}, progress=False) as rt:
+        assert segments_of(rt) == ["segment:text:0", "segment:speak:0"]
+        before = messages(rt)
+        tokens, audio = collect(rt.submit(req))
+        assert tokens == want_tokens and len(want_tokens) > 1
+        assert audio.shape == want_audio.shape and np.abs(want_audio).max() > 0.05
+        np.testing.assert_allclose(audio, want_audio, atol=1e-5)
+        assert [v for k, v in rt.submit({**req, "return_audio": False})
+                if k == "token"] == want_text
+        stats = idle(rt, 1)
+        assert messages(rt) - before <= 8  # two requests and a stats call
+        assert stats["segment_runs"] == 0

@@ -121,11 +121,40 @@ def test_segments_are_not_made_where_they_would_change_what_nodes_see():
                                  "d": 1}, {1})
     assert [s.walk for s in plan.segments] == ["again"]
     # A KV engine's nodes join segments only when all of them can (its pages live in one
-    # Runtime): not split over two workers, nor with one inside a Part.
+    # Runtime): not split over two workers, nor with one inside a Part the parent runs.
     lm = pm.tiny_llama()
     assert find_segments(lm, {"prefill": 1, "decode": 2}, {1, 2}).segments == []
     lm.walks = {"prefill": "prefill", "decode": Part("p", {"d": lm.walks["decode"]})}
-    assert find_segments(lm, {n.name: 1 for n in lm.nodes}, {1}).segments == []
+    lm.nodes.append(sm.GraphNode("pre", ["x"], ["x2"], submodule=sm.Affine("x", "x2", 1.0, 0.0)))
+    lm.inputs = (*lm.inputs, "x")
+    on_one = {n.name: 1 for n in lm.nodes}
+    plan = find_segments(lm, on_one, {1})  # a walk with Parts, whole on one worker: one segment
+    assert [(s.walk, s.nodes) for s in plan.segments] == [("prefill", ("prefill",)),
+                                                          ("decode", ("decode",))]
+    lm.walks["decode"] = sm.Sequential("pre", lm.walks["decode"])  # "pre" in the parent
+    assert find_segments(lm, dict(on_one, pre=0), {1}).segments == []
+
+
+def test_a_walk_of_parts_on_one_worker_is_one_segment_and_the_model_picks_its_sub_walks():
+    """The worker asks the model's next_part_walk for the request, as one process does: equal
+    outputs either way the model picks, one run per request, and no Part with a sub-walk on
+    another rank (or the parent) is cut into the worker."""
+    nodes = [n.name for n in sm.parted().nodes]
+    plan = find_segments(sm.parted(), {n: 1 for n in nodes}, {1})
+    assert [(s.walk, s.nodes) for s in plan.segments] == \
+        [("main", ("a", "b", "c", "d", "post", "pre"))]
+    assert find_segments(sm.parted(), {**{n: 1 for n in nodes}, "post": 0}, {1}).segments == []
+    with Runtime(sm.parted()) as local, \
+            PlacedRuntime("placement_segment_models:parted", [NodeGroup(nodes, rank=1)],
+                          progress=False, shm_bytes=1 << 20) as rt:
+        assert [n for n in rt.node_names if n.startswith("segment:")] == ["segment:main:0"]
+        before = rt.worker_stats(1)["messages"]
+        for i in range(4):
+            c = inputs(i, again=bool(i % 2))
+            assert same(rt.submit(c).result(T), local.submit(c).result(T))
+        # a batch per request (a release may go on its own) and the stats call; node by node
+        # each request would take four or five
+        assert rt.worker_stats(1)["messages"] - before <= 9
 
 
 def test_segments_can_be_turned_off_and_give_the_same_outputs(placed):

@@ -23,9 +23,11 @@ policy, windows and end as in one process); a segment never cuts a stream.
 
 Where a segment would change what a node sees, the per-node path stays: a node that keeps
 per-request state ``cleanup`` drops (unless it keys it by cache id), a stream with one end
-outside the section, a Loop with ``accumulated_outputs``, anything inside a Part, and anything
-inside a Loop that runs in the parent (its iterations and stops are the parent's). A segment of
-one node gains nothing and is not made, except for a stateful engine's node.
+outside the section, a Loop with ``accumulated_outputs``, anything inside a Part of a walk that
+does not run whole on one worker (a walk that does is one segment, its Parts' sub-walks chosen in
+the worker), and anything inside a Loop that runs in the parent (its iterations and stops are the
+parent's). A segment of one node gains nothing and is not made, except for a stateful engine's
+node.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int])
         finder.segments = []
         for walk, root in model.walks.items():
             finder.walk, finder.count = walk, 0
-            walks[walk] = finder.rewrite(root, inside_loop=False)
+            walks[walk] = finder.rewrite_walk(root)
         # A stateful engine with a node left outside every segment keeps the per-node path
         # whole: its state lives in one place.
         left = {n for w in walks.values() for n in section_nodes(w, parts=True)}
@@ -119,31 +121,34 @@ class _Finder:
 
     # ---- which rank runs a section whole ---------------------------------------------------
 
-    def whole_rank(self, s: SectionLike) -> Optional[int]:
-        """The worker rank that can run ``s`` as one segment, or None."""
+    def whole_rank(self, s: SectionLike, parts: bool = False) -> Optional[int]:
+        """The worker rank that can run ``s`` as one segment, or None; with ``parts`` a Part
+        whose every sub-walk can counts too."""
         if isinstance(s, str):
             return self.rank.get(s) if s in self.eligible else None
         if isinstance(s, Part):
-            return None
+            walks = list(s.walks.values()) if parts and isinstance(s.walks, Mapping) else []
+            ranks = {self.whole_rank(w, parts) for w in walks}
+            return ranks.pop() if len(ranks) == 1 else None
         if isinstance(s, Loop):
-            return None if s.accumulated_outputs else self.whole_rank(s.section)
-        parts = s.parts if isinstance(s, Sequential) else \
+            return None if s.accumulated_outputs else self.whole_rank(s.section, parts)
+        members = s.parts if isinstance(s, Sequential) else \
             s.branches if isinstance(s, Parallel) else None
-        if not parts:
+        if not members:
             return None
-        ranks = {self.whole_rank(p) for p in parts}
+        ranks = {self.whole_rank(p, parts) for p in members}
         return ranks.pop() if len(ranks) == 1 else None
 
     def worth_it(self, s: SectionLike) -> bool:
         """More than one node execution per run (a Loop, or two nodes or more), or a node of a
         stateful engine whose work all runs in segments."""
-        if isinstance(s, str):
-            return self.engine_of[s] in self.shared
-        return isinstance(s, Loop) or len(section_nodes(s)) > 1
+        nodes = section_nodes(s, True)
+        return (len(nodes) > 1 or any(self.engine_of[n] in self.shared for n in nodes)
+                or _has_loop(s))
 
     def closed(self, s: SectionLike) -> bool:
         """No stream crosses the section's edge: its Runtime then serves the streams inside."""
-        members = set(section_nodes(s))
+        members = set(section_nodes(s, True))
         return all((p in members) == (c in members) for p, c in self.streams)
 
     def drop(self, engines: set[str]) -> None:
@@ -152,6 +157,16 @@ class _Finder:
             self.eligible -= self.shared.pop(e)
 
     # ---- rewriting -------------------------------------------------------------------------
+
+    def rewrite_walk(self, root: SectionLike) -> SectionLike:
+        """A walk with Parts that runs whole on one worker is one segment: the worker asks the
+        model's ``next_part_walk`` (the run's walk keeps the walk's name, so the model finds
+        its Parts). Parts anywhere else stay the parent's, with the per-node path inside."""
+        if section_nodes(root, True) != section_nodes(root):  # it has Parts
+            rank = self.whole_rank(root, parts=True)
+            if rank is not None and self.worth_it(root) and self.closed(root):
+                return self.make(root, rank)
+        return self.rewrite(root, inside_loop=False)
 
     def rewrite(self, s: SectionLike, inside_loop: bool) -> SectionLike:
         if isinstance(s, Part):
@@ -203,7 +218,7 @@ class _Finder:
         self.count += 1
         inputs: list[str] = []
         made = self.flow(section, set(), inputs)
-        members = set(section_nodes(section))
+        members = set(section_nodes(section, True))
         outputs: list[Any] = []
         needed = {x for n, xs in self.readers.items() if n not in members for x in xs}
         for x in sorted(made):
@@ -235,10 +250,26 @@ class _Finder:
             for b in s.branches:
                 after |= self.flow(b, made, reads)
             return after
+        if isinstance(s, Part):  # a sub-walk reads what the Part started with or any makes
+            after = set(made)
+            for w in s.walks.values():
+                after |= self.flow(w, made, [])
+            for w in s.walks.values():
+                self.flow(w, after, reads)
+            return after
         assert isinstance(s, Loop)
         inside = self.flow(s.section, made, reads) - made
         return made | {x for x in inside if x in self.persisted} | set(s.outputs) | \
             set(s.accumulated_outputs)
+
+
+def _has_loop(s: SectionLike) -> bool:
+    if isinstance(s, Loop):
+        return True
+    if isinstance(s, Part):
+        return any(_has_loop(w) for w in s.walks.values())
+    inner = s.parts if isinstance(s, Sequential) else s.branches if isinstance(s, Parallel) else ()
+    return any(_has_loop(p) for p in inner)
 
 
 def section_nodes(s: SectionLike, parts: bool = False) -> list[str]:
@@ -287,12 +318,17 @@ class SegmentModel(Model):
         if len(segments) > 1:
             self.input_defaults = {x: None for x in self.inputs}
         self.engine_specs = {e: model.engine_specs[e] for s in segments for e in s.engines}
-        self._bind, self._capture = bind, capture
+        self._bind, self._capture, self._model = bind, capture, model
         self._out_names = {self._walk[s.name]: {o if isinstance(o, str) else o.name
                                                 for o in s.outputs} for s in segments}
 
     def initial_walk(self, request: Any) -> str:
         return self._walk[self._bind(request).name]
+
+    def next_part_walk(self, request: Any, part: str, finished: Optional[str]) -> Optional[str]:
+        """The model's own choice: a segment with Parts is a whole walk (its run keeps the
+        walk's name) and its run's context is the request's (inputs, state)."""
+        return self._model.next_part_walk(request, part, finished)
 
     def next_walk(self, request: Any, finished_walk: str, persisted: Mapping[str, Any]
                   ) -> Optional[str]:

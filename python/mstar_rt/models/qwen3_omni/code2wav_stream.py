@@ -86,6 +86,8 @@ class Code2WavStreamNode(NodeSubmodule):
     the state lives in ``request.state`` and is committed only when a decode succeeds, so a
     failed batch is retried from the same place; it is freed when the stream ends."""
 
+    cleanup_by_cache_id = True  # its state is in request.state (placement may segment it)
+
     def __init__(self, decoder: Code2Wav, max_batch: int = 8, input_name: str = "codes",
                  output_name: str = "audio") -> None:
         self.decoder = decoder.eval()
