@@ -68,32 +68,15 @@ class ShmArena:
     @staticmethod
     def create(name: str, capacity: int) -> "ShmArena":
         capacity = _round_up(capacity)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, _DATA + capacity)
-        except BaseException:
-            os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, name))
-            raise
-        arena = ShmArena(name, fd, _DATA + capacity, owner=True)
+        arena = ShmArena(name, create_segment(name, _DATA + capacity), _DATA + capacity,
+                         owner=True)
         struct.pack_into("<QQ", arena.mm, 0, _MAGIC, capacity)
         return arena
 
     @staticmethod
     def attach(name: str) -> "ShmArena":
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        size = os.fstat(fd).st_size
-        if size < _DATA + ALIGN:
-            os.close(fd)
-            raise ValueError(f"shared-memory segment '{name}' is not an mstar_rt arena "
-                             f"({size} bytes)")
-        arena = ShmArena(name, fd, size, owner=False)
-        magic, capacity = struct.unpack_from("<QQ", arena.mm, 0)
-        if magic != _MAGIC or capacity != arena.capacity:
-            arena.close()
-            raise ValueError(f"shared-memory segment '{name}' is not an mstar_rt arena "
-                             "(bad magic or size)")
-        return arena
+        fd, size = open_segment(name, _MAGIC, _DATA, _DATA + ALIGN, "arena", ValueError)
+        return ShmArena(name, fd, size, owner=False)
 
     # ---- the two counters ------------------------------------------------------------------
 
@@ -213,10 +196,7 @@ class ShmArena:
             self.mm = None
 
     def unlink(self) -> None:
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        unlink_quietly(self.name)
 
 
 def arena_pair(base: str, capacity: int) -> tuple[ShmArena, ShmArena]:
@@ -228,6 +208,41 @@ def arena_pair(base: str, capacity: int) -> tuple[ShmArena, ShmArena]:
         p2w.close()
         p2w.unlink()
         raise
+
+
+def create_segment(name: str, size: int) -> int:
+    """An open descriptor of the new file ``/dev/shm/<name>`` of ``size`` bytes (readable and
+    writable by this user only); no file is left if it cannot be made whole."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
+def open_segment(name: str, magic: int, header: int, least: int, kind: str,
+                 error: type[Exception]) -> tuple[int, int]:
+    """(descriptor, size) of the existing ``/dev/shm/<name>`` once its first 16 bytes say it is
+    a ``kind`` (``magic``, then its capacity: its size less ``header``) of at least ``least``
+    bytes; ``error`` otherwise."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size < least:
+            raise error(f"shared-memory segment '{name}' is not an mstar_rt {kind} "
+                        f"({size} bytes)")
+        found, capacity = struct.unpack("<QQ", os.pread(fd, 16, 0))
+        if found != magic or capacity != size - header:
+            raise error(f"shared-memory segment '{name}' is not an mstar_rt {kind} "
+                        "(bad magic or size)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
 
 
 def unlink_quietly(name: str) -> None:

@@ -28,7 +28,7 @@ import struct
 import time
 from typing import Callable, Optional, Sequence
 
-from mstar_rt.placement.arena import SHM_DIR
+from mstar_rt.placement.arena import create_segment, open_segment, unlink_quietly
 
 _MAGIC = 0x6D73_7461_726D_0001  # "mstarm", version 1
 _HEAD = 64
@@ -69,33 +69,14 @@ class Mailbox:
     @staticmethod
     def create(name: str, capacity: int) -> "Mailbox":
         capacity = max(4096, _round8(capacity))
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, _DATA + capacity)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        box = Mailbox(name, fd, _DATA + capacity)
+        box = Mailbox(name, create_segment(name, _DATA + capacity), _DATA + capacity)
         struct.pack_into("<QQ", box.mm, 0, _MAGIC, capacity)
         return box
 
     @staticmethod
     def attach(name: str) -> "Mailbox":
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        size = os.fstat(fd).st_size
-        if size < _DATA + 4096:
-            os.close(fd)
-            raise MailboxError(f"shared-memory segment '{name}' is not an mstar_rt mailbox "
-                               f"({size} bytes)")
-        box = Mailbox(name, fd, size)
-        magic, capacity = struct.unpack_from("<QQ", box.mm, 0)
-        if magic != _MAGIC or capacity != box.capacity:
-            box.close()
-            raise MailboxError(f"shared-memory segment '{name}' is not an mstar_rt mailbox "
-                               "(bad magic or size)")
-        return box
+        fd, size = open_segment(name, _MAGIC, _DATA, _DATA + 4096, "mailbox", MailboxError)
+        return Mailbox(name, fd, size)
 
     # ---- writer ------------------------------------------------------------------------------
 
@@ -198,10 +179,7 @@ class Mailbox:
             self.mm = None
 
     def unlink(self) -> None:
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        unlink_quietly(self.name)
 
 
 def _frames(data: bytes, name: str) -> list[bytes]:
