@@ -281,7 +281,7 @@ def spin_default(local_workers: int) -> float:
     and a parent on two vCPUs: a worker-to-worker hop measured 10-25 % slower watching)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return SPIN_US if local_workers and (cpus or 1) >= 1 + local_workers else 0.0
-MAIL_BYTES = 1 << 20  # per direction: messages are small, and a large one crosses in records
+MAIL_BYTES = 8 << 20  # per direction: thousands of small messages; a large one crosses in records
 
 
 def worker_mail(base: str, bell_path: str, capacity: int = MAIL_BYTES
