@@ -230,7 +230,7 @@ def direct_vs_star(reps: int, nbytes: int = 1 << 20, ray: bool = False) -> dict[
             rt.close()
     tag = "ray_" if ray else ""
     return {f"{tag}{mode}_us_per_hop_1mib": statistics.median(v) / HOPS * 1e6
-            for mode, v in t.items()}
+            for mode, v in t.items()} | {f"{tag}spin_us_2_workers": rts["star"].spin_us}
 
 
 def ray_direct_vs_star(reps: int) -> dict[str, float]:
@@ -365,7 +365,9 @@ def main() -> None:
     all_nodes = [n.name for n in local.model.nodes]
     placed = PlacedRuntime("placement:walks", [NodeGroup(all_nodes, rank=1)], progress=False,
                            shm_bytes=4 << 20)
-    figures: dict[str, float] = {}
+    # how long a receiver watches its mailbox before it sleeps (docs/placement.md): the default
+    # for one worker, and for the two of the worker-to-worker hops
+    figures: dict[str, float] = {"spin_us_1_worker": placed.spin_us}
     try:
         for walk in Walks.nodes_per_request:  # warm-up: first-use costs stay out
             for rt in (local, placed):
@@ -444,6 +446,8 @@ def main() -> None:
           f"{ratios['kv_segments_speedup_8req']:.2f}")
     print(f"placed_over_inproc_per_node_1req (worst walk): "
           f"{ratios['placed_over_inproc_per_node_1req']:.2f}")
+    print(f"mailbox watching (spin_us): {figures['spin_us_1_worker']:.0f} with one worker, "
+          f"{figures['spin_us_2_workers']:.0f} with two; {machine()}")
     out = HERE / "results" / "placement.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"name": "placement", "quick": args.quick, "machine": machine(),
