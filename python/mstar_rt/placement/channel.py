@@ -1,7 +1,8 @@
-"""The parent's sending half of its link to one worker process.
+"""The parent's sending half of its link to one worker process (the receiving half is
+placement/inbox.py).
 
-The DEALER socket and the outgoing shared-memory arena of the worker's current generation, under
-one send lock. Batches are packed into the arena and sent by the engine thread that holds the
+The sending socket -- a local worker's mailbox (placement/mailbox.py, ``MailboxSocket``) or a Ray
+actor's DEALER -- and the outgoing arena of the worker's current generation, under one send lock. Batches are packed into the arena and sent by the engine thread that holds the
 lock; small messages (release, stats, shutdown) queue in ``pending`` and go out with whichever
 thread holds the lock next, so the hub's receiver thread never waits for the worker."""
 

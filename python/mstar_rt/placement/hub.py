@@ -44,10 +44,6 @@ class Hub:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="mstar-placement-hub", daemon=True)
 
-    @property
-    def bell_path(self) -> Optional[str]:
-        return None if self.bell is None else self.bell.path
-
     def start(self, links: Mapping[int, "WorkerLink"]) -> None:
         self.links = dict(links)
         self._thread.start()

@@ -75,7 +75,7 @@ class WorkerLink:
         self._cond = threading.Condition(self._lock)
         self._restart_lock = threading.Lock()
         self.inbox = Inbox()  # the incoming arena and mailbox
-        self._channel = SendChannel(self.rank)  # the DEALER socket and the outgoing arena
+        self._channel = SendChannel(self.rank)  # the mailbox (or DEALER) and outgoing arena
         self._ledger = ItemLedger()  # under _lock
         self._watchdog: Optional[Watchdog] = None
         self._hang: tuple[int, str] = (-1, "")  # (generation, why it counts as hung)
