@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import zmq
 
@@ -42,7 +42,7 @@ class SendChannel:
         self.rank = rank
         self.lock = threading.Lock()  # the socket, the arena and the encoder
         self.gen = -1
-        self.dealer: Optional[zmq.Socket] = None
+        self.sock: Optional[Any] = None  # a MailboxSocket, or a zmq DEALER (Ray actors)
         self.arena: Optional[Arena] = None
         self.encoder: Optional[Encoder] = None
         self.pending: collections.deque = collections.deque()
@@ -62,9 +62,11 @@ class SendChannel:
         dealer.connect(endpoint)
         self.attach(gen, dealer, arena)
 
-    def attach(self, gen: int, dealer: zmq.Socket, arena: Arena) -> None:
+    def attach(self, gen: int, sock: Any, arena: Arena) -> None:
+        """Sends to generation ``gen`` through ``sock`` (``send_multipart`` and ``close`` as a
+        ZeroMQ socket has them) and ``arena``."""
         with self.lock:
-            self.gen, self.dealer, self.arena, self.encoder = gen, dealer, arena, Encoder(arena)
+            self.gen, self.sock, self.arena, self.encoder = gen, sock, arena, Encoder(arena)
 
     def detach(self, gen: Optional[int] = None) -> bool:
         """Closes the socket and unmaps and unlinks the arena, if they are still generation
@@ -72,23 +74,23 @@ class SendChannel:
         with self.lock:
             if gen is not None and gen != self.gen:
                 return False
-            if self.dealer is not None:
-                self.dealer.close(0)
+            if self.sock is not None:
+                self.sock.close(0)
             if self.arena is not None:
                 self.arena.unlink()
                 self.arena.close()
-            self.dealer, self.arena, self.encoder = None, None, None
+            self.sock, self.arena, self.encoder = None, None, None
             return True
 
     def is_open(self, gen: int) -> bool:
         """Whether generation ``gen`` can be sent to (hold ``lock``)."""
-        return self.gen == gen and self.dealer is not None
+        return self.gen == gen and self.sock is not None
 
     def send_locked(self, gen: int, msg: dict, alive: Callable[[], bool]) -> Optional[str]:
         """Packs and sends (hold ``lock``); an error text instead of raising. While the worker
         lags or is not connected yet, waits as long as ``alive()`` says its generation lives."""
-        arena, dealer, encoder = self.arena, self.dealer, self.encoder
-        assert arena is not None and dealer is not None and encoder is not None
+        arena, sock, encoder = self.arena, self.sock, self.encoder
+        assert arena is not None and sock is not None and encoder is not None
         mark = arena.mark()
         try:
             payload = encoder.pack(msg)
@@ -100,7 +102,7 @@ class SendChannel:
         frames = [TO_WORKER_HEADER.pack(gen, span), payload, *tensors]
         while True:
             try:  # copy=False: ZeroMQ sends the tensor buffers as they are
-                dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=not tensors)
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=not tensors)
                 return None
             except zmq.Again:
                 if not alive():
@@ -160,7 +162,7 @@ class SendChannel:
                     gen, msg = self.pending.popleft()
                     if self.is_open(gen):
                         try:
-                            self.dealer.send_multipart(
+                            self.sock.send_multipart(
                                 [TO_WORKER_HEADER.pack(gen, self.arena.mark()),
                                  Encoder(None).pack(msg)], flags=zmq.NOBLOCK)
                         except zmq.Again:
