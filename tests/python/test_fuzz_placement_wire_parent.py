@@ -58,7 +58,7 @@ class FakeParent:
     parent's bell and the PULL socket a failed start reports to; the worker is the real one
     (``python -m mstar_rt.placement.worker``) serving every node of placement_models.pipeline."""
 
-    def __init__(self, shm_bytes: int = 1 << 20) -> None:
+    def __init__(self, shm_bytes: int = 1 << 20, spin_us: float = 50.0) -> None:
         self.tag = f"mstar_{os.getpid()}_{os.urandom(3).hex()}"
         self.workdir = tempfile.mkdtemp(prefix=f"mstar-placement-{os.getpid()}-")
         self.p2w = ShmArena.create(f"{self.tag}_r1_g0_p2w", shm_bytes)
@@ -78,7 +78,7 @@ class FakeParent:
         cfg = dict(rank=1, gen=0, parent_pid=os.getpid(), factory="placement_models:pipeline",
                    kwargs={}, nodes=PIPELINE_NODES, device="cpu", engines={},
                    endpoint=self.endpoint, parent=f"ipc://{self.workdir}/parent.sock",
-                   p2w=self.p2w.name, w2p=self.w2p.name, spin_us=50.0,
+                   p2w=self.p2w.name, w2p=self.w2p.name, spin_us=spin_us,
                    mail=dict(p2w=to_worker.name, w2p=self.inbox.name, bell=worker_bell.path,
                              parent_bell=self.bell.path))
         path = os.path.join(self.workdir, "rank1-g0.json")

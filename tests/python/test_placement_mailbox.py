@@ -14,12 +14,13 @@ import time
 
 import pytest
 
-from mstar_rt import _core
-from mstar_rt import RequestFailed
+import mstar_rt
+from mstar_rt import RequestFailed, _core
 from mstar_rt.placement import NodeGroup, PlacedRuntime
-from mstar_rt.placement.mailbox import Bell, Mailbox, MailboxError, MailboxSocket
+from mstar_rt.placement.mailbox import Bell, Mailbox, MailboxError, MailboxSocket, spin_default
 
-from placement_support import pipeline_inputs, wait_until
+import placement_models as pm
+from placement_support import idle, pipeline_inputs, same, wait_until
 
 T = 30.0
 
@@ -183,3 +184,55 @@ def test_a_worker_that_corrupts_its_mailbox_is_killed_and_only_its_requests_fail
         assert rt.workers[1]["error_replies"] >= 1
         rt.restart_worker(1)
         assert rt.submit(pipeline_inputs(1)[0]).result(T)
+
+
+def test_watching_is_on_by_default_only_with_a_cpu_per_process(monkeypatch):
+    from mstar_rt.placement import mailbox
+
+    monkeypatch.setattr(mailbox.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert spin_default(1) == mailbox.SPIN_US  # the parent and one worker: a CPU each
+    assert spin_default(2) == 0.0  # three processes on two CPUs: a watcher takes a worker's
+    assert spin_default(0) == 0.0  # nothing local to watch
+    monkeypatch.setattr(mailbox.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert spin_default(3) == mailbox.SPIN_US
+    with pytest.raises(ValueError, match="spin_us=-1"):
+        PlacedRuntime("placement_models:pipeline", [NodeGroup(["encoder"], rank=1)],
+                      progress=False, spin_us=-1)
+
+
+def test_a_flood_of_requests_crosses_whole_with_the_worker_always_asleep():
+    """Hundreds of requests at once (more messages than a worker takes per wake-up) with no
+    watching: every one is answered, equal to one process, and nothing is left in flight."""
+    cases = pipeline_inputs(300)
+    with mstar_rt.Runtime(pm.pipeline()) as local:
+        want = [local.submit(c).result(T) for c in cases]
+    with PlacedRuntime("placement_models:pipeline", [NodeGroup(["encoder", "backbone"], rank=1)],
+                       progress=False, spin_us=0, segments=False) as rt:
+        assert rt.spin_us == 0
+        handles = [rt.submit(c) for c in cases]
+        for h, w in zip(handles, want):
+            assert same(h.result(T), w)
+        assert idle(rt, 1)["live_requests"] == 0
+
+
+def test_more_messages_than_one_wake_up_takes_are_all_answered_after_one_ring():
+    """The parent writes 150 messages and rings once; the worker, not watching, takes 64 per
+    wake-up and rings itself for the rest (else they would wait for the parent's next message,
+    which here never comes)."""
+    from test_fuzz_placement_wire_parent import FakeParent
+
+    parent = FakeParent(spin_us=0.0)
+    try:
+        tokens = set(range(10**12, 10**12 + 150))
+        for token in sorted(tokens):
+            assert parent.outbox.box.put(parent.pack({"v": 1, "kind": "stats", "token": token}),
+                                         lambda: True)
+        parent.outbox.bell.ring()
+        got = set()
+        while got != tokens:
+            msg = parent.recv(T)
+            assert msg is not None, f"{len(tokens - got)} of 150 messages were never answered"
+            if msg["kind"] == "stats":
+                got.add(msg["token"])
+    finally:
+        parent.close()
