@@ -185,15 +185,8 @@ class ShmArena:
 
     def close(self) -> None:
         self._pin = None
-        if self._words is not None:
-            self._words.release()
-            self._words = None
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
-                pass
-            self.mm = None
+        unmap(self._words, self.mm)
+        self._words, self.mm = None, None
 
     def unlink(self) -> None:
         unlink_quietly(self.name)
@@ -208,6 +201,18 @@ def arena_pair(base: str, capacity: int) -> tuple[ShmArena, ShmArena]:
         p2w.close()
         p2w.unlink()
         raise
+
+
+def unmap(words: Optional[memoryview], mm: Optional[mmap.mmap]) -> None:
+    """Releases a segment's header view, then its mapping (the caller dropped its ctypes pin
+    first: a live export makes ``mmap.close`` fail)."""
+    if words is not None:
+        words.release()
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+            pass
 
 
 def create_segment(name: str, size: int) -> int:

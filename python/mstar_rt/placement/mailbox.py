@@ -28,7 +28,7 @@ import struct
 import time
 from typing import Callable, Optional, Sequence
 
-from mstar_rt.placement.arena import create_segment, open_segment, unlink_quietly
+from mstar_rt.placement.arena import create_segment, open_segment, unlink_quietly, unmap
 
 _MAGIC = 0x6D73_7461_726D_0001  # "mstarm", version 1
 _HEAD = 64
@@ -171,12 +171,8 @@ class Mailbox:
 
     def close(self) -> None:
         self._pin = None
-        if self._words is not None:
-            self._words.release()
-            self._words = None
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
+        unmap(self._words, self.mm)
+        self._words, self.mm = None, None
 
     def unlink(self) -> None:
         unlink_quietly(self.name)
