@@ -11,7 +11,9 @@ Last, a chain of 8 nodes placed alternately on ranks 1 and 2, each copying a 1 M
 hop through the parent (``direct_bytes=None``) against worker to worker (placement/direct.py);
 with ``--ray`` the same hops between Ray actors of a local Ray instance (placement/peer_bytes.py).
 And a small random Llama on a KV cache decoding 64 tokens: in-process, on a worker with its
-walks as segments (the decode loop runs inside the worker), and on a worker node by node.
+walks as segments (the decode loop runs inside the worker), and on a worker node by node; then
+disaggregated (prefill on worker 1, decode on worker 2, each request's K/V moving between them),
+each worker's walk a segment against node by node.
 
     python benchmarks/placement.py [--quick] [--ray]   # table + results/placement.{json,png}
 
@@ -129,19 +131,25 @@ def kv_lm() -> Any:
                     engine=KVCacheEngine(page_size=16, num_pages=512, max_batch=16))
 
 
-def kv_decode(reps: int) -> dict[str, float]:
+def kv_decode(reps: int, disagg: bool = False) -> dict[str, float]:
     """µs per generated token of the KV-cache LM: in-process, on a worker with its walks as
     segments (the decode loop inside the worker), and on a worker node by node (a crossing
-    per token), for 1 and 8 requests at once."""
+    per token), for 1 and 8 requests at once. ``disagg``: prefill on worker 1 and decode on
+    worker 2 (each request's K/V moving between them), segments against node by node."""
     from mstar_rt.models.causal_lm import SamplingParams
 
     req = {"prompt": [1, 2, 3, 4], "params": SamplingParams(max_tokens=KV_TOKENS,
                                                             ignore_eos=True)}
     group = [NodeGroup(["prefill", "decode"], rank=1)]
-    runtimes = {"inproc": Runtime(kv_lm()),
-                "segments": PlacedRuntime("placement:kv_lm", group, progress=False),
+    if disagg:
+        group = [NodeGroup(["prefill"], rank=1), NodeGroup(["decode"], rank=2)]
+    runtimes = {"segments": PlacedRuntime("placement:kv_lm", group, progress=False),
                 "per_node": PlacedRuntime("placement:kv_lm", group, progress=False,
                                           segments=False)}
+    if disagg:
+        runtimes = {f"disagg_{k}": rt for k, rt in runtimes.items()}
+    else:
+        runtimes = {"inproc": Runtime(kv_lm()), **runtimes}
 
     def serve(rt: Any, n: int) -> float:
         t0 = time.perf_counter()
@@ -155,7 +163,7 @@ def kv_decode(reps: int) -> dict[str, float]:
             serve(rt, 2)  # warm-up
         for n in (1, 8):
             t = alternate([(k, lambda rt=rt: serve(rt, n)) for k, rt in runtimes.items()],
-                          reps, f"kv decode x{n}")
+                          reps, f"kv {'disaggregated ' if disagg else ''}decode x{n}")
             for k in runtimes:
                 figures[f"kv_{k}_us_per_token_{n}req"] = (statistics.median(t[k])
                                                           / (n * KV_TOKENS) * 1e6)
@@ -394,6 +402,7 @@ def main() -> None:
     # with only its own two runtimes open (the figure moved 0.44 -> 1.3-1.5 when the others left)
     figures.update(direct_vs_star(30 * scale))
     figures.update(kv_decode(5 * scale))
+    figures.update(kv_decode(5 * scale, disagg=True))
     if args.ray:
         figures.update(ray_direct_vs_star(10 * scale))
     ratios: dict[str, float] = {}
@@ -411,8 +420,10 @@ def main() -> None:
     for n in (1, 8):
         ratios[f"kv_placed_over_inproc_per_token_{n}req"] = (
             figures[f"kv_segments_us_per_token_{n}req"] / figures[f"kv_inproc_us_per_token_{n}req"])
-        ratios[f"kv_segments_speedup_{n}req"] = (figures[f"kv_per_node_us_per_token_{n}req"]
-                                                 / figures[f"kv_segments_us_per_token_{n}req"])
+        for k in ("", "disagg_"):
+            ratios[f"kv_{k}segments_speedup_{n}req"] = (
+                figures[f"kv_{k}per_node_us_per_token_{n}req"]
+                / figures[f"kv_{k}segments_us_per_token_{n}req"])
     if args.ray:
         ratios["ray_direct_over_star_speedup"] = (figures["ray_star_us_per_hop_1mib"]
                                                   / figures["ray_direct_us_per_hop_1mib"])
@@ -441,9 +452,14 @@ def main() -> None:
         print(f"{'decode':>10} {n:>4} " + " ".join(
             f"{figures[f'kv_{k}_us_per_token_{n}req']:>12.1f}"
             for k in ("inproc", "segments", "per_node")))
-    print(f"kv_segments_speedup (per node over segments): 1 request "
-          f"{ratios['kv_segments_speedup_1req']:.2f}, 8 requests "
-          f"{ratios['kv_segments_speedup_8req']:.2f}")
+    for n in (1, 8):
+        print(f"{'disagg':>10} {n:>4} {'':>12} " + " ".join(
+            f"{figures[f'kv_disagg_{k}_us_per_token_{n}req']:>12.1f}"
+            for k in ("segments", "per_node")))
+    for k, what in (("", "one worker"), ("disagg_", "prefill and decode on two workers")):
+        print(f"kv_{k}segments_speedup ({what}, per node over segments): 1 request "
+              f"{ratios[f'kv_{k}segments_speedup_1req']:.2f}, 8 requests "
+              f"{ratios[f'kv_{k}segments_speedup_8req']:.2f}")
     print(f"placed_over_inproc_per_node_1req (worst walk): "
           f"{ratios['placed_over_inproc_per_node_1req']:.2f}")
     print(f"mailbox watching (spin_us): {figures['spin_us_1_worker']:.0f} with one worker, "

@@ -110,14 +110,16 @@ def start_placed_lm():
 
 
 def idle(rt: PlacedRuntime, rank: int) -> dict:
-    """Waits until worker ``rank`` holds nothing; returns its last stats."""
+    """Waits until worker ``rank`` holds nothing; returns its last stats. (A K/V receiver
+    learns of a request's end after the request's other workers: its release follows its
+    ``kv_recv`` notice, placement/kv_moves.py.)"""
     stats: dict = {}
 
     def check() -> bool:
         stats.update(rt.worker_stats(rank))
         return (stats["live_requests"] == 0 and stats["queued_items"] == 0
                 and stats["kv_pages_in_use"] == 0 and stats["p2w_bytes_in_use"] == 0
-                and stats["w2p_bytes_in_use"] == 0)
+                and stats["w2p_bytes_in_use"] == 0 and stats.get("kv_waiting", 0) == 0)
 
     wait_until(check, timeout=T, interval=0.02)
     return stats

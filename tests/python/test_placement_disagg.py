@@ -22,10 +22,13 @@ from mstar_rt.engines import KVCacheEngine, SamplingParams
 from mstar_rt.engines.kv_engine import KVNodeSubmodule
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.placement import NodeGroup, PlacedRuntime
+from mstar_rt.model import RequestContext
 from mstar_rt.placement.config import make_plan
+from mstar_rt.placement.kv_moves import ParentMoves
 
 import placement_models as pm
 from placement_support import T, idle, our_segments
+from walk_models import wait_until
 
 TOL = 1e-4
 SPLIT = [NodeGroup(["prefill"], rank=1), NodeGroup(["decode"], rank=2)]
@@ -78,6 +81,57 @@ def test_split_walks_equal_the_in_process_and_colocated_runs(split, reference):
     assert one["kv_sent"] - before == len(CASES)  # every request went on to decode
     assert two["kv_waiting"] == 0 and one["live_requests"] == two["live_requests"] == 0
     assert split.plan.kv_moves == {"lm": {"prefill": 1, "decode": 2}}
+
+
+def test_each_worker_runs_its_walk_as_a_segment(split, reference):
+    """The decode loop runs inside worker 2 (no crossing per token), equal to the per-node
+    split; a prefill that ends its request names the decode loop no segment of worker 1 holds."""
+    assert {"segment:prefill:0", "segment:decode:0"} <= {n.name for n in split.model.nodes}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    before = split.worker_stats(2)["messages"]
+    got = split.submit({"prompt": [1, 2, 3], "params": params}).result(T)
+    assert len(got["token"]) == 40
+    # kv_recv, the decode walk's one batch, its release (and this stats call): not one per token
+    assert split.worker_stats(2)["messages"] - before <= 5
+    with PlacedRuntime("placement_models:tiny_llama", SPLIT, progress=False,
+                       segments=False) as rt:
+        assert not rt.segments_enabled
+        assert_close(run_all(rt, CASES[:3]) + [rt.submit({"prompt": [1, 2, 3],
+                                                          "params": params}).result(T)],
+                     reference[:3] + [got])
+        both_idle(rt)
+    both_idle(split)
+
+
+class _Link:
+    """What ParentMoves would post to a worker."""
+
+    gen = 0
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def post(self, msg: dict, gen: int, wait: bool) -> None:
+        self.sent.append(msg["kind"])
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_request_ended_before_its_walk_change_moves_nothing(alive):
+    """A cancel on another thread can end the request while the hub's thread is in next_walk:
+    then no K/V notice leaves and nothing stays registered (else the receiver would wait for
+    K/V that never come, and no release would follow)."""
+    links = {1: _Link(), 2: _Link()}
+    moves = ParentMoves({"lm": {"prefill": 1, "decode": 2}}, links, 5.0,
+                        alive=lambda rid: alive)
+    request = RequestContext(id=7, inputs={})
+    moves.begin(request, "prefill", "decode")
+    if alive:
+        moves.ended(7)
+    assert wait_until(lambda: links[2].sent[-1:] == ["release"], timeout=T)
+    moves.close()
+    assert links[1].sent == (["kv_send"] if alive else [])
+    assert links[2].sent == (["kv_recv", "release"] if alive else ["release"])
+    assert moves.receivers == {} and moves.where == {}
 
 
 def test_a_request_done_at_prefill_moves_nothing(split, reference):

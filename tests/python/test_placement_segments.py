@@ -2,8 +2,8 @@
 parent round trip per segment. Outputs equal the in-process Runtime's (EMITs streamed in order,
 state mirrored for next_walk, persisted values across walks); a failure, a cancel, a deadline
 and a dying worker fail exactly their requests and leave nothing held; where a segment would be
-unsafe (streams, a KV engine split over workers or inside a Part, loops run by the parent) the
-per-node path stays (a KV engine on one worker: test_placement_kv_segments.py)."""
+unsafe (streams, a KV engine split over workers without moving K/V or inside a Part, loops run
+by the parent) the per-node path stays (a KV engine on one worker: test_placement_kv_segments.py)."""
 
 from __future__ import annotations
 
@@ -121,9 +121,13 @@ def test_segments_are_not_made_where_they_would_change_what_nodes_see():
                                  "d": 1}, {1})
     assert [s.walk for s in plan.segments] == ["again"]
     # A KV engine's nodes join segments only when all of them can (its pages live in one
-    # Runtime): not split over two workers, nor with one inside a Part the parent runs.
+    # Runtime): not split over two workers -- unless its requests' K/V move between them at
+    # the walk change (test_placement_disagg.py) -- nor with one inside a Part the parent runs.
     lm = pm.tiny_llama()
     assert find_segments(lm, {"prefill": 1, "decode": 2}, {1, 2}).segments == []
+    moving = find_segments(lm, {"prefill": 1, "decode": 2}, {1, 2}, moving={"lm"}).segments
+    assert [(s.walk, s.rank, s.nodes) for s in moving] == [("prefill", 1, ("prefill",)),
+                                                          ("decode", 2, ("decode",))]
     lm.walks = {"prefill": "prefill", "decode": Part("p", {"d": lm.walks["decode"]})}
     lm.nodes.append(sm.GraphNode("pre", ["x"], ["x2"], submodule=sm.Affine("x", "x2", 1.0, 0.0)))
     lm.inputs = (*lm.inputs, "x")

@@ -163,7 +163,7 @@ class WorkerHost:
         self._closed = False
         # Nodes of an engine that serves segments only (segment_runner.py) are the segments'.
         in_segments = {e for s in segments if s.rank == rank for e in s.engines}
-        every = [g.node_ids[n] for n in nodes]
+        self.every = every = [g.node_ids[n] for n in nodes]  # segments' nodes too
         self._submodules = self.nodes.unique_submodules(every)  # cleanup: all, per request
         self.node_ids = [i for i in every if self.nodes[i].engine not in in_segments]
         names = sorted({self.nodes[i].engine for i in self.node_ids})
@@ -187,6 +187,16 @@ class WorkerHost:
                                       self._context, reply,
                                       {e: x for e, x in built.items() if e in in_segments})
         self.segment_names = [s.name for s in segments]
+
+    def engine(self, name: str) -> Optional[Engine]:
+        """This worker's engine ``name``, its segments' stateful ones included (None: none)."""
+        return self.engines.get(name) or next(
+            (e for e in self.segments.stateful if e.name == name), None)
+
+    def submodules_of(self, engine: str) -> list:
+        """The submodules of this worker's nodes on ``engine`` (segments' nodes too), once each."""
+        return list({id(self.nodes[i].submodule): self.nodes[i].submodule
+                     for i in self.every if self.nodes[i].engine == engine}.values())
 
     def _context(self, rid: int) -> Optional[RequestContext]:
         handle = self.requests.get(rid)

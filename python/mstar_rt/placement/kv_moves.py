@@ -88,11 +88,13 @@ class ParentMoves:
     both workers. ``links``: rank -> WorkerLink (its ``gen`` and ``post``)."""
 
     def __init__(self, moves: Mapping[str, Mapping[str, int]], links: Mapping[int, Any],
-                 timeout_s: float, host: str = "127.0.0.1") -> None:
+                 timeout_s: float, host: str = "127.0.0.1",
+                 alive: Callable[[int], bool] = lambda rid: True) -> None:
         from mstar_rt.distributed.group import open_store
 
         # host: where the workers reach this process's store (a Ray cluster: this node's address)
         self.moves, self.links, self.timeout_s, self.host = moves, links, timeout_s, host
+        self.alive = alive  # whether a request has not ended (a cancel races the walk change)
         self.store = open_store(len(links) + 1, timeout_s)
         self.lock = threading.Lock()
         self.receivers: dict[int, set[int]] = {}  # request -> ranks it moved to
@@ -137,6 +139,12 @@ class ParentMoves:
             with self.lock:
                 self.receivers.setdefault(request.id, set()).add(dst)
                 self.moved += 1
+            # A cancel on another thread may have ended the request before the line above,
+            # its ended() then finding nothing to release: nothing moves, and this cleans up.
+            # (Alive here: its ended() comes later and releases the receiver.)
+            if not self.alive(request.id):
+                self.ended(request.id)
+                return
             self.outbox.put((b, b.gen, {"kind": "kv_recv", "peer": src, **common}))
             self.outbox.put((a, a.gen, {"kind": "kv_send", "peer": dst, **common}))
 
@@ -220,19 +228,17 @@ class _Pair:
 
 class WorkerMoves:
     """A worker's half (placement/worker.py): exports and sends on ``kv_send``, receives on
-    ``kv_recv``, holds items until their K/V arrived. ``fail(ids, message)`` reports items."""
+    ``kv_recv``, holds items until their K/V arrived. ``fail(ids, message)`` reports items;
+    ``dispatch(node, walk, items)`` queues held items once their K/V are here (a node of this
+    worker or one of its segments: the engine may serve either)."""
 
-    def __init__(self, host: Any, rank: int, fail: Callable[[list[int], str], None]) -> None:
-        self.host, self.rank, self.fail_items = host, rank, fail
+    def __init__(self, host: Any, rank: int, fail: Callable[[list[int], str], None],
+                 dispatch: Callable[[int, int, list], None]) -> None:
+        self.host, self.rank, self.fail_items, self.dispatch = host, rank, fail, dispatch
         self.lock = threading.Lock()
         self.incoming: dict[int, _Entry] = {}
         self.pairs: dict[str, _Pair] = {}
         self.sent = self.received_count = 0
-
-    def lm_nodes(self, engine: str) -> list:
-        host = self.host
-        return list({id(host.nodes[i].submodule): host.nodes[i].submodule
-                     for i in host.node_ids if host.nodes[i].engine == engine}.values())
 
     def pair(self, key: str, rank: int, msg: dict) -> _Pair:
         p = self.pairs.get(key)
@@ -247,11 +253,11 @@ class WorkerMoves:
         field(msg, "port", int), field(msg, "timeout_s", (int, float))  # checked, read later
         if not isinstance(msg.get("host", ""), str):
             raise ProtocolError(f"'{kind}' field 'host' must be a string (the store's address)")
-        if engine not in self.host.engines:
+        if self.host.engine(engine) is None:
             raise ProtocolError(f"'{kind}' names engine '{engine}', which this worker does not "
                                 f"run (it runs {sorted(self.host.engines)})")
         if kind == "kv_recv":
-            for sub in self.lm_nodes(engine):
+            for sub in self.host.submodules_of(engine):
                 if sub.handoffs is None:  # this worker is a decode side from now on
                     from mstar_rt.distributed.kv_handoff import HandoffTable
 
@@ -273,13 +279,13 @@ class WorkerMoves:
             handle = self.host.requests.get(rid)
             if handle is None:
                 raise RuntimeError(f"worker rank {self.rank} no longer holds request {rid}")
-            subs, kv_engine = self.lm_nodes(engine), self.host.engines[engine]
+            subs, kv_engine = self.host.submodules_of(engine), self.host.engine(engine)
             state = subs[0].handoff_state(handle.context.state)
             kv = kv_engine.export_request(rid, free=True, device="cpu")
             p.jobs.put(({"request": rid, "engine": engine, "state": state}, kv))
             self.sent += 1
         except Exception as e:
-            self.host.engines[engine].release(rid)
+            self.host.engine(engine).release(rid)
             p.jobs.put(({"request": rid, "engine": engine,
                          "error": f"export on worker rank {self.rank} failed: "
                                   f"{type(e).__name__}: {e}"}, None))
@@ -299,12 +305,12 @@ class WorkerMoves:
             entry = self.incoming.get(rid)
             if entry is None:  # the request ended meanwhile: its K/V take no page here
                 return
-            for sub in self.lm_nodes(str(description["engine"])):
+            for sub in self.host.submodules_of(str(description["engine"])):
                 sub.handoffs.put(rid, Handoff(description["state"], kv))
             entry.arrived, held, entry.held = True, entry.held, []
             self.received_count += 1
         for node, walk, items in held:
-            self.host.conductor.put(node, walk, items)
+            self.dispatch(node, walk, items)
 
     def failed(self, rid: int, message: str) -> None:
         with self.lock:
@@ -351,7 +357,7 @@ class WorkerMoves:
 
     def lm_nodes_all(self) -> list:
         host = self.host
-        return [host.nodes[i].submodule for i in host.node_ids
+        return [host.nodes[i].submodule for i in host.every
                 if getattr(host.nodes[i].submodule, "handoffs", None) is not None]
 
     def stats(self) -> dict:

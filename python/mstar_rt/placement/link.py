@@ -123,7 +123,8 @@ class WorkerLink:
                        parent_bell=bell_path(self._workdir)),
                    spin_us=self.rt.spin_us, heartbeat_s=heartbeat_period(self.rt.heartbeat_timeout_s),
                    node_rank=self.rt.plan.node_rank, worker_ranks=sorted(self.rt.plan.workers),
-                   segments=self.rt.segments_enabled, shm_prefix=self._tag,
+                   segments=self.rt.segments_enabled, moving=sorted(self.rt.plan.kv_moves),
+                   shm_prefix=self._tag,
                    out=out, direct=self.exports.names, direct_bytes=self.exports.min_bytes,
                    export_bytes=self.shm_bytes if self.exports.names else 0, transport="ipc"
                    if self._local else "tcp", parent_pid=os.getpid() if self._local else None)

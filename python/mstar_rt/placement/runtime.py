@@ -203,8 +203,9 @@ class PlacedRuntime(Runtime):
             if plan.kv_moves:
                 from mstar_rt.placement.kv_moves import ParentMoves
 
-                self.kv_moves = placed.kv_moves = ParentMoves(plan.kv_moves, self._links,
-                                                              kv_timeout_s, self._host)
+                self.kv_moves = placed.kv_moves = ParentMoves(
+                    plan.kv_moves, self._links, kv_timeout_s, self._host,
+                    lambda rid: self.requests.get(rid) is not None)
             super().__init__(placed, poll_s, {**remote, **local_engines})
             self._remote_engines = list(remote.values())
             for engine in self._remote_engines:  # submit() sends their first batch (below)
@@ -223,7 +224,8 @@ class PlacedRuntime(Runtime):
     def _segment_plan(self, plan: Any) -> Optional[SegmentPlan]:
         """The walks' segments (placement/segments.py), or None when there are none or the
         rewritten walks do not compile (then every node crosses on its own, as before)."""
-        seg_plan = find_segments(self.user_model, plan.node_rank, set(plan.workers))
+        seg_plan = find_segments(self.user_model, plan.node_rank, set(plan.workers),
+                                 plan.kv_moves)
         if not seg_plan.segments:
             return None
         try:

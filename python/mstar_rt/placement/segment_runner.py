@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 from mstar_rt.model import NO_DEADLINE, Model, RequestContext
 from mstar_rt.placement.codec import scalar_items
 from mstar_rt.placement.inline_runs import InlineRuns
-from mstar_rt.placement.segments import Segment, SegmentModel
+from mstar_rt.placement.segments import Segment, SegmentModel, loop_names
 from mstar_rt.runtime import RequestCancelled, RequestHandle, Runtime
 
 
@@ -40,9 +40,15 @@ class _SegmentRuntime(Runtime):
     the worker calls it once, as the request ends (WorkerHost.release)."""
 
     def __init__(self, model: Model, runner: "SegmentRunner",
-                 engines: Optional[dict] = None) -> None:
+                 engines: Optional[dict] = None, loops: Sequence[str] = ()) -> None:
         self.segment_runner = runner
         super().__init__(model, engines=engines, request_cleanup=False)
+        # A node may stop a DynamicLoop of the model's that no segment here holds (a prefill
+        # ending its request names the decode loop of a walk on another worker): an id past
+        # every loop's, which the Conductor ignores, as one process does for a loop not running.
+        ids = self.graph.name_ids
+        for name in loops:
+            ids.setdefault(name, len(self.graph.names) + len(ids))
 
     def report(self, outcome: tuple) -> None:
         if outcome[0]:
@@ -79,17 +85,18 @@ class SegmentRunner:
         self.runtimes: dict[int, _SegmentRuntime] = {}
         self.stateful: list = []  # the stateful engines: requests' state lives between runs
         shared = {n: s for n, s in self.segments.items() if s.engines}
+        loops = sorted({x for w in model.walks.values() for x in loop_names(w)})
         if shared:
             names = {e for s in shared.values() for e in s.engines}
             rt = _SegmentRuntime(SegmentModel(model, list(shared.values()), self._bind,
                                               self._capture), self,
-                                 {e: x for e, x in (engines or {}).items() if e in names})
+                                 {e: x for e, x in (engines or {}).items() if e in names}, loops)
             self.runtimes.update((n, rt) for n in shared)
             self.stateful = [rt.engines[e] for e in sorted(names)]
         for node, s in self.segments.items():
             if node not in shared:
                 self.runtimes[node] = _SegmentRuntime(
-                    SegmentModel(model, [s], self._bind, self._capture), self)
+                    SegmentModel(model, [s], self._bind, self._capture), self, loops=loops)
         inline = {id(rt): InlineRuns(rt) for rt in self.runtimes.values()}
         self._inline = {node: inline[id(rt)] for node, rt in self.runtimes.items()}
         self._sender = threading.Thread(target=self._send_loop, daemon=True,

@@ -15,8 +15,10 @@ A stateful engine's nodes (a KV cache, whose pages a request's walks share) join
 the engine keeps per-request state under ``RequestContext.cache_id`` (``Engine.keys_by_cache_id``)
 and every one of its nodes, wherever a walk runs it, can sit in a segment of one worker -- alone
 if need be: the worker then serves all of that engine's work through one Runtime whose runs of a
-request share the request's cache id (placement/segment_runner.py). Otherwise the engine's nodes
-keep the per-node path.
+request share the request's cache id (placement/segment_runner.py). An engine whose walks sit on
+two workers (prefill on one, decode on another: placement/kv_moves.py) does the same on each: the
+request's K/V move between the two workers' engines at the walk change. Otherwise the engine's
+nodes keep the per-node path.
 
 A stream whose producer and consumer sit in one segment is the segment Runtime's own (its chunk
 policy, windows and end as in one process); a segment never cuts a stream.
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Parallel, Part,
                             SectionLike, Sequential, StreamingGraphEdge)
@@ -64,9 +66,13 @@ class SegmentPlan:
     walks: dict[str, SectionLike]  # the walks with each segment replaced by its stand-in
 
 
-def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int]) -> SegmentPlan:
-    """The segments of every walk of ``model`` (its Parts left alone) and the rewritten walks."""
-    finder = _Finder(model, node_rank, workers)
+def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int],
+                  moving: Collection[str] = ()) -> SegmentPlan:
+    """The segments of every walk of ``model`` (its Parts left alone) and the rewritten walks.
+    ``moving``: KV engines whose walks sit on different workers, a request's K/V moving between
+    them at the walk change (placement/kv_moves.py): each worker's walks of such an engine may
+    be its segments."""
+    finder = _Finder(model, node_rank, workers, moving)
     while True:
         walks = {}
         finder.segments = []
@@ -87,7 +93,8 @@ def stand_in_nodes(segments: list[Segment]) -> list[GraphNode]:
 
 
 class _Finder:
-    def __init__(self, model: Model, node_rank: Mapping[str, int], workers: set[int]) -> None:
+    def __init__(self, model: Model, node_rank: Mapping[str, int], workers: set[int],
+                 moving: Collection[str] = ()) -> None:
         self.nodes = {n.name: n for n in model.nodes}
         self.rank = {n: r for n, r in node_rank.items() if r in workers}
         subs, engines = node_submodules(model), node_engines(model)
@@ -107,7 +114,7 @@ class _Finder:
         for e, spec in specs.items():
             members = {n.name for n in model.nodes if engines[n.name] == e}
             if (getattr(spec, "keys_by_cache_id", False) and members and members <= fits
-                    and len({self.rank[n] for n in members}) == 1):
+                    and (e in moving or len({self.rank[n] for n in members}) == 1)):
                 self.shared[e] = members
                 self.eligible |= members
         self.persisted = {o.name for n in model.nodes for o in n.outputs
@@ -272,6 +279,15 @@ def _has_loop(s: SectionLike) -> bool:
     return any(_has_loop(p) for p in inner)
 
 
+def loop_names(s: SectionLike) -> set[str]:
+    """The names of the DynamicLoops in ``s`` (a Part's sub-walks included)."""
+    own = {s.name} if isinstance(s, DynamicLoop) else set()
+    inner = (list(s.walks.values()) if isinstance(s, Part) else [s.section] if isinstance(s, Loop)
+             else s.parts if isinstance(s, Sequential)
+             else s.branches if isinstance(s, Parallel) else [])
+    return own.union(*(loop_names(p) for p in inner))
+
+
 def section_nodes(s: SectionLike, parts: bool = False) -> list[str]:
     """The nodes a walk section runs, in order; a Part's sub-walks are chosen per request, so
     their nodes count only with ``parts``."""
@@ -338,4 +354,4 @@ class SegmentModel(Model):
 
 
 __all__ = ["SEGMENT_ENGINE", "Segment", "SegmentModel", "SegmentPlan", "find_segments",
-           "stand_in_nodes"]
+           "loop_names", "stand_in_nodes"]

@@ -103,14 +103,15 @@ class Worker:
         from mstar_rt.placement.host import WorkerHost
         from mstar_rt.placement.segments import find_segments
 
-        segments = (find_segments(model, cfg["node_rank"], set(cfg["worker_ranks"])).segments
+        segments = (find_segments(model, cfg["node_rank"], set(cfg["worker_ranks"]),
+                                  cfg.get("moving") or ()).segments
                     if cfg.get("segments") else [])
         self.host = WorkerHost(model, cfg["nodes"], self.outbox.send, cfg.get("engines") or {},
                                segments=segments, rank=self.rank)
         from mstar_rt.placement.kv_moves import WorkerMoves
 
         self.moves = WorkerMoves(self.host, self.rank, lambda ids, message: self.outbox.send(
-            "failed", items=ids, message=message))
+            "failed", items=ids, message=message), self.run_items)
         engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.engines.items())
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -360,15 +361,20 @@ class Worker:
                                      "(it ended, or the worker restarted)")
         for w in known:
             host.set_walk(w.request, walk)
-        if known and segment is not None:
-            refused = host.segments.submit(node, [(w.id, w.request, w.inputs) for w in known],
-                                           self.alone)
-            if refused:
-                self.outbox.send("failed", items=refused, message="the request ended")
-        elif known:
-            known = self.moves.hold(node, walk, known)  # K/V still on the way from another rank
-            if known:
-                host.dispatch(node, walk, known, self.alone)
+        known = self.moves.hold(node, walk, known)  # K/V still on the way from another rank
+        if known:
+            self.run_items(node, walk, known, self.alone)
+
+    def run_items(self, node: int, walk: int, items: list, alone: bool = False) -> None:
+        """Queues work items of a node or a segment of this worker (any thread; ``alone``: the
+        message loop's, with nothing else waiting, where a short run may run inline)."""
+        if node not in self.host.segments.segments:
+            self.host.dispatch(node, walk, items, alone)
+            return
+        refused = self.host.segments.submit(node, [(w.id, w.request, w.inputs) for w in items],
+                                            alone)
+        if refused:
+            self.outbox.send("failed", items=refused, message="the request ended")
 
     def stats(self) -> dict:
         return dict(self.host.stats(), **self.moves.stats(), pid=os.getpid(), rank=self.rank,
