@@ -1,4 +1,4 @@
-"""What every benchmark records about the machine it ran on."""
+"""What every benchmark records about the machine it ran on, and helpers they share."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 
 def machine() -> str:
@@ -69,3 +70,16 @@ def build_cpp_driver(target: str, build_dir: Path = ROOT / "build" / "bench") ->
     if not exe.exists():
         sys.exit(f"{target}: the build finished but {exe} is missing")
     return exe
+
+
+def alternate(cases: list[tuple[str, Callable[[], float]]], reps: int, label: str
+              ) -> dict[str, list[float]]:
+    """Each case's seconds over ``reps`` rounds, the cases taking turns in every round (so
+    machine noise hits them alike); a tqdm bar labelled ``label``."""
+    from tqdm import tqdm
+
+    times: dict[str, list[float]] = {name: [] for name, _ in cases}
+    for _ in tqdm(range(reps), desc=label, leave=False):
+        for name, fn in cases:
+            times[name].append(fn())
+    return times

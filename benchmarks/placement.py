@@ -13,7 +13,8 @@ with ``--ray`` the same hops between Ray actors of a local Ray instance (placeme
 And a small random Llama on a KV cache decoding 64 tokens: in-process, on a worker with its
 walks as segments (the decode loop runs inside the worker), and on a worker node by node; then
 disaggregated (prefill on worker 1, decode on worker 2, each request's K/V moving between them),
-each worker's walk a segment against node by node.
+each worker's walk a segment against node by node (benchmarks/placement_kv.py). Last, the tiny
+Qwen3-Omni with its thinker on worker 1 and the rest on worker 2, segments against node by node.
 
     python benchmarks/placement.py [--quick] [--ray]   # table + results/placement.{json,png}
 
@@ -32,21 +33,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_common import child_pythonpath, machine, use_source_tree  # noqa: E402
+from bench_common import alternate, child_pythonpath, machine, use_source_tree  # noqa: E402
 
 use_source_tree()
 
 import torch  # noqa: E402
 import zmq  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Model,  # noqa: E402
                       NodeSubmodule, Runtime, Sequential)
 from mstar_rt.placement import NodeGroup, PlacedRuntime  # noqa: E402
+from placement_kv import kv_decode, omni_split  # noqa: E402
 
 DECODE_STEPS = 256
 
@@ -104,73 +105,6 @@ class Walks(Model):
 def walks() -> Walks:
     """The factory the worker imports (``placement:walks``, this file on its sys.path)."""
     return Walks()
-
-
-KV_TOKENS = 64  # tokens per request of the KV-cache LM
-
-
-def kv_lm() -> Any:
-    """A small random Llama on a paged KV cache (``placement:kv_lm``): its decode steps cost
-    little, so what placement adds per token shows."""
-    from mstar_rt.engines import KVCacheEngine
-    from mstar_rt.models.causal_lm import CausalLM
-    from mstar_rt.models.llama import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=256)
-    with torch.device("meta"):
-        module = LlamaForCausalLM(config)
-    module = module.to_empty(device="cpu")
-    module.rotary.inv_freq = config.rope.inv_freq(config.head_dim)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=g))
-    return CausalLM(module, (), max_seq_len=256, max_batch=16,
-                    engine=KVCacheEngine(page_size=16, num_pages=512, max_batch=16))
-
-
-def kv_decode(reps: int, disagg: bool = False) -> dict[str, float]:
-    """µs per generated token of the KV-cache LM: in-process, on a worker with its walks as
-    segments (the decode loop inside the worker), and on a worker node by node (a crossing
-    per token), for 1 and 8 requests at once. ``disagg``: prefill on worker 1 and decode on
-    worker 2 (each request's K/V moving between them), segments against node by node."""
-    from mstar_rt.models.causal_lm import SamplingParams
-
-    req = {"prompt": [1, 2, 3, 4], "params": SamplingParams(max_tokens=KV_TOKENS,
-                                                            ignore_eos=True)}
-    group = [NodeGroup(["prefill", "decode"], rank=1)]
-    if disagg:
-        group = [NodeGroup(["prefill"], rank=1), NodeGroup(["decode"], rank=2)]
-    runtimes = {"segments": PlacedRuntime("placement:kv_lm", group, progress=False),
-                "per_node": PlacedRuntime("placement:kv_lm", group, progress=False,
-                                          segments=False)}
-    if disagg:
-        runtimes = {f"disagg_{k}": rt for k, rt in runtimes.items()}
-    else:
-        runtimes = {"inproc": Runtime(kv_lm()), **runtimes}
-
-    def serve(rt: Any, n: int) -> float:
-        t0 = time.perf_counter()
-        for h in [rt.submit(req) for _ in range(n)]:
-            assert len(h.result(120)["token"]) == KV_TOKENS
-        return time.perf_counter() - t0
-
-    figures: dict[str, float] = {}
-    try:
-        for rt in runtimes.values():
-            serve(rt, 2)  # warm-up
-        for n in (1, 8):
-            t = alternate([(k, lambda rt=rt: serve(rt, n)) for k, rt in runtimes.items()],
-                          reps, f"kv {'disaggregated ' if disagg else ''}decode x{n}")
-            for k in runtimes:
-                figures[f"kv_{k}_us_per_token_{n}req"] = (statistics.median(t[k])
-                                                          / (n * KV_TOKENS) * 1e6)
-    finally:
-        for rt in runtimes.values():
-            rt.close()
-    return figures
 
 
 HOPS = 8  # nodes of the alternating chain
@@ -349,15 +283,6 @@ class ZmqFloor:
         self.zctx.destroy(0)
 
 
-def alternate(cases: list[tuple[str, Callable[[], float]]], reps: int, label: str
-              ) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name, _ in cases}
-    for _ in tqdm(range(reps), desc=label, leave=False):
-        for name, fn in cases:
-            times[name].append(fn())
-    return times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
@@ -403,6 +328,7 @@ def main() -> None:
     figures.update(direct_vs_star(30 * scale))
     figures.update(kv_decode(5 * scale))
     figures.update(kv_decode(5 * scale, disagg=True))
+    figures.update(omni_split(4 * scale))
     if args.ray:
         figures.update(ray_direct_vs_star(10 * scale))
     ratios: dict[str, float] = {}
@@ -424,6 +350,8 @@ def main() -> None:
             ratios[f"kv_{k}segments_speedup_{n}req"] = (
                 figures[f"kv_{k}per_node_us_per_token_{n}req"]
                 / figures[f"kv_{k}segments_us_per_token_{n}req"])
+    ratios["omni_split_segments_speedup"] = (figures["omni_split_per_node_ms_per_request"]
+                                             / figures["omni_split_segments_ms_per_request"])
     if args.ray:
         ratios["ray_direct_over_star_speedup"] = (figures["ray_star_us_per_hop_1mib"]
                                                   / figures["ray_direct_us_per_hop_1mib"])
@@ -460,6 +388,14 @@ def main() -> None:
         print(f"kv_{k}segments_speedup ({what}, per node over segments): 1 request "
               f"{ratios[f'kv_{k}segments_speedup_1req']:.2f}, 8 requests "
               f"{ratios[f'kv_{k}segments_speedup_8req']:.2f}")
+    print("tiny Qwen3-Omni, thinker on worker 1, talker on worker 2 (ms per request / to first "
+          "audio): segments " + " / ".join(
+              f"{figures[f'omni_split_segments_{x}']:.0f}" for x in ("ms_per_request",
+                                                                    "first_audio_ms"))
+          + ", node by node " + " / ".join(
+              f"{figures[f'omni_split_per_node_{x}']:.0f}" for x in ("ms_per_request",
+                                                                    "first_audio_ms"))
+          + f"; omni_split_segments_speedup {ratios['omni_split_segments_speedup']:.2f}")
     print(f"placed_over_inproc_per_node_1req (worst walk): "
           f"{ratios['placed_over_inproc_per_node_1req']:.2f}")
     print(f"mailbox watching (spin_us): {figures['spin_us_1_worker']:.0f} with one worker, "

@@ -3,7 +3,9 @@
 ``main`` runs ``pre`` in the parent, then ``a``, ``b`` and a decode-like DynamicLoop ``gen``
 (one token EMITted per step) in worker rank 1 -- one segment -- then ``post`` in the parent;
 ``next_walk`` reads the step count the worker mirrored and may run ``again``, which reads the
-``g`` that ``main`` persisted (``c``, ``d`` as a second segment, then ``post``)."""
+``g`` that ``main`` persisted (``c``, ``d`` as a second segment, then ``post``). Also
+:class:`Chain` (a segment's plain outputs read by the parent) and :class:`Nested` (a fixed Loop
+on a worker inside a DynamicLoop the parent runs)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Model, NodeSubmodule, Part,
-                      Sequential)
+from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Model, NodeSubmodule,
+                      Part, Sequential)
 
 GROUP = ["a", "b", "gen", "c", "d"]
 
@@ -112,3 +114,75 @@ class Parted(Segmented):
 
 def parted() -> Parted:
     return Parted()
+
+
+class Chain(Model):
+    """``a`` -> ``b`` -> ``c``, plain names (no edge persists): with ``a`` and ``b`` on a worker
+    (one segment) the parent's ``c`` reads what the segment made."""
+
+    inputs = ("x",)
+
+    def __init__(self) -> None:
+        self.nodes = [GraphNode("a", ["x"], ["h"], submodule=Affine("x", "h", 2.0, 0.0)),
+                      GraphNode("b", ["h"], ["k"], submodule=Affine("h", "k", 2.0, 1.0)),
+                      GraphNode("c", ["k"], [GraphEdge(EMIT, "y")],
+                                submodule=Affine("k", "y", -1.0, 0.5))]
+        self.walks = {"w": Sequential("a", "b", "c")}
+
+
+def chain() -> Chain:
+    return Chain()
+
+
+class Head(NodeSubmodule):
+    """The outer loop's step (a talker): reads the inner loop's last ``w`` (absent at first),
+    EMITs a token, and stops ``outer`` after ``n`` steps."""
+
+    def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
+        return {**inputs, "step": ctx.iteration}
+
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        out = []
+        for item in batch:
+            z = item["x"] if item.get("w") is None else torch.sin(item["w"] * 1.7)
+            out.append({"z": z, "tok": z})
+        return out
+
+    def check_stop(self, batch: list[dict], outputs: list) -> list:
+        return [("outer",) if b["step"] + 1 >= b["n"] else () for b in batch]
+
+
+class Inner(NodeSubmodule):
+    """One step of a fixed inner loop (a code predictor): reads ``z`` and its own iteration,
+    keeps a running value in the request's state, makes ``w`` at the last step only."""
+
+    steps = 3
+
+    def prepare_inputs(self, ctx: Any, inputs: dict) -> tuple:
+        return ctx.request.state, ctx.iteration, inputs["z"]
+
+    def forward(self, batch: list[tuple]) -> list[Mapping[str, Any]]:
+        out: list[Mapping[str, Any]] = []
+        for state, j, z in batch:
+            acc = state["acc"] = (z if j == 0 else state["acc"]) * 0.5 + j
+            out.append({"w": acc} if j + 1 == self.steps else {})
+        return out
+
+
+class Nested(Model):
+    """A DynamicLoop ``outer`` of ``head`` (in the parent) and a fixed Loop of ``inner`` (on a
+    worker: one segment run per outer iteration)."""
+
+    inputs = ("x", "n", "w")  # "w": None until the first inner loop makes it
+    input_defaults = {"n": 4, "w": None}
+
+    def __init__(self) -> None:
+        self.nodes = [GraphNode("head", ["x", "w", "n"], ["z", GraphEdge(EMIT, "tok")],
+                                submodule=Head()),
+                      GraphNode("inner", ["z"], ["w"], submodule=Inner())]
+        self.walks = {"main": DynamicLoop(
+            Sequential("head", Loop("inner", Inner.steps, outputs=("w",))), 16, "outer")}
+
+
+def nested() -> Nested:
+    return Nested()

@@ -157,7 +157,8 @@ def test_qwen3_omni_on_one_worker_runs_its_parts_inside_it(tmp_path):
     """Qwen3-Omni's walks are Parts (thinker and talker, each its own loop) joined by streams:
     placed whole on one worker, each walk is one segment and the worker asks the model which
     sub-walk comes next. Tokens and audio equal in-process; a request is a handful of messages,
-    not one per token, talker step and code-predictor step; both KV caches are freed."""
+    not one per token, talker step and code-predictor step; both KV caches are freed. Split
+    (thinker on one worker, the rest on another), the code predictor's loop is a segment."""
     from omni_support import tiny_qwen3_omni
 
     import omni_tiny as ot
@@ -190,3 +191,17 @@ def test_qwen3_omni_on_one_worker_runs_its_parts_inside_it(tmp_path):
         stats = idle(rt, 1)
         assert messages(rt) - before <= 8  # two requests and a stats call
         assert stats["segment_runs"] == 0
+    # Thinker on one worker, talker, code predictor and code2wav on another (their streams
+    # cross, so node by node), except the code predictor's inner Loop: one segment run per
+    # audio frame instead of a crossing per predictor step.
+    thinker = [n for n in nodes if n.startswith(("text_", "thinker_", "audio_encoder"))]
+    groups = [NodeGroup(thinker, rank=1), NodeGroup([n for n in nodes if n not in thinker],
+                                                    rank=2)]
+    with PlacedRuntime("placement_models:tiny_omni", groups,
+                       model_kwargs={"directory": str(tmp_path)}, progress=False) as rt:
+        assert segments_of(rt) == ["segment:speak:0"]
+        tokens, audio = collect(rt.submit(req))
+        assert tokens == want_tokens
+        np.testing.assert_allclose(audio, want_audio, atol=1e-5)
+        for rank in (1, 2):
+            assert idle(rt, rank)["segment_runs"] == 0

@@ -122,7 +122,7 @@ def test_segments_are_not_made_where_they_would_change_what_nodes_see():
     assert [s.walk for s in plan.segments] == ["again"]
     # A KV engine's nodes join segments only when all of them can (its pages live in one
     # Runtime): not split over two workers -- unless its requests' K/V move between them at
-    # the walk change (test_placement_disagg.py) -- nor with one inside a Part the parent runs.
+    # the walk change (test_placement_disagg.py).
     lm = pm.tiny_llama()
     assert find_segments(lm, {"prefill": 1, "decode": 2}, {1, 2}).segments == []
     moving = find_segments(lm, {"prefill": 1, "decode": 2}, {1, 2}, moving={"lm"}).segments
@@ -135,30 +135,89 @@ def test_segments_are_not_made_where_they_would_change_what_nodes_see():
     plan = find_segments(lm, on_one, {1})  # a walk with Parts, whole on one worker: one segment
     assert [(s.walk, s.nodes) for s in plan.segments] == [("prefill", ("prefill",)),
                                                           ("decode", ("decode",))]
-    lm.walks["decode"] = sm.Sequential("pre", lm.walks["decode"])  # "pre" in the parent
+    # "pre" in the parent: the Part stays the parent's, its sub-walk (the decode loop) is a
+    # section like any, here a segment; a Loop inside a loop the parent runs is not, unless
+    # fixed and free of stops (test_a_fixed_loop_inside_a_parent_loop_runs_as_one_segment)
+    lm.walks["decode"] = sm.Sequential("pre", lm.walks["decode"])
+    plan = find_segments(lm, dict(on_one, pre=0), {1})
+    assert [(s.walk, s.section) for s in plan.segments] == [("prefill", "prefill"),
+                                                            ("decode", lm.walks["decode"].parts[1]
+                                                             .walks["d"])]
+    lm.walks["decode"] = sm.DynamicLoop(sm.Sequential("pre", lm.walks["decode"].parts[1]
+                                                      .walks["d"]), 8, "outer")
     assert find_segments(lm, dict(on_one, pre=0), {1}).segments == []
 
 
 def test_a_walk_of_parts_on_one_worker_is_one_segment_and_the_model_picks_its_sub_walks():
     """The worker asks the model's next_part_walk for the request, as one process does: equal
-    outputs either way the model picks, one run per request, and no Part with a sub-walk on
-    another rank (or the parent) is cut into the worker."""
+    outputs either way the model picks, one run per request. With a sub-walk in the parent
+    the parent picks the sub-walks, each sub-walk whole on the worker its own segment."""
     nodes = [n.name for n in sm.parted().nodes]
     plan = find_segments(sm.parted(), {n: 1 for n in nodes}, {1})
     assert [(s.walk, s.nodes) for s in plan.segments] == \
         [("main", ("a", "b", "c", "d", "post", "pre"))]
-    assert find_segments(sm.parted(), {**{n: 1 for n in nodes}, "post": 0}, {1}).segments == []
+    split = find_segments(sm.parted(), {**{n: 1 for n in nodes}, "post": 0}, {1}).segments
+    assert [s.nodes for s in split] == [("a", "b", "pre"), ("c", "d")]
     with Runtime(sm.parted()) as local, \
             PlacedRuntime("placement_segment_models:parted", [NodeGroup(nodes, rank=1)],
-                          progress=False, shm_bytes=1 << 20) as rt:
+                          progress=False, shm_bytes=1 << 20) as rt, \
+            PlacedRuntime("placement_segment_models:parted",
+                          [NodeGroup([n for n in nodes if n != "post"], rank=1)],
+                          progress=False, shm_bytes=1 << 20) as parted:
         assert [n for n in rt.node_names if n.startswith("segment:")] == ["segment:main:0"]
+        assert [n for n in parted.node_names if n.startswith("segment:")] == \
+            ["segment:main:0", "segment:main:1"]
         before = rt.worker_stats(1)["messages"]
         for i in range(4):
             c = inputs(i, again=bool(i % 2))
-            assert same(rt.submit(c).result(T), local.submit(c).result(T))
+            want = local.submit(c).result(T)
+            assert same(rt.submit(c).result(T), want)
+            assert same(parted.submit(c).result(T), want)
         # a batch per request (a release may go on its own) and the stats call; node by node
         # each request would take four or five
         assert rt.worker_stats(1)["messages"] - before <= 9
+
+
+def test_a_segments_plain_outputs_reach_the_parent():
+    """A segment's outputs that no edge persists (``b``'s ``k``, read by the parent's ``c``)
+    outlive the segment run's walk end and reach the parent."""
+    x = torch.arange(4.0)
+    with Runtime(sm.chain()) as local, \
+            PlacedRuntime("placement_segment_models:chain", [NodeGroup(["a", "b"], rank=1)],
+                          progress=False, shm_bytes=1 << 20) as rt:
+        assert [n for n in rt.node_names if n.startswith("segment:")] == ["segment:w:0"]
+        for i in range(3):
+            assert same(rt.submit({"x": x + i}).result(T), local.submit({"x": x + i}).result(T))
+
+
+def test_a_fixed_loop_inside_a_parent_loop_runs_as_one_segment():
+    """The inner fixed Loop (a code predictor's steps) on a worker, inside a DynamicLoop the
+    parent runs (a talker's): one segment run per outer iteration, its nodes seeing their own
+    iterations and the request's state; outputs equal in-process and node by node."""
+    plan = find_segments(sm.nested(), {"head": 0, "inner": 1}, {1})
+    assert [(s.nodes, s.inputs, s.outputs) for s in plan.segments] == [(("inner",), ("z",),
+                                                                        ("w",))]
+    group = [NodeGroup(["inner"], rank=1)]
+    with Runtime(sm.nested()) as local, \
+            PlacedRuntime("placement_segment_models:nested", group, progress=False,
+                          shm_bytes=1 << 20) as rt, \
+            PlacedRuntime("placement_segment_models:nested", group, progress=False,
+                          shm_bytes=1 << 20, segments=False) as per_node:
+        assert [n for n in rt.node_names if n.startswith("segment:")] == ["segment:main:0"]
+        counts = []
+        for i, n in enumerate((1, 4, 6)):
+            c = {"x": torch.linspace(-1, 1, 3) * (i + 1), "n": n}
+            want = [v for _k, v in local.submit(c)]
+            assert len(want) == n
+            for placed in (rt, per_node):
+                before = placed.worker_stats(1)["messages"]
+                got = [v for _k, v in placed.submit(c)]
+                counts.append(placed.worker_stats(1)["messages"] - before)
+                assert len(got) == n and all(torch.equal(a, b) for a, b in zip(got, want))
+        # 6 outer iterations: one message per inner loop (and a release, the stats call)
+        # instead of one per inner step
+        assert counts[-2] <= 6 + 2 and counts[-1] >= 6 * sm.Inner.steps
+        assert worker_idle(rt)["segment_runs"] == 0
 
 
 def test_segments_can_be_turned_off_and_give_the_same_outputs(placed):

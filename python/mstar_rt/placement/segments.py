@@ -23,13 +23,16 @@ nodes keep the per-node path.
 A stream whose producer and consumer sit in one segment is the segment Runtime's own (its chunk
 policy, windows and end as in one process); a segment never cuts a stream.
 
+A walk with Parts that runs whole on one worker is one segment, its Parts' sub-walks chosen in
+the worker; otherwise each sub-walk of a Part is searched like any section (the parent chooses
+the sub-walks).
+
 Where a segment would change what a node sees, the per-node path stays: a node that keeps
 per-request state ``cleanup`` drops (unless it keys it by cache id), a stream with one end
-outside the section, a Loop with ``accumulated_outputs``, anything inside a Part of a walk that
-does not run whole on one worker (a walk that does is one segment, its Parts' sub-walks chosen in
-the worker), and anything inside a Loop that runs in the parent (its iterations and stops are the
-parent's). A segment of one node gains nothing and is not made, except for a stateful engine's
-node.
+outside the section, a Loop with ``accumulated_outputs``, and, inside a loop that runs in the
+parent (its iterations and stops are the parent's), anything but a fixed Loop whose nodes stop
+no loop (a code predictor's steps inside a talker's decode loop: one run per outer iteration). A
+segment of one node gains nothing and is not made, except for a stateful engine's node.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class _Finder:
         specs = model.engine_specs
         self.engine_of = engines
         self.eligible = {n for n in fits if engines[n] not in specs}
+        self.stops = {n: overrides(subs[n], "check_stop", NodeSubmodule) for n in subs}
         # stateful engine -> its nodes, when they may all join segments of one worker
         self.shared: dict[str, set[str]] = {}
         for e, spec in specs.items():
@@ -119,9 +123,8 @@ class _Finder:
                 self.eligible |= members
         self.persisted = {o.name for n in model.nodes for o in n.outputs
                           if isinstance(o, GraphEdge) and o.persist}
-        # What a segment must send back: names read outside it or kept for later walks; all
-        # it made when the model's next_walk may read them (it sees every value).
-        self.keep_all = overrides(model, "next_walk", Model)
+        # What a segment must send back: names read outside it or kept for later walks (a
+        # walk's end keeps only those: next_walk sees no other value).
         self.readers = {n.name: set(n.inputs) for n in model.nodes}
         self.segments: list[Segment] = []
         self.walk, self.count = "", 0
@@ -153,6 +156,12 @@ class _Finder:
         return (len(nodes) > 1 or any(self.engine_of[n] in self.shared for n in nodes)
                 or _has_loop(s))
 
+    def nested_loop(self, s: SectionLike) -> bool:
+        """A fixed Loop inside a loop the parent runs may be a segment (run once per outer
+        iteration; its nodes see its own iterations, as in one process) when none of its nodes
+        stops loops: a stop of the outer loop would not reach the parent."""
+        return (type(s) is Loop and not any(self.stops[n] for n in section_nodes(s, True)))
+
     def closed(self, s: SectionLike) -> bool:
         """No stream crosses the section's edge: its Runtime then serves the streams inside."""
         members = set(section_nodes(s, True))
@@ -176,9 +185,11 @@ class _Finder:
         return self.rewrite(root, inside_loop=False)
 
     def rewrite(self, s: SectionLike, inside_loop: bool) -> SectionLike:
-        if isinstance(s, Part):
-            return s
-        if not inside_loop:
+        if isinstance(s, Part):  # its sub-walks are sections like any (chosen at run time)
+            if not isinstance(s.walks, Mapping):
+                return s
+            return Part(s.name, {k: self.rewrite(w, inside_loop) for k, w in s.walks.items()})
+        if not inside_loop or self.nested_loop(s):
             rank = self.whole_rank(s)
             if rank is not None and self.worth_it(s) and self.closed(s):
                 return self.make(s, rank)
@@ -229,7 +240,7 @@ class _Finder:
         outputs: list[Any] = []
         needed = {x for n, xs in self.readers.items() if n not in members for x in xs}
         for x in sorted(made):
-            if not (self.keep_all or x in needed or x in self.persisted):
+            if not (x in needed or x in self.persisted):
                 continue
             edges = {GraphEdge("" if e.to in members else e.to, x, e.persist)
                      for n in members for e in self.nodes[n].outputs
@@ -320,9 +331,21 @@ class SegmentModel(Model):
         for s in segments:
             for n in s.nodes:
                 near[n] |= set(s.nodes)
+        # What a run hands back must outlive its walk's end, which keeps persisted values
+        # only: the segments' outputs are persisted here.
+        keep = {o if isinstance(o, str) else o.name for s in segments for o in s.outputs}
+
+        def edge(o: Any, node: str) -> Any:
+            if isinstance(o, StreamingGraphEdge) or (not isinstance(o, str) and o.to == EMIT):
+                return o
+            name = o if isinstance(o, str) else o.name
+            persist = name in keep or (not isinstance(o, str) and o.persist)
+            if isinstance(o, str):
+                return GraphEdge("", o, True) if persist else o
+            return GraphEdge(o.to if o.to in near[node] else "", name, persist)
+
         self.nodes = [dataclasses.replace(
-            n, outputs=tuple(o if isinstance(o, str) or o.to in near[n.name] or o.to == EMIT
-                             else GraphEdge("", o.name, o.persist) for o in n.outputs),
+            n, outputs=tuple(edge(o, n.name) for o in n.outputs),
             submodule=subs[n.name], engine=engines[n.name])
             for n in model.nodes if n.name in near]
         # A run's walk has the parent's walk name (its errors then read as in one process),
