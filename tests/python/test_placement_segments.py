@@ -217,7 +217,19 @@ def test_a_fixed_loop_inside_a_parent_loop_runs_as_one_segment():
         # 6 outer iterations: one message per inner loop (and a release, the stats call)
         # instead of one per inner step
         assert counts[-2] <= 6 + 2 and counts[-1] >= 6 * sm.Inner.steps
-        assert worker_idle(rt)["segment_runs"] == 0
+        # concurrent requests (their inner runs batched in the worker), and one cancelled
+        # between iterations: equal outputs, nothing left held
+        cases = [{"x": torch.linspace(0, 1, 3) - i, "n": 3 + i} for i in range(4)]
+        handles = [rt.submit(c) for c in cases]
+        doomed = rt.submit({"x": torch.ones(3), "n": 16})
+        next(iter(doomed))
+        doomed.cancel()
+        for c, h in zip(cases, handles):
+            want = [v for _k, v in local.submit(c)]
+            assert all(torch.equal(a, b) for a, b in zip([v for _k, v in h], want, strict=True))
+        with pytest.raises(RequestCancelled):
+            doomed.result(T)
+        assert worker_idle(rt)["segment_runs"] == 0 and settled(rt) == settled(local)
 
 
 def test_segments_can_be_turned_off_and_give_the_same_outputs(placed):
