@@ -31,6 +31,7 @@ class Engine(abc.ABC):
         self.engine_id = -1
         self.nodes: tuple[int, ...] = ()
         self.name = ""
+        self._largest_batch = 0
         # Held while a batch runs: one batch of an engine at a time, on whichever thread runs it
         self.running = threading.Lock()
 
@@ -39,6 +40,7 @@ class Engine(abc.ABC):
             raise ValueError(f"engine '{name}' ({type(self).__name__}) already serves another "
                              "Runtime; give every Runtime its own engine objects")
         self.host, self.engine_id, self.name, self.nodes = host, engine_id, name, tuple(nodes)
+        self._largest_batch = 0  # read on every submit of a placed request: computed once
 
     def init_worker_thread(self) -> None:
         """Called first on the worker thread: torch's OpenMP pool is per calling thread."""
@@ -56,9 +58,12 @@ class Engine(abc.ABC):
 
     @property
     def max_batch(self) -> int:
-        host = self.host
-        assert host is not None
-        return max(host.nodes[n].max_batch for n in self.nodes)
+        """The largest batch any of its nodes takes."""
+        if not self._largest_batch:
+            host = self.host
+            assert host is not None
+            self._largest_batch = max(host.nodes[n].max_batch for n in self.nodes)
+        return self._largest_batch
 
 
 class StatelessEngine(Engine):
