@@ -17,7 +17,7 @@ import signal
 import pytest
 import torch
 
-from mstar_rt import RequestCancelled, RequestFailed, Runtime
+from mstar_rt import Part, RequestCancelled, RequestFailed, Runtime
 from mstar_rt.engines import KVCacheEngine, SamplingParams
 from mstar_rt.engines.kv_engine import KVNodeSubmodule
 from mstar_rt.engines.paged_kv import KVLayout
@@ -227,7 +227,35 @@ def no_handoff_lm():
     return lm
 
 
+def parted_lm():
+    """The tiny LM whose decode walk is a Part (its sub-walk the decode loop)."""
+    lm = pm.tiny_llama()
+    lm.walks = {"prefill": "prefill", "decode": Part("gen", {"d": lm.walks["decode"]})}
+    return lm
+
+
+def test_a_walk_whose_engine_nodes_sit_in_a_part_moves_its_kv(reference):
+    """The decode loop inside a Part of the decode walk: the walk still runs the engine on
+    one rank, so the K/V move at the walk change, as without the Part. Either way the decode
+    walk is a segment whose first step reads the token the prefill walk persisted (colocated
+    too: that read was missed until 2026-12-05)."""
+    for groups in (SPLIT, COLOCATED):
+        with PlacedRuntime("test_placement_disagg:parted_lm", groups, progress=False) as rt:
+            assert "segment:decode:0" in rt.node_names
+            assert_close(run_all(rt, CASES[:3]), reference[:3])
+            stats = [idle(rt, rank) for rank in sorted(rt.workers)]
+            assert all(s["kv_pages_in_use"] == 0 for s in stats)
+            if groups is SPLIT:
+                assert rt.plan.kv_moves == {"lm": {"prefill": 1, "decode": 2}}
+                assert stats[1]["kv_received"] >= 3
+
+
 def test_splits_that_cannot_move_kv_are_refused_naming_the_groups():
+    one_walk = pm.tiny_llama(num_pages=8)
+    one_walk.walks = {"all": Part("gen", {"p": "prefill", "d": one_walk.walks["decode"]})}
+    with pytest.raises(ValueError, match=r"walk 'all' runs nodes of KV engine 'lm' on ranks "
+                                         r"\[1, 2\].*not between a Part's sub-walks"):
+        make_plan(one_walk, SPLIT)
     with pytest.raises(ValueError, match=r"NoHandoff.*no KV handoff.*\['prefill'\] on rank 1, "
                                          r"\['decode'\] on rank 2"):
         PlacedRuntime("test_placement_disagg:no_handoff_lm", SPLIT, progress=False)

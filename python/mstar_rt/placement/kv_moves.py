@@ -72,11 +72,14 @@ def plan_moves(model: Model, node_rank: Mapping[str, int], workers: set[int],
                              f"LMNode); put them in one node group{where}")
         per_walk: dict[str, int] = {}
         for walk, root in model.walks.items():
-            walk_ranks = {node_rank[n] for n in section_nodes(root) if engine_of.get(n) == engine}
+            # a Part's sub-walks count: their change is not a walk change
+            walk_ranks = {node_rank[n] for n in section_nodes(root, True)
+                          if engine_of.get(n) == engine}
             if len(walk_ranks) > 1:
                 raise ValueError(f"walk '{walk}' runs nodes of KV engine '{engine}' on ranks "
-                                 f"{sorted(walk_ranks)}; K/V move only between walks, so place "
-                                 f"each walk's nodes of one engine on one rank{where}")
+                                 f"{sorted(walk_ranks)}; K/V move only between walks (not "
+                                 f"between a Part's sub-walks), so place each walk's nodes of "
+                                 f"one engine on one rank{where}")
             if walk_ranks:
                 per_walk[walk] = walk_ranks.pop()
         moves[engine] = per_walk

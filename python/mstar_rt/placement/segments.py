@@ -269,11 +269,18 @@ class _Finder:
                 after |= self.flow(b, made, reads)
             return after
         if isinstance(s, Part):  # a sub-walk reads what the Part started with or any makes
-            after = set(made)
+            after, own = set(made), []
             for w in s.walks.values():
-                after |= self.flow(w, made, [])
+                own.append(([], set()))
+                own[-1][1].update(self.flow(w, made, own[-1][0]) - made)
+                after |= own[-1][1]
             for w in s.walks.values():
                 self.flow(w, after, reads)
+            # A name a sub-walk reads before making it itself, and no sibling makes, comes
+            # from before the Part (a decode loop's first step reads the prefill walk's token).
+            for k, (read, _made) in enumerate(own):
+                reads.extend(x for x in read if x not in reads and not any(
+                    x in m for j, (_r, m) in enumerate(own) if j != k))
             return after
         assert isinstance(s, Loop)
         inside = self.flow(s.section, made, reads) - made
