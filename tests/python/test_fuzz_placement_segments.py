@@ -1,0 +1,100 @@
+"""Random valid walks (graph_fuzz.valid_graphs: sequences, parallels, loops, dynamic loops,
+streams; some inside a Part) with every node placed at random in the parent or one of two workers, segments on:
+each request's EMITted outputs equal the in-process Runtime's, and the workers hold nothing after.
+The nodes compute from their inputs (a stream consumer from its window's items), so a value that
+went missing, came twice or crossed from the wrong place shows in the outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from mstar_rt import EMIT, GraphEdge, GraphNode, Part, RequestFailed, Runtime
+from mstar_rt.model import StreamChunk
+from mstar_rt.placement import NodeGroup, PlacedRuntime
+
+import graph_fuzz as gf
+from placement_support import T, idle
+from walk_models import Fn, WalkModel
+
+CASES = int(os.environ.get("MSTAR_FUZZ_PLACEMENT_CASES", "12"))
+
+
+def _tuples(x: Any) -> Any:
+    """JSON's lists back to graph_fuzz's tuples."""
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    return x
+
+
+def _compute(k: int, outs: list[str], inputs: dict) -> dict:
+    total = float(k + 1)
+    for name in sorted(inputs):
+        v = inputs[name]
+        if isinstance(v, StreamChunk):
+            v = sum(v.items) + 0.25 * len(v.items)
+        elif isinstance(v, (list, tuple)):  # a loop's accumulated outputs
+            v = sum(v) + 0.125 * len(v)
+        total = total * 0.5 + float(v)
+    return {o: round(total, 6) for o in outs}
+
+
+def numeric(graph: str) -> WalkModel:
+    """The model of ``graph`` (graph_fuzz's plain data, as JSON): node k outputs a number made
+    from its inputs (the factory the workers import)."""
+    g = _tuples(json.loads(graph))
+    # every node's own output EMITted too: each value it makes is compared
+    nodes = [GraphNode(n[0], n[1], [gf.dsl_output(o) for o in n[2]]
+                       + ([] if ("edge", EMIT, f"v_{n[0]}", False) in n[2]
+                          else [GraphEdge(EMIT, f"v_{n[0]}")])) for n in g["nodes"]]
+    subs = {n[0]: Fn(lambda d, k=k, outs=gf.outputs_of(n): _compute(k, outs, d),
+                     max_batch=n[4]) for k, n in enumerate(g["nodes"])}
+    walks = {w: gf.dsl_section(s) for w, s in g["walks"].items()}
+    if g.get("part"):  # the walk as the one sub-walk of a Part (the model runs it once)
+        walks = {w: Part("p", {"only": s}) for w, s in walks.items()}
+    return WalkModel(nodes, walks, subs, inputs=g["inputs"],
+                     engines={n[0]: n[3] for n in g["nodes"]})
+
+
+def outputs(rt: Any, x: float) -> Any:
+    """Each EMITted name's values in the order made (names may interleave differently)."""
+    by_name: dict[str, list] = {}
+    try:
+        for name, value in rt.submit({"x": x}):
+            by_name.setdefault(name, []).append(value)
+        return by_name
+    except RequestFailed as e:  # which node fails first may differ (parallel branches)
+        return ("failed", str(e).split(":", 1)[1][:60])
+
+
+@st.composite
+def placed_graphs(draw) -> tuple[dict, list[int]]:
+    graph = dict(draw(gf.valid_graphs()), part=draw(st.booleans()))
+    # mostly worker 1 (runs of nodes on one worker: segments), some on 2 and in the parent
+    ranks = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2]), min_size=len(graph["nodes"]),
+                          max_size=len(graph["nodes"])))
+    return graph, ranks
+
+
+@settings(max_examples=CASES, **gf.SETTINGS)
+@given(placed_graphs())
+def test_random_walks_placed_at_random_equal_in_process(case):
+    graph, ranks = case
+    groups = [NodeGroup([n[0] for n, r in zip(graph["nodes"], ranks) if r == rank], rank=rank)
+              for rank in (1, 2) if rank in ranks]
+    assume(groups)  # not every node in the parent
+    text = json.dumps(graph)
+    with Runtime(numeric(text)) as local:
+        want = [outputs(local, x) for x in (1.0, -2.5)]
+    with PlacedRuntime("test_fuzz_placement_segments:numeric", groups, progress=False,
+                       model_kwargs={"graph": text}, shm_bytes=1 << 20) as rt:
+        got = [outputs(rt, x) for x in (1.0, -2.5)]
+        assert got == want, (graph, ranks, [n for n in rt.node_names if "segment" in n])
+        for g in groups:
+            assert idle(rt, g.rank)["live_requests"] == 0
