@@ -1,5 +1,6 @@
 """Random valid walks (graph_fuzz.valid_graphs: sequences, parallels, loops, dynamic loops,
-streams; some inside a Part) with every node placed at random in the parent or one of two workers, segments on:
+streams; some inside a Part, some followed by a second walk reading what the first persisted)
+with every node placed at random in the parent or one of two workers, segments on:
 each request's EMITted outputs equal the in-process Runtime's, and the workers hold nothing after.
 The nodes compute from their inputs (a stream consumer from its window's items), so a value that
 went missing, came twice or crossed from the wrong place shows in the outputs."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from hypothesis import assume, given, settings
@@ -56,10 +58,23 @@ def numeric(graph: str) -> WalkModel:
     subs = {n[0]: Fn(lambda d, k=k, outs=gf.outputs_of(n): _compute(k, outs, d),
                      max_batch=n[4]) for k, n in enumerate(g["nodes"])}
     walks = {w: gf.dsl_section(s) for w, s in g["walks"].items()}
-    if g.get("part"):  # the walk as the one sub-walk of a Part (the model runs it once)
+    if g.get("part"):  # each walk as the one sub-walk of a Part (the model runs it once)
         walks = {w: Part("p", {"only": s}) for w, s in walks.items()}
     return WalkModel(nodes, walks, subs, inputs=g["inputs"],
-                     engines={n[0]: n[3] for n in g["nodes"]})
+                     engines={n[0]: n[3] for n in g["nodes"]},
+                     initial_walk=lambda request: "main",
+                     next_walk=lambda request, finished, persisted:
+                     "again" if finished == "main" and "again" in walks else None)
+
+
+def _top_level(section: Any) -> set[str]:
+    """Nodes of ``section`` outside every loop (what they make is there at the walk's end)."""
+    kind = section[0]
+    if kind == "node":
+        return {section[1]}
+    if kind in ("seq", "par"):
+        return set().union(*(_top_level(c) for c in section[1]))
+    return set()
 
 
 def outputs(rt: Any, x: float) -> Any:
@@ -73,9 +88,30 @@ def outputs(rt: Any, x: float) -> Any:
         return ("failed", str(e).split(":", 1)[1][:60])
 
 
+def _second(graph: dict, first: dict, persist: list[str], reader: int) -> dict:
+    """``graph`` renamed apart from ``first`` as walk ``again``, its node ``reader`` also
+    reading what ``first`` persists."""
+    text = re.sub(r'"(v_)?(n\d+|t\d+|loop\d+)"', r'"\1b\2"', json.dumps(graph))
+    g = _tuples(json.loads(text))
+    nodes = [list(n) for n in g["nodes"]]
+    nodes[reader][1] = tuple(nodes[reader][1]) + tuple(persist)
+    return {"nodes": [tuple(n) for n in nodes], "again": g["walks"]["main"]}
+
+
 @st.composite
 def placed_graphs(draw) -> tuple[dict, list[int]]:
     graph = dict(draw(gf.valid_graphs()), part=draw(st.booleans()))
+    if draw(st.booleans()):  # a second walk, after the first, reading what it persisted
+        made = sorted(_top_level(graph["walks"]["main"]))
+        persist = [f"v_{n}" for n in draw(st.lists(st.sampled_from(made), unique=True,
+                                                    min_size=1))] if made else []
+        graph["nodes"] = [(n[0], n[1], [("edge", "", o[1], True)
+                                         if o[0] == "out" and o[1] in persist else o
+                                         for o in n[2]], n[3], n[4]) for n in graph["nodes"]]
+        extra = draw(gf.valid_graphs())
+        second = _second(extra, graph, persist, draw(st.integers(0, len(extra["nodes"]) - 1)))
+        graph["nodes"] += second["nodes"]
+        graph["walks"]["again"] = second["again"]
     # mostly worker 1 (runs of nodes on one worker: segments), some on 2 and in the parent
     ranks = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2]), min_size=len(graph["nodes"]),
                           max_size=len(graph["nodes"])))
