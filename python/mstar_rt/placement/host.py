@@ -188,10 +188,10 @@ class WorkerHost:
                                       {e: x for e, x in built.items() if e in in_segments})
         self.segment_names = [s.name for s in segments]
 
-    def engine(self, name: str) -> Optional[Engine]:
-        """This worker's engine ``name``, its segments' stateful ones included (None: none)."""
-        return self.engines.get(name) or next(
-            (e for e in self.segments.stateful if e.name == name), None)
+    @property
+    def every_engine(self) -> dict[str, Engine]:
+        """Its engines and its segments' stateful ones, by name."""
+        return {**self.engines, **{e.name: e for e in self.segments.stateful}}
 
     def submodules_of(self, engine: str) -> list:
         """The submodules of this worker's nodes on ``engine`` (segments' nodes too), once each."""
@@ -292,8 +292,7 @@ class WorkerHost:
 
     def stats(self) -> dict:
         kv = {}
-        engines = {**self.engines, **{e.name: e for e in self.segments.stateful}}
-        for name, engine in engines.items():
+        for name, engine in self.every_engine.items():
             cache = getattr(engine, "cache", None)
             if cache is not None:
                 kv[name] = dict(pages_in_use=cache.num_pages - cache.free_pages,

@@ -256,9 +256,10 @@ class WorkerMoves:
         field(msg, "port", int), field(msg, "timeout_s", (int, float))  # checked, read later
         if not isinstance(msg.get("host", ""), str):
             raise ProtocolError(f"'{kind}' field 'host' must be a string (the store's address)")
-        if self.host.engine(engine) is None:
+        engines = self.host.every_engine
+        if engine not in engines:
             raise ProtocolError(f"'{kind}' names engine '{engine}', which this worker does not "
-                                f"run (it runs {sorted(self.host.engines)})")
+                                f"run (it runs {sorted(engines)})")
         if kind == "kv_recv":
             for sub in self.host.submodules_of(engine):
                 if sub.handoffs is None:  # this worker is a decode side from now on
@@ -282,13 +283,13 @@ class WorkerMoves:
             handle = self.host.requests.get(rid)
             if handle is None:
                 raise RuntimeError(f"worker rank {self.rank} no longer holds request {rid}")
-            subs, kv_engine = self.host.submodules_of(engine), self.host.engine(engine)
+            subs, kv_engine = self.host.submodules_of(engine), engines[engine]
             state = subs[0].handoff_state(handle.context.state)
             kv = kv_engine.export_request(rid, free=True, device="cpu")
             p.jobs.put(({"request": rid, "engine": engine, "state": state}, kv))
             self.sent += 1
         except Exception as e:
-            self.host.engine(engine).release(rid)
+            engines[engine].release(rid)
             p.jobs.put(({"request": rid, "engine": engine,
                          "error": f"export on worker rank {self.rank} failed: "
                                   f"{type(e).__name__}: {e}"}, None))

@@ -71,7 +71,7 @@ class SegmentPlan:
 
 def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int],
                   moving: Collection[str] = ()) -> SegmentPlan:
-    """The segments of every walk of ``model`` (its Parts left alone) and the rewritten walks.
+    """The segments of every walk of ``model`` and the rewritten walks.
     ``moving``: KV engines whose walks sit on different workers, a request's K/V moving between
     them at the walk change (placement/kv_moves.py): each worker's walks of such an engine may
     be its segments."""
@@ -269,18 +269,19 @@ class _Finder:
                 after |= self.flow(b, made, reads)
             return after
         if isinstance(s, Part):  # a sub-walk reads what the Part started with or any makes
-            after, own = set(made), []
+            reads_of: list[list[str]] = []
+            made_of: list[set[str]] = []
             for w in s.walks.values():
-                own.append(([], set()))
-                own[-1][1].update(self.flow(w, made, own[-1][0]) - made)
-                after |= own[-1][1]
+                reads_of.append([])
+                made_of.append(self.flow(w, made, reads_of[-1]) - made)
+            after = set(made).union(*made_of)
             for w in s.walks.values():
                 self.flow(w, after, reads)
             # A name a sub-walk reads before making it itself, and no sibling makes, comes
             # from before the Part (a decode loop's first step reads the prefill walk's token).
-            for k, (read, _made) in enumerate(own):
-                reads.extend(x for x in read if x not in reads and not any(
-                    x in m for j, (_r, m) in enumerate(own) if j != k))
+            for k, read in enumerate(reads_of):
+                siblings = set().union(*(m for j, m in enumerate(made_of) if j != k))
+                reads.extend(x for x in read if x not in reads and x not in siblings)
             return after
         assert isinstance(s, Loop)
         inside = self.flow(s.section, made, reads) - made
