@@ -1,6 +1,6 @@
 """Random valid walks (graph_fuzz.valid_graphs: sequences, parallels, loops, dynamic loops,
-streams; some inside a Part, some followed by a second walk reading what the first persisted)
-with every node placed at random in the parent or one of two workers, segments on:
+streams; nodes inside a DynamicLoop stopping it on some values; some inside a Part, some followed
+by a second walk reading what the first persisted) with every node placed at random in the parent or one of two workers, segments on:
 each request's EMITted outputs equal the in-process Runtime's, and the workers hold nothing after.
 The nodes compute from their inputs (a stream consumer from its window's items), so a value that
 went missing, came twice or crossed from the wrong place shows in the outputs."""
@@ -21,7 +21,7 @@ from mstar_rt.placement import NodeGroup, PlacedRuntime
 
 import graph_fuzz as gf
 from placement_support import T, idle
-from walk_models import Fn, WalkModel
+from walk_models import Fn, Stopper, WalkModel
 
 CASES = int(os.environ.get("MSTAR_FUZZ_PLACEMENT_CASES", "12"))
 
@@ -55,8 +55,14 @@ def numeric(graph: str) -> WalkModel:
     nodes = [GraphNode(n[0], n[1], [gf.dsl_output(o) for o in n[2]]
                        + ([] if ("edge", EMIT, f"v_{n[0]}", False) in n[2]
                           else [GraphEdge(EMIT, f"v_{n[0]}")])) for n in g["nodes"]]
-    subs = {n[0]: Fn(lambda d, k=k, outs=gf.outputs_of(n): _compute(k, outs, d),
-                     max_batch=n[4]) for k, n in enumerate(g["nodes"])}
+    # every other node inside a DynamicLoop stops it when its value says so (stops inside
+    # segments, and loops the parent runs around nodes that stop)
+    loop_of = {n: loop for s in g["walks"].values() for n, loop in _innermost_loops(s, None)
+               if int(n.lstrip("b")[1:]) % 2 == 0}
+    subs = {n[0]: (Stopper if loop_of.get(n[0]) else Fn)(
+        lambda d, k=k, outs=gf.outputs_of(n): _compute(k, outs, d),
+        *((lambda _d, out: int(next(iter(out.values())) * 7) % 3 == 0, loop_of[n[0]])
+          if loop_of.get(n[0]) else ()), max_batch=n[4]) for k, n in enumerate(g["nodes"])}
     walks = {w: gf.dsl_section(s) for w, s in g["walks"].items()}
     if g.get("part"):  # each walk as the one sub-walk of a Part (the model runs it once)
         walks = {w: Part("p", {"only": s}) for w, s in walks.items()}
@@ -65,6 +71,18 @@ def numeric(graph: str) -> WalkModel:
                      initial_walk=lambda request: "main",
                      next_walk=lambda request, finished, persisted:
                      "again" if finished == "main" and "again" in walks else None)
+
+
+def _innermost_loops(section: Any, loop: Any) -> list[tuple[str, Any]]:
+    """(node, the name of the innermost DynamicLoop around it, or None) for ``section``."""
+    kind = section[0]
+    if kind == "node":
+        return [(section[1], loop)]
+    if kind in ("seq", "par"):
+        return [x for c in section[1] for x in _innermost_loops(c, loop)]
+    if kind == "loop":
+        return _innermost_loops(section[1], loop)
+    return _innermost_loops(section[2], section[1])
 
 
 def _top_level(section: Any) -> set[str]:
