@@ -112,7 +112,7 @@ class Worker:
 
         self.moves = WorkerMoves(self.host, self.rank, lambda ids, message: self.outbox.send(
             "failed", items=ids, message=message), self.run_items)
-        engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.engines.items())
+        engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.every_engine.items())
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(cfg["endpoint"])  # tcp: "tcp://<this node>:*", the port is ours
