@@ -1,7 +1,9 @@
 """Random valid walks (graph_fuzz.valid_graphs: sequences, parallels, loops, dynamic loops,
 streams; nodes inside a DynamicLoop stopping it on some values; some inside a Part, some followed
-by a second walk reading what the first persisted) with every node placed at random in the parent or one of two workers, segments on:
-each request's EMITted outputs equal the in-process Runtime's, and the workers hold nothing after.
+by a second walk reading what the first persisted; some nodes failing their request on some
+values) with every node placed at random in the parent or one of two workers, segments on:
+each request's EMITted outputs (or its failure) equal the in-process Runtime's, also with
+concurrent requests half of which are cancelled mid-run, and the workers hold nothing after.
 The nodes compute from their inputs (a stream consumer from its window's items), so a value that
 went missing, came twice or crossed from the wrong place shows in the outputs."""
 
@@ -44,6 +46,8 @@ def _compute(k: int, outs: list[str], inputs: dict) -> dict:
         elif isinstance(v, (list, tuple)):  # a loop's accumulated outputs
             v = sum(v) + 0.125 * len(v)
         total = total * 0.5 + float(v)
+    if k % 4 == 3 and int(abs(total) * 13) % 7 == 0:  # some requests fail, inside segments too
+        raise ValueError("refused")
     return {o: round(total, 6) for o in outs}
 
 
@@ -106,6 +110,29 @@ def outputs(rt: Any, x: float) -> Any:
         return ("failed", str(e).split(":", 1)[1][:60])
 
 
+def cancelled_amid(rt: Any, xs: list[float], want: list) -> None:
+    """All of ``xs`` at once, every other request cancelled after its first output (or at
+    once): the others still give ``want``, and the workers hold nothing after."""
+    handles = [rt.submit({"x": x}) for x in xs]
+    for i, h in enumerate(handles):
+        if i % 2:
+            try:
+                for _ in h:
+                    break
+            except RequestFailed:
+                pass
+            h.cancel()
+    for i in range(0, len(xs), 2):
+        by_name: dict[str, list] = {}
+        try:
+            for name, value in handles[i]:
+                by_name.setdefault(name, []).append(value)
+            got: Any = by_name
+        except RequestFailed as e:
+            got = ("failed", str(e).split(":", 1)[1][:60])
+        assert got == want[i]
+
+
 def _second(graph: dict, first: dict, persist: list[str], reader: int) -> dict:
     """``graph`` renamed apart from ``first`` as walk ``again``, its node ``reader`` also
     reading what ``first`` persists."""
@@ -144,11 +171,14 @@ def test_random_walks_placed_at_random_equal_in_process(case):
               for rank in (1, 2) if rank in ranks]
     assume(groups)  # not every node in the parent
     text = json.dumps(graph)
+    xs = [1.0, -2.5, 0.75, 3.0]
     with Runtime(numeric(text)) as local:
-        want = [outputs(local, x) for x in (1.0, -2.5)]
+        want = [outputs(local, x) for x in xs]
     with PlacedRuntime("test_fuzz_placement_segments:numeric", groups, progress=False,
                        model_kwargs={"graph": text}, shm_bytes=1 << 20) as rt:
-        got = [outputs(rt, x) for x in (1.0, -2.5)]
+        got = [outputs(rt, x) for x in xs]
         assert got == want, (graph, ranks, [n for n in rt.node_names if "segment" in n])
+        cancelled_amid(rt, xs, want)
         for g in groups:
-            assert idle(rt, g.rank)["live_requests"] == 0
+            stats = idle(rt, g.rank)
+            assert stats["segment_runs"] == 0 and not any(stats["segment_live"].values()), stats

@@ -20,7 +20,7 @@ import mstar_rt
 from mstar_rt.engines import SamplingParams, StatelessEngine
 from mstar_rt.placement import CodecError, ModelSpec, NodeGroup, PlacedRuntime, read_config
 from mstar_rt.placement.arena import ArenaFull, ShmArena, sweep_stale
-from mstar_rt.placement.codec import Decoder, Encoder
+from mstar_rt.placement.codec import INLINE_BYTES, Decoder, Encoder
 from mstar_rt.placement.config import make_plan
 
 import placement_models as pm
@@ -37,7 +37,8 @@ def arena():
     a.unlink()
 
 
-def test_codec_carries_every_kind_exactly_and_frees_the_arena(arena):
+@pytest.mark.parametrize("inline_bytes", [0, INLINE_BYTES])
+def test_codec_carries_every_kind_exactly_and_frees_the_arena(arena, inline_bytes):
     value = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16),
              "i64": torch.arange(6).reshape(2, 3), "bool": torch.tensor([True, False]),
              "scalar_t": torch.tensor(2.5), "empty": torch.zeros(0, 7),
@@ -47,19 +48,39 @@ def test_codec_carries_every_kind_exactly_and_frees_the_arena(arena):
              "size": torch.Size([2, 3]), "params": SamplingParams(max_tokens=3, top_k=2),
              7: "int key", "big": 2**63 - 1, "neg": -2**63,
              "param": torch.nn.Parameter(torch.ones(2))}
-    payload = Encoder(arena).pack(value)
+    payload = Encoder(arena, inline_bytes=inline_bytes).pack(value)
     span = arena.publish()
-    assert arena.in_use > 0
+    # every tensor here is small: in the message itself, or (inline_bytes=0) in the arena
+    assert (arena.in_use > 0) == (inline_bytes == 0)
     got = Decoder(arena).unpack(payload)
     arena.free_to(span)
     assert arena.in_use == 0
     expect = dict(value, size=(2, 3), strided=value["strided"].contiguous(),
                   param=torch.ones(2))  # a Parameter arrives as a plain tensor
     assert same(got, expect)
-    assert len(payload) < 1000  # only headers travel in the message
+    if not inline_bytes:
+        assert len(payload) < 1000  # only headers travel in the message
 
 
-def test_tensor_views_cross_as_their_values_in_one_copy_each_way(arena):
+def test_small_tensors_ride_in_the_message_and_large_ones_in_the_arena(arena):
+    small, large = torch.arange(INLINE_BYTES // 8), torch.arange(INLINE_BYTES // 8 + 1)
+    payload = Encoder(arena).pack({"small": small, "large": large, "np": np.ones(3)})
+    assert arena.publish() == -(-large.nbytes // 64) * 64  # only the large one is in the arena
+    got = Decoder(arena).unpack(payload)
+    arena.free_to(arena.published_head)
+    assert same(got, {"small": small, "large": large, "np": np.ones(3)})
+    got["small"].add_(1)  # its own memory: writable, not the message's bytes
+    assert got["small"][0].item() == 1
+    # a forged small tensor: bytes that do not fill its shape, or no bytes at all
+    for header, words in [([0, "float32", [4], b"\0" * 12], "needs 16 bytes"),
+                          ([0, "float32", [1], 4], "malformed small tensor"),
+                          ([0, "object", [1], b"\0" * 8], "not allowed")]:
+        with pytest.raises(CodecError, match=words):
+            Decoder(arena).unpack(msgpack.packb(msgpack.ExtType(6, msgpack.packb(header))))
+
+
+@pytest.mark.parametrize("inline_bytes", [0, INLINE_BYTES])
+def test_tensor_views_cross_as_their_values_in_one_copy_each_way(arena, inline_bytes):
     # The codec copies a tensor's memory straight into the arena and out again; views whose
     # memory is not their value (conj / neg bits, offsets, strides, CUDA) are resolved first.
     z = torch.randn(2, 3, dtype=torch.complex64)
@@ -70,7 +91,7 @@ def test_tensor_views_cross_as_their_values_in_one_copy_each_way(arena):
              "c128_0d": torch.tensor(1 + 2j, dtype=torch.complex128),
              "i8": torch.tensor([-128, 127], dtype=torch.int8), "f16": torch.randn(3).half(),
              "np_2d_view": np.arange(12, dtype=np.int32).reshape(3, 4)[:, 1]}
-    payload = Encoder(arena).pack(value)
+    payload = Encoder(arena, inline_bytes=inline_bytes).pack(value)
     got = Decoder(arena).unpack(payload)
     arena.free_to(arena.publish())
     expect = {k: (v.detach().resolve_conj().resolve_neg().contiguous()
@@ -83,7 +104,7 @@ def test_tensor_views_cross_as_their_values_in_one_copy_each_way(arena):
 
 
 def test_a_tensor_twice_in_one_message_crosses_once(arena):
-    x = torch.arange(64.0)
+    x = torch.arange(512.0)  # larger than INLINE_BYTES: in the arena
     payload = Encoder(arena).pack({"inputs": {"x": x}, "items": [[1, {"x": x}]], "y": x + 0})
     assert arena.publish() == 2 * x.nbytes  # x once, the different y once
     got = Decoder(arena).unpack(payload)

@@ -53,8 +53,11 @@ def exts(inner: st.SearchStrategy) -> st.SearchStrategy:
     tensor = st.tuples(st.sampled_from([0, 1, 2, -1]), DTYPES, SHAPE,
                        st.one_of(st.integers(0, 1 << 16), INT64),
                        st.one_of(st.integers(0, 256), INT64)).map(list)
+    small = st.tuples(st.sampled_from([0, 1, 2, -1]), DTYPES, SHAPE,
+                      st.one_of(st.binary(max_size=40), SMALL)).map(list)
     return st.one_of(
         st.one_of(tensor, inner).map(lambda h: _ext(1, h)),
+        st.one_of(small, inner).map(lambda h: _ext(6, h)),
         inner.map(lambda v: _ext(2, v)),
         st.tuples(st.sampled_from(REGISTERED),
                   st.dictionaries(st.text(max_size=10), inner, max_size=4)).map(

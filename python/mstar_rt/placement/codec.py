@@ -5,6 +5,9 @@ dict) is msgpack itself; a few extension types carry the rest:
 
 * tensor (torch or numpy): ``[kind, dtype, shape, offset, nbytes]`` -- the bytes lie in the
   sender's arena at ``offset``; the receiver copies them out before it frees the span;
+* small tensor (at most ``inline_bytes``, 1 KiB by default): ``[kind, dtype, shape, bytes]`` -- the
+  bytes ride in the message itself (a decode loop's token, a robot's state): an arena span costs
+  more than the few bytes it would hold, and a token stream's replies carry hundreds of them;
 * tuple: a packed list (kept apart from lists, so outputs compare equal to in-process ones);
 * registered dataclass: ``["module:QualName", {field: value}]``, rebuilt only for types that the
   receiving process registered too (:func:`register_type`), never by importing what a message
@@ -31,7 +34,8 @@ import numpy as np
 from mstar_rt.placement.arena import ShmArena
 from mstar_rt.placement.direct import Export, ExportArena, RemoteTensor
 
-EXT_TENSOR, EXT_TUPLE, EXT_DATACLASS, EXT_NPSCALAR, EXT_REMOTE = 1, 2, 3, 4, 5
+EXT_TENSOR, EXT_TUPLE, EXT_DATACLASS, EXT_NPSCALAR, EXT_REMOTE, EXT_INLINE = 1, 2, 3, 4, 5, 6
+INLINE_BYTES = 1024  # tensors up to this size travel inside the message (measured: cheaper)
 _TORCH, _NUMPY = 0, 1
 
 _NUMPY_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (
@@ -44,6 +48,7 @@ _TORCH_NAMES: dict[Any, str] = {}  # torch dtype -> its name in a header
 _NP_OF_TORCH = {d: np.dtype(d) for d in ("bool", "int8", "int16", "int32", "int64", "uint8",
                                           "float16", "float32", "float64", "complex64",
                                           "complex128")}
+_UINT16 = np.dtype(np.uint16)  # bfloat16's bits, which numpy cannot name
 
 
 class CodecError(ValueError):
@@ -85,11 +90,14 @@ def _register_builtin_types() -> None:
 
 
 class Encoder:
-    """Packs messages; tensors go into ``arena`` (the caller marks / publishes around it)."""
+    """Packs messages; tensors larger than ``inline_bytes`` go into ``arena`` (the caller marks /
+    publishes around it), smaller ones inside the message."""
 
     def __init__(self, arena: Optional[ShmArena], timeout_s: float = 10.0,
-                 exports: Optional[ExportArena] = None, rank: int = 0, gen: int = 0) -> None:
+                 exports: Optional[ExportArena] = None, rank: int = 0, gen: int = 0,
+                 inline_bytes: int = INLINE_BYTES) -> None:
         self.arena = arena
+        self.inline_bytes = inline_bytes
         self.timeout_s = timeout_s
         self.exports, self.rank, self.gen = exports, rank, gen  # a worker's export arena
         self.exported: list[int] = []  # the keys the last pack exported
@@ -122,23 +130,23 @@ class Encoder:
         if t is Export:
             remote = self._export(obj.tensor)
             return remote if remote is not None else self._default(obj.tensor)
+        torch = sys.modules.get("torch")  # no tensor can exist unless torch was imported
+        if torch is not None and isinstance(obj, torch.Tensor):
+            seen = self._memo.get(id(obj)) if self._memo is not None else None
+            if seen is None:
+                seen = (obj, self._pack_torch(obj))
+                if self._memo is not None:
+                    self._memo[id(obj)] = seen
+            return seen[1]
         if t is tuple:
             return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
         if t is np.ndarray:
-            return msgpack.ExtType(EXT_TENSOR, self._pack_numpy(obj))
+            return self._pack_numpy(obj)
         if isinstance(obj, np.generic):
             dt = str(obj.dtype)
             if dt not in _NUMPY_DTYPES:
                 raise CodecError(f"cannot send a numpy scalar of dtype {dt}")
             return msgpack.ExtType(EXT_NPSCALAR, msgpack.packb([dt, obj.tobytes()]))
-        torch = sys.modules.get("torch")  # no tensor can exist unless torch was imported
-        if torch is not None and isinstance(obj, torch.Tensor):
-            seen = self._memo.get(id(obj)) if self._memo is not None else None
-            if seen is None:
-                seen = (obj, msgpack.ExtType(EXT_TENSOR, self._pack_torch(obj)))
-                if self._memo is not None:
-                    self._memo[id(obj)] = seen
-            return seen[1]
         # strict_types sends subclasses here: cross as their plain base (torch.Size: tuple)
         if isinstance(obj, tuple):
             return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
@@ -181,7 +189,7 @@ class Encoder:
             raise CodecError("this message cannot carry tensors")
         return self.arena.alloc(nbytes, self.timeout_s)
 
-    def _pack_torch(self, t: Any) -> bytes:
+    def _pack_torch(self, t: Any) -> msgpack.ExtType:
         dt = _TORCH_NAMES.get(t.dtype)
         if dt is None:
             _torch_dtypes()
@@ -194,30 +202,34 @@ class Encoder:
         src = t
         # A contiguous CPU tensor (the common case) is copied straight from its memory: one
         # memmove, no torch op (each would take and drop the GIL among busy threads).
-        if src.device.type != "cpu":  # host copy today; CUDA IPC would be another kind
+        if not src.is_cpu:  # host copy today; CUDA IPC would be another kind
             src = src.detach().cpu()
         if src.is_conj() or src.is_neg():
             src = src.detach().resolve_conj().resolve_neg()
         if not src.is_contiguous():
             src = src.detach().contiguous()
         nbytes = src.nbytes
-        offset = 0
-        if nbytes:
-            offset = self._alloc(nbytes)
-            ctypes.memmove(self.arena.address(offset), src.data_ptr(), nbytes)
-        return msgpack.packb([_TORCH, dt, list(t.shape), offset, nbytes])
+        if nbytes <= self.inline_bytes:
+            raw = ctypes.string_at(src.data_ptr(), nbytes) if nbytes else b""
+            return msgpack.ExtType(EXT_INLINE, msgpack.packb([_TORCH, dt, list(t.shape), raw]))
+        offset = self._alloc(nbytes)
+        ctypes.memmove(self.arena.address(offset), src.data_ptr(), nbytes)
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb([_TORCH, dt, list(t.shape), offset,
+                                                          nbytes]))
 
-    def _pack_numpy(self, a: np.ndarray) -> bytes:
+    def _pack_numpy(self, a: np.ndarray) -> msgpack.ExtType:
         dt = str(a.dtype)
         if dt not in _NUMPY_DTYPES or a.dtype.byteorder == ">":
             raise CodecError(f"cannot send a numpy array of dtype {a.dtype!r}")
         nbytes = a.nbytes
-        offset = 0
-        if nbytes:
-            offset = self._alloc(nbytes)
-            src = np.ascontiguousarray(a)
-            ctypes.memmove(self.arena.address(offset), src.ctypes.data, nbytes)
-        return msgpack.packb([_NUMPY, dt, list(a.shape), offset, nbytes])
+        src = np.ascontiguousarray(a)
+        if nbytes <= self.inline_bytes:
+            return msgpack.ExtType(EXT_INLINE, msgpack.packb([_NUMPY, dt, list(a.shape),
+                                                              src.tobytes()]))
+        offset = self._alloc(nbytes)
+        ctypes.memmove(self.arena.address(offset), src.ctypes.data, nbytes)
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb([_NUMPY, dt, list(a.shape), offset,
+                                                          nbytes]))
 
 
 class Decoder:
@@ -247,6 +259,8 @@ class Decoder:
             if not isinstance(value, list):
                 raise CodecError("a tuple extension must hold a list")
             return tuple(value)
+        if code == EXT_INLINE:
+            return self._inline(msgpack.unpackb(data))
         if code == EXT_TENSOR:
             return self._tensor(msgpack.unpackb(data))
         if code == EXT_DATACLASS:
@@ -285,27 +299,24 @@ class Decoder:
             return np.frombuffer(value[1], dtype=_NUMPY_DTYPES[value[0]])[0]
         raise CodecError(f"unknown msgpack extension type {code}")
 
+    def _inline(self, h: Any) -> Any:
+        if not (type(h) is list and len(h) == 4 and type(h[3]) is bytes):
+            raise CodecError("malformed small tensor; expected [kind, dtype, shape, bytes]")
+        kind, dt, shape, raw = h
+        dtype, count = _checked(kind, dt, shape, len(raw))
+        np_dtype = dtype if kind == _NUMPY else _NP_OF_TORCH.get(dt, _UINT16)
+        arr = np.frombuffer(raw, np_dtype, count).reshape(shape).copy()  # writable, its own
+        if kind == _NUMPY:
+            return arr
+        out = sys.modules["torch"].from_numpy(arr)
+        return out if dt in _NP_OF_TORCH else out.view(dtype)
+
     def _tensor(self, h: Any, arena: Optional[ShmArena] = None, check_only: bool = False) -> Any:
-        if not (isinstance(h, list) and len(h) == 5 and h[0] in (_TORCH, _NUMPY)
-                and isinstance(h[1], str) and isinstance(h[2], list)
-                and all(isinstance(d, int) and d >= 0 for d in h[2])):
+        if not (isinstance(h, list) and len(h) == 5):
             raise CodecError("malformed tensor header; expected [kind, dtype, shape, offset, "
                              "nbytes]")
         kind, dt, shape, offset, nbytes = h
-        if kind == _NUMPY:
-            dtype = _NUMPY_DTYPES.get(dt)
-            itemsize = dtype.itemsize if dtype is not None else 0
-        else:
-            dtype = _torch_dtypes().get(dt)
-            itemsize = dtype.itemsize if dtype is not None else 0
-        if dtype is None:
-            raise CodecError(f"tensor dtype '{dt}' is not allowed")
-        count = 1
-        for d in shape:
-            count *= d
-        if count * itemsize != nbytes:
-            raise CodecError(f"tensor of shape {shape} and dtype {dt} needs {count * itemsize} "
-                             f"bytes, the header says {nbytes}")
+        dtype, count = _checked(kind, dt, shape, nbytes)
         if check_only:
             return None
         arena = arena or self.arena
@@ -316,7 +327,7 @@ class Decoder:
                 arena.check_span(offset, nbytes)
             except ValueError as e:
                 raise CodecError(str(e)) from None
-        np_dtype = dtype if kind == _NUMPY else _NP_OF_TORCH.get(dt, np.dtype(np.uint16))
+        np_dtype = dtype if kind == _NUMPY else _NP_OF_TORCH.get(dt, _UINT16)
         # One copy out of the arena into an array numpy allocates; torch adopts it: no torch op,
         # which would drop and retake the GIL among the process's busy threads (bfloat16, which
         # numpy lacks, takes one).
@@ -326,6 +337,25 @@ class Decoder:
             return arr
         out = sys.modules["torch"].from_numpy(arr)
         return out if dt in _NP_OF_TORCH else out.view(dtype)
+
+
+def _checked(kind: Any, dt: Any, shape: Any, nbytes: Any) -> tuple[Any, int]:
+    """(dtype, element count) of a tensor of ``kind``, ``dt`` and ``shape`` holding ``nbytes``."""
+    count = 1
+    if kind in (_TORCH, _NUMPY) and type(dt) is str and type(shape) is list:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+            count *= d
+        else:
+            dtype = _NUMPY_DTYPES.get(dt) if kind == _NUMPY else _torch_dtypes().get(dt)
+            if dtype is None:
+                raise CodecError(f"tensor dtype '{dt}' is not allowed")
+            if count * dtype.itemsize != nbytes:
+                raise CodecError(f"tensor of shape {shape} and dtype {dt} needs "
+                                 f"{count * dtype.itemsize} bytes, the header says {nbytes}")
+            return dtype, count
+    raise CodecError("malformed tensor header; expected [kind, dtype, shape, offset, nbytes]")
 
 
 def scalar_items(state: dict) -> dict:
