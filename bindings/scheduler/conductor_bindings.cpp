@@ -224,6 +224,19 @@ class PyConductor {
     c_->complete(done, out);
   }
 
+  /// One item of node `producer`'s stream `name` for `request` (Conductor::push_stream).
+  py::tuple push_stream(RequestId request, NodeId producer, NameId name, py::handle value) {
+    Outcome out;
+    const Handle h = put(value);
+    try {
+      c_->push_stream(request, producer, name, h, &out);
+    } catch (...) {
+      drop(h);
+      throw;
+    }
+    return outcome(out);
+  }
+
   py::tuple fail_items(const std::vector<std::uint64_t>& ids, const std::string& msg,
                        bool named = false) {
     Outcome out;
@@ -457,6 +470,10 @@ waiting) and report complete(); each call that changes state returns its outcome
                           const py::list& outputs, const py::object& stops) {
              return c.complete(node, ids, outputs, stops);
            }, py::arg("node"), py::arg("items"), py::arg("outputs"), py::arg("stops") = py::none())
+      .def("push_stream", &PyConductor::push_stream, py::arg("request"), py::arg("producer"),
+           py::arg("name"), py::arg("value"),
+           "Appends value to the stream name (id) of node producer (id), as one more execution "
+           "of it would (placement: a stream leaving a worker's segment).")
       .def("fail_items", &PyConductor::fail_items, py::arg("items"), py::arg("message"),
            py::arg("named") = false,
            "Fails the items' requests with the message, after \"node '<node>' in walk '<walk>' "

@@ -343,6 +343,9 @@ class Conductor:
         outputs: list[dict[str, Any]],
         stops: Sequence[Sequence[int]] | None = None,
     ) -> _Outcome: ...
+    def push_stream(self, request: int, producer: int, name: int, value: Any) -> _Outcome:
+        """Appends value to the stream ``name`` (id) of node ``producer`` (id), as one more
+        execution of it would (placement: a stream leaving a worker's segment)."""
     def fail_items(self, items: Sequence[int], message: str, named: bool = False) -> _Outcome:
         """Fails the items' requests with the message, after "node '<node>' in walk '<walk>'
         failed: " unless named (the message says where)."""

@@ -292,4 +292,66 @@ TEST(Conductor, StreamInsideAnOuterLoopRestartsEachIteration) {
   app.expect_all_released();
 }
 
+// push_stream: a node standing for a section another process runs (placement's segment
+// stand-in) appends its stream's items while in flight; the consumer gets them in windows as
+// it would a producer's; the stand-in's end ends the stream. A push for a request no longer
+// running is dropped and released; an unknown node is refused.
+TEST(Conductor, PushStreamFeedsTheConsumerWhileTheProducerIsInFlight) {
+  IR ir;
+  ir.node("S", "e0", {"x"}, {"s", "y"});
+  ir.node("C", "e1", {"s"}, {"o"});
+  WalkB w(ir, "main");
+  const std::uint32_t stand_in = w.node("S");
+  w.stream("S", "s", "C", ChunkPolicy::fixed(2), stand_in).emit("C", "o");
+  const WalkId main = w.build(w.par({stand_in, w.node("C")}));
+  App app(ir.g);
+  app.fns[ir.node_id("C")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
+    long s = 0;
+    for (long v : in[0]) s += v;
+    out[0] = s;
+    return true;
+  };
+  const RequestId r = app.submit(main, {{ir.name("x"), 0}});
+  const auto batch = app.c.next_batch(0, 8, 0ns);  // S, in flight while the items arrive
+  ASSERT_EQ(batch.size(), 1u);
+  const std::uint64_t s_item = batch.front()->id;
+  for (long v : {10, 20, 30}) {
+    Outcome o;
+    Handle h;
+    {
+      std::lock_guard<std::mutex> lock(app.mu);
+      h = app.put_locked(v);
+    }
+    app.c.push_stream(r, ir.node_id("S"), ir.name("s"), h, &o);
+    app.handle(o);
+    app.step(1);  // the consumer runs each window as it fills
+  }
+  EXPECT_EQ(app.emitted(r, ir.name("o")), (std::vector<long>{10 + 20}));
+  Completion done;  // the stand-in's end: its stream output absent, the stream ends
+  done.item = s_item;
+  {
+    std::lock_guard<std::mutex> lock(app.mu);
+    done.outputs = {0, app.put_locked(7)};
+  }
+  Outcome o;
+  app.c.complete({done}, &o);
+  app.handle(o);
+  app.drain();
+  EXPECT_EQ(app.emitted(r, ir.name("o")), (std::vector<long>{10 + 20, 30}));
+  const auto windows = app.items_of(ir.node_id("C"), r);
+  ASSERT_EQ(windows.size(), 2u);
+  EXPECT_TRUE(windows[1].chunk.last);
+  EXPECT_TRUE(app.finished.count(r));
+  Outcome late;  // the request is over: the value is only released
+  Handle h;
+  {
+    std::lock_guard<std::mutex> lock(app.mu);
+    h = app.put_locked(40);
+  }
+  app.c.push_stream(r, ir.node_id("S"), ir.name("s"), h, &late);
+  app.handle(late);
+  EXPECT_THROW(app.c.push_stream(r, 99, ir.name("s"), h, &late), std::invalid_argument);
+  app.expect_all_released();
+}
+
 }  // namespace

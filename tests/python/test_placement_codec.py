@@ -232,6 +232,23 @@ def test_leftovers_of_dead_parents_are_swept_and_live_ones_kept(tmp_path):
             a.unlink()
 
 
+def test_a_request_opens_with_the_first_batch_that_leaves_not_the_first_recorded():
+    # Two engine threads record items of one request, then send in the other order: whichever
+    # batch leaves first carries the request's inputs and state, once (was: the first
+    # recorded, so the worker could get the other batch first and fail it, "holds no state").
+    from mstar_rt.placement.ledger import ItemLedger
+
+    ledger = ItemLedger()
+    ledger.record(1, 7, "a", [])
+    ledger.record(2, 7, "b", [])
+    assert ledger.unopened([7, 7]) == [7]  # the batch of item 2, leaving first
+    ledger.sent_open([7])
+    assert ledger.unopened([7]) == []      # item 1's, after it
+    ledger.forget(7)
+    ledger.sent_open([7])                  # a batch that left as the request ended
+    assert 7 not in ledger.opened and ledger.unopened([7]) == [7]
+
+
 def test_node_groups_that_cannot_work_are_refused_with_the_fix():
     model = pm.tiny_llama(num_pages=8)
     with pytest.raises(ValueError, match="share engine 'lm'.*one node group"):

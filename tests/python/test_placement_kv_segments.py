@@ -191,17 +191,24 @@ def test_qwen3_omni_on_one_worker_runs_its_parts_inside_it(tmp_path):
         stats = idle(rt, 1)
         assert messages(rt) - before <= 8  # two requests and a stats call
         assert stats["segment_runs"] == 0
-    # Thinker on one worker, talker, code predictor and code2wav on another (their streams
-    # cross, so node by node), except the code predictor's inner Loop: one segment run per
-    # audio frame instead of a crossing per predictor step.
+    # Thinker on one worker, talker, code predictor and code2wav on another. The thinker's
+    # prefill and decode loop are segments whose streams to the talker leave item by item
+    # (Conductor.push_stream); the talker, reading a stream from outside, runs node by node,
+    # except the code predictor's inner Loop: one segment run per audio frame.
     thinker = [n for n in nodes if n.startswith(("text_", "thinker_", "audio_encoder"))]
     groups = [NodeGroup(thinker, rank=1), NodeGroup([n for n in nodes if n not in thinker],
                                                     rank=2)]
     with PlacedRuntime("placement_models:tiny_omni", groups,
                        model_kwargs={"directory": str(tmp_path)}, progress=False) as rt:
-        assert segments_of(rt) == ["segment:speak:0"]
+        assert segments_of(rt) == ["segment:text:0", "segment:speak:0", "segment:speak:1",
+                                   "segment:speak:2"]
+        before = messages(rt)
         tokens, audio = collect(rt.submit(req))
         assert tokens == want_tokens
         np.testing.assert_allclose(audio, want_audio, atol=1e-5)
+        assert [v for k, v in rt.submit({**req, "return_audio": False})
+                if k == "token"] == want_text
+        # two requests, their walks' runs (prefill, decode) and a stats call: not one per token
+        assert messages(rt) - before <= 8 < len(want_tokens)
         for rank in (1, 2):
             assert idle(rt, rank)["segment_runs"] == 0

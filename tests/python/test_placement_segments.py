@@ -14,13 +14,14 @@ import time
 import pytest
 import torch
 
-from mstar_rt import Part, RequestCancelled, RequestFailed, Runtime
+from mstar_rt import (EMIT, Fixed, GraphEdge, GraphNode, Loop, Model, Parallel, Part,
+                      RequestCancelled, RequestFailed, Runtime, Sequential, StreamingGraphEdge)
 from mstar_rt.placement import NodeGroup, PlacedRuntime
 from mstar_rt.placement.segments import find_segments
 
 import placement_models as pm
 import placement_segment_models as sm
-from placement_support import T, same
+from placement_support import T, pipeline_inputs, same
 from walk_models import settled, wait_until
 
 
@@ -36,11 +37,11 @@ def inputs(i: int, **kw) -> dict:
     return {"x": torch.linspace(-1, 1, 4) * (i + 1), "n": 3 + i % 5, **kw}
 
 
-def worker_idle(rt: PlacedRuntime) -> dict:
+def worker_idle(rt: PlacedRuntime, rank: int = 1) -> dict:
     want = dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
-    assert wait_until(lambda: (s := rt.worker_stats(1))["live_requests"] == 0
+    assert wait_until(lambda: (s := rt.worker_stats(rank))["live_requests"] == 0
                       and s["segment_runs"] == 0 and s["segment_live"] == want, T)
-    return rt.worker_stats(1)
+    return rt.worker_stats(rank)
 
 
 def test_walks_become_segments_and_outputs_equal_in_process(placed):
@@ -105,14 +106,30 @@ def test_a_worker_dying_mid_segment_fails_its_requests_and_restarts():
 
 
 def test_segments_are_not_made_where_they_would_change_what_nodes_see():
-    # A stream (backbone -> collect) is never cut: with both ends on one worker their section
-    # is a segment, with its ends apart the per-node path stays; single nodes keep it too.
+    # A stream (backbone -> collect) with both ends on one worker is its segment's own; with
+    # its consumer elsewhere it leaves the producer's loop item by item (pushes); entering a
+    # section from outside, the consumer keeps the per-node path; single nodes keep it too.
     walk = pm.pipeline()
     ranks = {"encoder": 1, "embed": 0, "backbone": 2, "collect": 2, "head": 0}
     assert [s.nodes for s in find_segments(walk, ranks, {1, 2}).segments] == \
         [("backbone", "collect")] * 2
     assert "tok" not in find_segments(walk, ranks, {1, 2}).segments[0].inputs
-    assert find_segments(walk, dict(ranks, collect=1), {1, 2}).segments == []
+    apart = find_segments(walk, dict(ranks, collect=1), {1, 2}).segments
+    assert [(s.nodes, s.pushes) for s in apart] == [(("backbone",), ("tok",))] * 2
+    assert "tok" in [getattr(o, "name", o) for o in apart[0].outputs]  # the stand-in streams it
+    assert find_segments(walk, dict(ranks, collect=1, head=1), {1, 2}).segments == apart
+    entering = Model()
+    entering.nodes = [GraphNode("p", ["x"], ["x", StreamingGraphEdge("c", "s", Fixed(1))],
+                                submodule=sm.Affine("x", "x", 1.0, 1.0)),
+                      GraphNode("c", ["s"], ["y"], submodule=sm.Affine("s", "y", 1.0, 0.0)),
+                      GraphNode("d", ["y"], [GraphEdge(EMIT, "z")],
+                                submodule=sm.Affine("y", "z", 1.0, 0.0))]
+    entering.inputs = ("x",)
+    entering.walks = {"main": Parallel(Loop("p", 3), Sequential("c", "d"))}
+    assert find_segments(entering, {"p": 0, "c": 1, "d": 1}, {1}).segments == []
+    # the same stream leaving the producer's loop on a worker for the consumer's section
+    assert [s.pushes for s in find_segments(entering, {"p": 1, "c": 0, "d": 0},
+                                            {1}).segments] == [("s",)]
     # A loop the parent runs keeps its iterations there: nothing inside it is a segment.
     model = sm.segmented()
     model.walks = {"main": sm.DynamicLoop(sm.Sequential("a", "b", "post"), 4, "gen"),
@@ -146,6 +163,34 @@ def test_segments_are_not_made_where_they_would_change_what_nodes_see():
     lm.walks["decode"] = sm.DynamicLoop(sm.Sequential("pre", lm.walks["decode"].parts[1]
                                                       .walks["d"]), 8, "outer")
     assert find_segments(lm, dict(on_one, pre=0), {1}).segments == []
+
+
+@pytest.mark.parametrize("consumer", [1, 0])
+def test_a_stream_leaving_a_segment_crosses_item_by_item(consumer):
+    # backbone's loop on worker 2 streams tok to collect on worker 1 (or in the parent): the
+    # loop is one segment run per request, its items pushed to the parent's stream as made.
+    ranks = {"encoder": 1, "embed": 1, "backbone": 2, "collect": consumer, "head": 0}
+    groups = [NodeGroup([n for n, r in ranks.items() if r == rank], rank=rank)
+              for rank in (1, 2)]
+    reqs = [dict(r, steps=8) for r in pipeline_inputs(6)]
+    with Runtime(pm.pipeline()) as local:
+        want = [local.submit(r).result(T) for r in reqs]
+    with PlacedRuntime("placement_models:pipeline", groups, progress=False,
+                       shm_bytes=1 << 20) as rt:
+        assert [s for s in rt.node_names if s.startswith("segment:")] == \
+            ["segment:full:0", "segment:direct:0"]
+        before = rt.worker_stats(2)["messages"]
+        handles = [rt.submit(r) for r in reqs]
+        assert same([h.result(T) for h in handles], want)
+        # a batch and a release per request at most (and a stats call), not one per step
+        steps = sum(len(w["h"]) for w in want)
+        assert rt.worker_stats(2)["messages"] - before <= 2 * len(reqs) + 1 < steps
+        slow = rt.submit(dict(reqs[0], steps=8, pause=0.05))  # cancelled mid-stream
+        assert next(iter(slow))[0] in ("meta", "h", "window")
+        slow.cancel()
+        for rank in (1, 2):
+            assert worker_idle(rt, rank)["segment_runs"] == 0
+        assert same(rt.submit(reqs[1]).result(T), want[1])
 
 
 def test_a_walk_of_parts_on_one_worker_is_one_segment_and_the_model_picks_its_sub_walks():

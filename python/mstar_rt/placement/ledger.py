@@ -1,6 +1,7 @@
 """What a worker process holds, as its parent accounts for it: every work item handed to it
 (item -> request, node) until it is reported back, and every request whose state it holds
-(request -> the last node that ran there).
+(request -> the last node that ran there), and which of those requests it has been sent
+(``open``, once: a second would reset what it holds).
 
 Each item is reported back exactly once -- completed or failed by the worker's reply, failed by
 the parent when the worker dies or the request ends first -- because a report happens only for
@@ -20,15 +21,23 @@ class ItemLedger:
         self.inflight: dict[int, tuple[int, str, list]] = {}
         self.by_request: dict[int, set[int]] = {}        # request -> its items in flight
         self.known: dict[int, str] = {}                  # request -> last node
+        self.opened: set[int] = set()                    # requests whose 'open' was sent
 
-    def record(self, item: int, rid: int, node: str, holds: list) -> bool:
-        """Notes an item sent to the worker; True if the worker did not know its request yet
-        (the batch must then carry the request's inputs and state)."""
+    def record(self, item: int, rid: int, node: str, holds: list) -> None:
+        """Notes an item handed to the worker."""
         self.inflight[item] = (rid, node, holds)
         self.by_request.setdefault(rid, set()).add(item)
-        new = rid not in self.known
         self.known[rid] = node
-        return new
+
+    def unopened(self, requests: Iterable[int]) -> list[int]:
+        """Those of ``requests`` the worker has not been sent: the batch about to go must
+        carry their inputs and state. Decided as batches leave, in the order they leave (two
+        engine threads may record items of one request and send them in the other order)."""
+        return [rid for rid in dict.fromkeys(requests) if rid not in self.opened]
+
+    def sent_open(self, requests: Iterable[int]) -> None:
+        """A batch opening ``requests`` left (those ended meanwhile are not kept)."""
+        self.opened.update(rid for rid in requests if rid in self.known)
 
     def unsent(self, items: list) -> list:
         """Those of ``items`` (work items that send_batch recorded) still in flight, to be sent.
@@ -57,6 +66,7 @@ class ItemLedger:
         if rid not in self.known:
             return False, set()
         del self.known[rid]
+        self.opened.discard(rid)
         items = self.by_request.pop(rid, set())
         for i in items:
             self.inflight.pop(i, None)
@@ -65,5 +75,5 @@ class ItemLedger:
     def clear(self) -> tuple[dict[int, tuple[int, str, list]], dict[int, str]]:
         """The worker died: everything it held, (inflight, known); the ledger starts empty."""
         inflight, known = self.inflight, self.known
-        self.inflight, self.by_request, self.known = {}, {}, {}
+        self.inflight, self.by_request, self.known, self.opened = {}, {}, {}, set()
         return inflight, known

@@ -307,7 +307,7 @@ class WorkerLink:
         rt = self.rt
         node_name = rt.node_names[node]
         rejected: Optional[str] = None
-        live, ended, opens = [], [], []
+        live, ended = [], []
         with self._lock:
             while self.state == "starting" and not rt.closed:
                 self._cond.wait(0.2)
@@ -323,17 +323,16 @@ class WorkerLink:
                         ended.append(item.id)
                         continue
                     live.append(item)
-                    if self._ledger.record(item.id, rid, node_name, remote_values(item.inputs)):
-                        opens.append(rid)
+                    self._ledger.record(item.id, rid, node_name, remote_values(item.inputs))
         if rejected is not None:
             rt.report(rt.conductor.fail_items([it.id for it in items], rejected))
             return
         if ended:
             rt.report(rt.conductor.fail_items(ended, "the request ended"))
         if live:
-            self._transmit(gen, node, walk, live, opens)
+            self._transmit(gen, node, walk, live)
 
-    def _transmit(self, gen: int, node: int, walk: int, items: list, opens: list) -> None:
+    def _transmit(self, gen: int, node: int, walk: int, items: list) -> None:
         failures: list[tuple[list[int], str]] = []
         channel = self._channel
         with channel.lock:
@@ -344,13 +343,16 @@ class WorkerLink:
             groups = [items] if items else []
             while groups:
                 group = groups.pop()
-                group_opens = {rid: open_entry(self.rt, self.plan, rid) for rid in opens
-                               if any(it.request == rid for it in group)}
+                with self._lock:
+                    opens = self._ledger.unopened(it.request for it in group)
+                group_opens = {rid: open_entry(self.rt, self.plan, rid) for rid in opens}
                 msg = {"v": VERSION, "kind": "batch", "node": node, "walk": walk,
                        "items": [[it.id, it.request, it.iteration, it.inputs, it.chunk] for it in group],
                        "open": group_opens, **channel.take_held(gen)}
                 error = channel.send_locked(gen, msg, lambda: self._alive(gen))
                 if error is None:
+                    with self._lock:
+                        self._ledger.sent_open(opens)
                     continue
                 if len(group) > 1:  # isolate: one by one, so only the culprit's request fails
                     groups.extend([it] for it in group)

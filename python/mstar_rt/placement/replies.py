@@ -71,10 +71,29 @@ def complete_from_reply(rt: "PlacedRuntime", msg: dict,
 
 def deliver_emits(rt: "PlacedRuntime", msg: dict) -> None:
     """A segment's EMITted outputs, as it made them (``[[request, name, value]]``), to their
-    requests' handles (one that ended meanwhile drops them)."""
-    emits = [tuple(e) for e in field(msg, "emits", list)
-             if isinstance(e, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], str)]
-    rt.report((emits, (), (), (), ()))
+    requests' handles (one that ended meanwhile drops them); ``[request, name, value, node]``:
+    an item of stand-in ``node``'s stream ``name`` (a stream leaving the segment), in order."""
+    emits: list = []
+    for e in field(msg, "emits", list):
+        if not (isinstance(e, list) and 3 <= len(e) <= 4 and type(e[0]) is int
+                and isinstance(e[1], str)):
+            continue
+        if len(e) == 3:
+            emits.append(tuple(e))
+            continue
+        if emits:
+            rt.report((emits, (), (), (), ()))
+            emits = []
+        name = rt.graph.name_ids.get(e[1])
+        try:
+            if e[0] < 0 or type(e[3]) is not int or e[3] < 0 or name is None:
+                raise ValueError("unknown node or name")
+            outcome = rt.conductor.push_stream(e[0], e[3], name, e[2])
+        except ValueError as x:
+            raise ProtocolError(f"stream item [{e[0]}, {e[1]!r}, ..., {e[3]!r}]: {x}") from None
+        rt.report(outcome)
+    if emits:
+        rt.report((emits, (), (), (), ()))
 
 
 def fail_for_death(rt: "PlacedRuntime", who: str, fix: str, inflight: dict, known: dict) -> None:

@@ -30,7 +30,7 @@ from mstar_rt.placement.link import WorkerLink
 from mstar_rt.placement.ray_rank import RayLauncher, connect_ray, disconnect_ray
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
 from mstar_rt.model import RequestContext, node_engines
-from mstar_rt.placement.segments import SEGMENT_ENGINE, SegmentPlan, find_segments
+from mstar_rt.placement.segments import SEGMENT_ENGINE, SegmentPlan, find_segments, section_nodes
 from mstar_rt.runtime import Runtime, compile_model
 
 _LIVE: "weakref.WeakSet[PlacedRuntime]" = weakref.WeakSet()
@@ -172,6 +172,9 @@ class PlacedRuntime(Runtime):
         self.direct_names = direct
         seg_plan = self._segment_plan(plan) if segments else None
         self.segments_enabled = seg_plan is not None
+        # a deadline that stops a stand-in before it starts names the node it would have run
+        self._first_node = {s.name: section_nodes(s.section, True)[0]
+                            for s in (seg_plan.segments if seg_plan is not None else ())}
         sweep_stale()
         try:
             self._workdir = tempfile.mkdtemp(prefix=f"mstar-placement-{os.getpid()}-")
@@ -234,6 +237,17 @@ class PlacedRuntime(Runtime):
         except ValueError:  # GraphError is one
             return None
         return seg_plan
+
+    def report(self, outcome: tuple) -> None:
+        expired = outcome[3]
+        if expired and any(x[1] in self._first_node for x in expired):
+            first = self._first_node
+            late = {x[0]: x[1] for x in expired if x[1] in first}
+            failed = [(rid, m.replace(f"node '{late[rid]}'", f"node '{first[late[rid]]}'", 1)
+                       if rid in late else m) for rid, m in outcome[2]]
+            expired = [(x[0], first.get(x[1], x[1]), *x[2:]) for x in expired]
+            outcome = (outcome[0], outcome[1], failed, expired, outcome[4])
+        super().report(outcome)
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from mstar_rt.graph import EMIT, GraphEdge
 from mstar_rt.model import NO_DEADLINE, Model, RequestContext
 from mstar_rt.placement.codec import scalar_items
 from mstar_rt.placement.inline_runs import InlineRuns
@@ -82,6 +83,11 @@ class SegmentRunner:
         self._driver: Optional[int] = None          # the thread running a run inline
         self._pending = threading.local()           # the run that submit() is binding
         self.segments = {first_id + i: s for i, s in enumerate(segments) if s.rank == rank}
+        # streams leaving a segment: name -> whether its producer also EMITs it
+        emitted = {(n.name, o.name) for n in model.nodes for o in n.outputs
+                   if isinstance(o, GraphEdge) and o.to == EMIT}
+        self._pushes = {node: {x: any((n, x) in emitted for n in s.nodes) for x in s.pushes}
+                        for node, s in self.segments.items()}
         self.runtimes: dict[int, _SegmentRuntime] = {}
         self.stateful: list = []  # the stateful engines: requests' state lives between runs
         shared = {n: s for n, s in self.segments.items() if s.engines}
@@ -218,16 +224,20 @@ class SegmentRunner:
 
     def forward_emits(self, rt: Runtime, emits: list, ending: Sequence[int] = ()) -> None:
         """``ending``: the runs whose walk this same outcome ends; their outputs wait for the
-        run's end (``ended``, at once after this) and leave in its reply."""
+        run's end (``ended``, at once after this) and leave in its reply. An item of a stream
+        leaving the segment goes as ``[request, name, value, stand-in node]``."""
         out, items = [], set()
         for sub_rid, name, value in emits:
             run = self._runs.get(id(rt.requests.context(sub_rid)))
             if run is None or run.released:
                 continue
-            if sub_rid in ending:
-                run.last_emits.append([run.request, name, value])
-            else:
-                out.append([run.request, name, value])
+            dest = run.last_emits if sub_rid in ending else out
+            emitted = self._pushes[run.node].get(name)
+            if emitted is not None:
+                dest.append([run.request, name, value, run.node])
+            if emitted is not False:
+                dest.append([run.request, name, value])
+            if dest is out:
                 items.add(run.item)
         if out:  # items: what fails if the values cannot cross
             self._reply("emit", emits=out, items=sorted(items))

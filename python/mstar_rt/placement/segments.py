@@ -21,15 +21,20 @@ request's K/V move between the two workers' engines at the walk change. Otherwis
 nodes keep the per-node path.
 
 A stream whose producer and consumer sit in one segment is the segment Runtime's own (its chunk
-policy, windows and end as in one process); a segment never cuts a stream.
+policy, windows and end as in one process). A stream leaving a segment (its consumer elsewhere)
+leaves through the stand-in: the worker sends each item as it is made and the parent appends it
+to the stand-in's stream (``Conductor.push_stream``), which the stand-in's end ends -- so the
+segment must hold the producer's whole scope (the innermost loop around it, if any). A stream
+entering a segment from outside keeps its consumer on the per-node path.
 
 A walk with Parts that runs whole on one worker is one segment, its Parts' sub-walks chosen in
 the worker; otherwise each sub-walk of a Part is searched like any section (the parent chooses
 the sub-walks).
 
 Where a segment would change what a node sees, the per-node path stays: a node that keeps
-per-request state ``cleanup`` drops (unless it keys it by cache id), a stream with one end
-outside the section, a Loop with ``accumulated_outputs``, and, inside a loop that runs in the
+per-request state ``cleanup`` drops (unless it keys it by cache id), a stream entering the
+section, one leaving it from inside a loop the section does not hold, a Loop with
+``accumulated_outputs``, and, inside a loop that runs in the
 parent (its iterations and stops are the parent's), anything but a fixed Loop whose nodes stop
 no loop (a code predictor's steps inside a talker's decode loop: one run per outer iteration). A
 segment of one node gains nothing and is not made, except for a stateful engine's node.
@@ -61,6 +66,7 @@ class Segment:
     inputs: tuple[str, ...]        # what it reads from outside
     outputs: tuple[Any, ...]       # the stand-in's outputs: what it leaves visible after it
     engines: tuple[str, ...] = ()  # the stateful engines its nodes use (shared across runs)
+    pushes: tuple[str, ...] = ()   # streams leaving it: each item crosses as it is made
 
 
 @dataclass
@@ -81,6 +87,10 @@ def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int],
         finder.segments = []
         for walk, root in model.walks.items():
             finder.walk, finder.count = walk, 0
+            finder.looped = _looped(root)
+            finder.made = {n: set(finder.nodes[n].output_names)
+                           for n in section_nodes(root, True)}
+            finder.exported = _exported(root)
             walks[walk] = finder.rewrite_walk(root)
         # A stateful engine with a node left outside every segment keeps the per-node path
         # whole: its state lives in one place.
@@ -101,8 +111,9 @@ class _Finder:
         self.nodes = {n.name: n for n in model.nodes}
         self.rank = {n: r for n, r in node_rank.items() if r in workers}
         subs, engines = node_submodules(model), node_engines(model)
-        # (producer, consumer) of each stream: a segment holds both or neither
-        self.streams = {(n.name, o.to) for n in model.nodes for o in n.outputs
+        # each stream's edge by (producer, consumer): a segment holds its consumer only with
+        # its producer
+        self.streams = {(n.name, o.to): o for n in model.nodes for o in n.outputs
                         if isinstance(o, StreamingGraphEdge)}
         self.consumes = {(o.to, o.name) for n in model.nodes for o in n.outputs
                          if isinstance(o, StreamingGraphEdge)}  # (consumer, stream name)
@@ -128,6 +139,9 @@ class _Finder:
         self.readers = {n.name: set(n.inputs) for n in model.nodes}
         self.segments: list[Segment] = []
         self.walk, self.count = "", 0
+        self.looped: set[str] = set()  # the nodes inside a loop of the walk being rewritten
+        self.made: dict[str, set[str]] = {}  # its nodes' output names
+        self.exported: set[str] = set()  # what its loops hand on (outputs, accumulated)
 
     # ---- which rank runs a section whole ---------------------------------------------------
 
@@ -163,9 +177,21 @@ class _Finder:
         return (type(s) is Loop and not any(self.stops[n] for n in section_nodes(s, True)))
 
     def closed(self, s: SectionLike) -> bool:
-        """No stream crosses the section's edge: its Runtime then serves the streams inside."""
+        """No stream enters the section, and each leaving it can leave through the stand-in:
+        its producer's stream ends where the stand-in ends (the innermost loop around the
+        producer lies inside the section, or the walk has none: the end then comes no
+        earlier), and nothing outside reads its name but its consumer."""
         members = set(section_nodes(s, True))
-        return all((p in members) == (c in members) for p, c in self.streams)
+        looped = _looped(s)
+        for (p, c), edge in self.streams.items():
+            if c in members and p not in members:
+                return False
+            if p in members and c not in members and (
+                    (p not in looped and p in self.looped) or edge.name in self.persisted
+                    or any(edge.name in xs for n, xs in self.readers.items()
+                           if n not in members and (p, n) not in self.streams)):
+                return False
+        return True
 
     def drop(self, engines: set[str]) -> None:
         """``engines``' nodes keep the per-node path."""
@@ -231,16 +257,20 @@ class _Finder:
         close_run()
         return Sequential(*out)
 
-    def make(self, section: SectionLike, rank: int) -> str:
+    def make(self, section: SectionLike, rank: int) -> SectionLike:
         name = f"segment:{self.walk}:{self.count}"
         self.count += 1
         inputs: list[str] = []
         made = self.flow(section, set(), inputs)
         members = set(section_nodes(section, True))
-        outputs: list[Any] = []
+        leaving = sorted(((p, c), e) for (p, c), e in self.streams.items()
+                         if p in members and c not in members)
+        pushes = {e.name for _, e in leaving}
+        outputs: list[Any] = [e for _, e in leaving]
         needed = {x for n, xs in self.readers.items() if n not in members for x in xs}
+        needed |= self.exported  # a loop around the section may hand it on
         for x in sorted(made):
-            if not (x in needed or x in self.persisted):
+            if not (x in needed or x in self.persisted) or x in pushes:
                 continue
             edges = {GraphEdge("" if e.to in members else e.to, x, e.persist)
                      for n in members for e in self.nodes[n].outputs
@@ -248,7 +278,17 @@ class _Finder:
             outputs.extend(sorted(edges, key=lambda e: (e.to, e.persist)) or [x])
         engines = sorted({self.engine_of[n] for n in members} & set(self.shared))
         self.segments.append(Segment(name, self.walk, rank, section, tuple(sorted(members)),
-                                     tuple(inputs), tuple(outputs), tuple(engines)))
+                                     tuple(inputs), tuple(outputs), tuple(engines),
+                                     tuple(sorted(pushes))))
+        # The stand-in sits in a Loop of one iteration, whose outputs are its own: when a name
+        # it makes was made before it (a loop may make again what a node before it made, as a
+        # backbone refines the encoder's h; a node may not), and when streams leave it (their
+        # scope is then the stand-in's run, not a loop around it).
+        plain = [o if isinstance(o, str) else o.name for o in outputs
+                 if not isinstance(o, StreamingGraphEdge)]
+        if pushes or set(plain) & set().union(*(m for n, m in self.made.items()
+                                                if n not in members)):
+            return Loop(name, 1, tuple(dict.fromkeys(plain)))
         return name
 
     def flow(self, s: SectionLike, made: set[str], reads: list[str]) -> set[str]:
@@ -287,6 +327,24 @@ class _Finder:
         inside = self.flow(s.section, made, reads) - made
         return made | {x for x in inside if x in self.persisted} | set(s.outputs) | \
             set(s.accumulated_outputs)
+
+
+def _exported(s: SectionLike) -> set[str]:
+    """The names the Loops of ``s`` hand on after them (outputs, accumulated outputs)."""
+    own = set(s.outputs) | set(s.accumulated_outputs) if isinstance(s, Loop) else set()
+    inner = (list(s.walks.values()) if isinstance(s, Part) else [s.section] if isinstance(s, Loop)
+             else s.parts if isinstance(s, Sequential)
+             else s.branches if isinstance(s, Parallel) else [])
+    return own.union(*(_exported(p) for p in inner))
+
+
+def _looped(s: SectionLike) -> set[str]:
+    """The nodes inside a Loop of ``s`` (a Part's sub-walks included)."""
+    if isinstance(s, Loop):
+        return set(section_nodes(s, True))
+    inner = (list(s.walks.values()) if isinstance(s, Part) else s.parts
+             if isinstance(s, Sequential) else s.branches if isinstance(s, Parallel) else [])
+    return set().union(*(_looped(p) for p in inner))
 
 
 def _has_loop(s: SectionLike) -> bool:
@@ -344,7 +402,9 @@ class SegmentModel(Model):
         keep = {o if isinstance(o, str) else o.name for s in segments for o in s.outputs}
 
         def edge(o: Any, node: str) -> Any:
-            if isinstance(o, StreamingGraphEdge) or (not isinstance(o, str) and o.to == EMIT):
+            if isinstance(o, StreamingGraphEdge):  # leaving: each item goes out as made
+                return o if o.to in near[node] else GraphEdge(EMIT, o.name)
+            if not isinstance(o, str) and o.to == EMIT:
                 return o
             name = o if isinstance(o, str) else o.name
             persist = name in keep or (not isinstance(o, str) and o.persist)
@@ -353,7 +413,7 @@ class SegmentModel(Model):
             return GraphEdge(o.to if o.to in near[node] else "", name, persist)
 
         self.nodes = [dataclasses.replace(
-            n, outputs=tuple(edge(o, n.name) for o in n.outputs),
+            n, outputs=tuple(dict.fromkeys(edge(o, n.name) for o in n.outputs)),
             submodule=subs[n.name], engine=engines[n.name])
             for n in model.nodes if n.name in near]
         # A run's walk has the parent's walk name (its errors then read as in one process),
