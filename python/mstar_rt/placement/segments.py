@@ -329,40 +329,37 @@ class _Finder:
             set(s.accumulated_outputs)
 
 
+def _children(s: SectionLike) -> list[SectionLike]:
+    """The sections directly inside ``s`` (a Part's sub-walks included)."""
+    if isinstance(s, Part):
+        return list(s.walks.values()) if isinstance(s.walks, Mapping) else []
+    if isinstance(s, Loop):
+        return [s.section]
+    return (list(s.parts) if isinstance(s, Sequential)
+            else list(s.branches) if isinstance(s, Parallel) else [])
+
+
 def _exported(s: SectionLike) -> set[str]:
     """The names the Loops of ``s`` hand on after them (outputs, accumulated outputs)."""
     own = set(s.outputs) | set(s.accumulated_outputs) if isinstance(s, Loop) else set()
-    inner = (list(s.walks.values()) if isinstance(s, Part) else [s.section] if isinstance(s, Loop)
-             else s.parts if isinstance(s, Sequential)
-             else s.branches if isinstance(s, Parallel) else [])
-    return own.union(*(_exported(p) for p in inner))
+    return own.union(*(_exported(p) for p in _children(s)))
 
 
 def _looped(s: SectionLike) -> set[str]:
-    """The nodes inside a Loop of ``s`` (a Part's sub-walks included)."""
+    """The nodes inside a Loop of ``s``."""
     if isinstance(s, Loop):
         return set(section_nodes(s, True))
-    inner = (list(s.walks.values()) if isinstance(s, Part) else s.parts
-             if isinstance(s, Sequential) else s.branches if isinstance(s, Parallel) else [])
-    return set().union(*(_looped(p) for p in inner))
+    return set().union(*(_looped(p) for p in _children(s)))
 
 
 def _has_loop(s: SectionLike) -> bool:
-    if isinstance(s, Loop):
-        return True
-    if isinstance(s, Part):
-        return any(_has_loop(w) for w in s.walks.values())
-    inner = s.parts if isinstance(s, Sequential) else s.branches if isinstance(s, Parallel) else ()
-    return any(_has_loop(p) for p in inner)
+    return isinstance(s, Loop) or any(_has_loop(p) for p in _children(s))
 
 
 def loop_names(s: SectionLike) -> set[str]:
     """The names of the DynamicLoops in ``s`` (a Part's sub-walks included)."""
     own = {s.name} if isinstance(s, DynamicLoop) else set()
-    inner = (list(s.walks.values()) if isinstance(s, Part) else [s.section] if isinstance(s, Loop)
-             else s.parts if isinstance(s, Sequential)
-             else s.branches if isinstance(s, Parallel) else [])
-    return own.union(*(loop_names(p) for p in inner))
+    return own.union(*(loop_names(p) for p in _children(s)))
 
 
 def section_nodes(s: SectionLike, parts: bool = False) -> list[str]:
