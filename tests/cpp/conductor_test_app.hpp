@@ -432,6 +432,17 @@ struct App {
   }
 };
 
+/// A node function writing the sum of input k's values (a stream window's items) to output 0.
+inline App::NodeFn sum_input(std::size_t k) {
+  return [k](const WorkItem&, const std::vector<std::vector<long>>& in, std::vector<long>& out,
+             std::vector<NameId>&) {
+    long s = 0;
+    for (long v : in[k]) s += v;
+    out[0] = s;
+    return true;
+  };
+}
+
 /// A valid IR using every kind of id: names x h s o gen; engines e0 e1; nodes init P C.
 inline GraphSpec valid_ir() {
   IR ir;

@@ -64,12 +64,7 @@ void run_stream_case(const StreamCase& sc) {
     if (sc.dynamic && it.iteration + 1 == sc.items) stop.push_back(gen);
     return true;
   };
-  app.fns[ir.node_id("C")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
-    long s = 0;
-    for (long v : in[1]) s += v;
-    out[0] = s;
-    return true;
-  };
+  app.fns[ir.node_id("C")] = sum_input(1);
   // Two requests with different inputs, interleaved by the engines.
   const long xs[2] = {1000, 5000};
   RequestId rs[2];
@@ -269,12 +264,7 @@ TEST(Conductor, StreamInsideAnOuterLoopRestartsEachIteration) {
     out[1] = in[0][0] + 1;
     return true;
   };
-  app.fns[ir.node_id("C")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
-    long s = 0;
-    for (long v : in[0]) s += v;
-    out[0] = s;
-    return true;
-  };
+  app.fns[ir.node_id("C")] = sum_input(0);
   const RequestId r = app.submit(main, {{ir.name("x"), 0}});
   app.drain();
   // Each outer iteration streams 3 items (values 1,2,3 then 4,5,6) as Fixed(2): [0,2) [2,3).
@@ -305,12 +295,7 @@ TEST(Conductor, PushStreamFeedsTheConsumerWhileTheProducerIsInFlight) {
   w.stream("S", "s", "C", ChunkPolicy::fixed(2), stand_in).emit("C", "o");
   const WalkId main = w.build(w.par({stand_in, w.node("C")}));
   App app(ir.g);
-  app.fns[ir.node_id("C")] = [](const WorkItem&, const auto& in, auto& out, auto&) {
-    long s = 0;
-    for (long v : in[0]) s += v;
-    out[0] = s;
-    return true;
-  };
+  app.fns[ir.node_id("C")] = sum_input(0);
   const RequestId r = app.submit(main, {{ir.name("x"), 0}});
   const auto batch = app.c.next_batch(0, 8, 0ns);  // S, in flight while the items arrive
   ASSERT_EQ(batch.size(), 1u);
