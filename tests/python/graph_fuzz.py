@@ -257,8 +257,13 @@ def valid_graphs(draw) -> dict:
             nodes.append((consumer, (tok,), [("out", out), ("edge", EMIT, out, False)],
                           "default", draw(st.integers(1, 3))))
             arrange = draw(st.sampled_from(["seq", "par"]))
+            reader: Any = ("node", consumer)
+            made = {out}
+            if draw(st.booleans()):  # a node after the consumer: a section the stream enters
+                after, made_after = node(avail, reads=(out,))
+                reader, made = ("seq", [reader, after]), made | made_after
             return (arrange, [("loop", producer, draw(st.integers(1, 3)), (), ()),
-                              ("node", consumer)]), {out}
+                              reader]), made
         body, made = section(avail, depth + 1)
         listed = draw(st.lists(st.sampled_from(sorted(made)), unique=True)) if made else []
         split = draw(st.integers(0, len(listed)))

@@ -15,7 +15,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Model, NodeSubmodule,
-                      Part, Sequential)
+                      Parallel, Part, Sequential, StreamingGraphEdge)
+from mstar_rt.streaming import Fixed
 
 GROUP = ["a", "b", "gen", "c", "d"]
 
@@ -186,3 +187,107 @@ class Nested(Model):
 
 def nested() -> Nested:
     return Nested()
+
+
+class Think(NodeSubmodule):
+    """A thinker's decode step: t -> 0.9 t + 0.1, EMITted and streamed (``reply``) to the
+    talker; stops ``think`` after ``n`` steps (``pause`` seconds each)."""
+
+    max_batch = 8
+
+    def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
+        return {**inputs, "step": ctx.iteration}
+
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        out = []
+        for item in batch:
+            if item["pause"]:
+                time.sleep(item["pause"])
+            t = item["t"] * 0.9 + 0.1
+            out.append({"t": t, "tok": t, "reply": t})
+        return out
+
+    def check_stop(self, batch: list[dict], outputs: list) -> list:
+        return [("think",) if b["step"] + 1 >= b["n"] else () for b in batch]
+
+
+class Talk(NodeSubmodule):
+    """A talker's step: its windows of ``prompt`` and ``reply`` (one item or none each) and
+    its last frame make ``mix``, also streamed (``frames``) to ``sink``."""
+
+    max_batch = 8
+
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        out = []
+        for item in batch:
+            heard = sum((v for v in list(item["prompt"].items) + list(item["reply"].items)),
+                        torch.zeros(()))
+            mix = item["frame"] * 0.5 + heard
+            out.append({"mix": mix, "frames": mix})
+        return out
+
+
+class Voice(NodeSubmodule):
+    """The talker's second node: ``frame`` from ``mix``, EMITted as ``audio``; stops ``talk``
+    after ``m`` steps; raises at step ``fail_at``."""
+
+    max_batch = 8
+
+    def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
+        return {**inputs, "step": ctx.iteration}
+
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        for item in batch:
+            if item["step"] == item["fail_at"]:
+                raise ValueError("voice fails on purpose")
+        return [{"frame": torch.tanh(item["mix"]), "audio": torch.tanh(item["mix"])}
+                for item in batch]
+
+    def check_stop(self, batch: list[dict], outputs: list) -> list:
+        return [("talk",) if b["step"] + 1 >= b["m"] else () for b in batch]
+
+
+class Sink(NodeSubmodule):
+    """Reads the talker's frames two at a time (a code2wav): each window's sum EMITted."""
+
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        return [{"wave": sum(item["frames"].items, torch.zeros(()))} for item in batch]
+
+
+class Fed(Model):
+    """Qwen3-Omni's shape: a thinker (``prefill``, then a DynamicLoop of ``think``) streams a
+    prompt item and one ``reply`` item per step to a talker loop (``talk``, ``voice``) reading
+    one window of each per iteration (going on with empty ones after the thinker is done), whose
+    ``frames`` stream to ``sink``. With the talker on a worker and the thinker elsewhere, its
+    loop is one segment the streams enter (placement/stream_in.py)."""
+
+    inputs = ("x", "n", "m", "pause", "fail_at", "frame")
+    input_defaults = {"n": 5, "m": 7, "pause": 0.0, "fail_at": -1, "frame": torch.zeros(())}
+
+    def __init__(self) -> None:
+        to_talk = dict(chunk_policy=Fixed(1), continue_after_done=True)
+        self.nodes = [
+            GraphNode("prefill", ["x"], ["t", StreamingGraphEdge("talk", "prompt", **to_talk)],
+                      submodule=Prefill()),
+            GraphNode("think", ["t", "n", "pause"],
+                      ["t", GraphEdge(EMIT, "tok"), StreamingGraphEdge("talk", "reply", **to_talk)],
+                      submodule=Think()),
+            GraphNode("talk", ["prompt", "reply", "frame"],
+                      ["mix", StreamingGraphEdge("sink", "frames", Fixed(2))], submodule=Talk()),
+            GraphNode("voice", ["mix", "m", "fail_at"], ["frame", GraphEdge(EMIT, "audio")],
+                      submodule=Voice()),
+            GraphNode("sink", ["frames"], [GraphEdge(EMIT, "wave")], submodule=Sink()),
+        ]
+        self.walks = {"speak": Parallel(
+            Sequential("prefill", DynamicLoop("think", 64, "think", outputs=["t"])),
+            DynamicLoop(Sequential("talk", "voice"), 64, "talk"),
+            "sink")}
+
+
+class Prefill(NodeSubmodule):
+    def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
+        return [{"t": torch.tanh(item["x"]), "prompt": item["x"] * 2.0} for item in batch]
+
+
+def fed() -> Fed:
+    return Fed()

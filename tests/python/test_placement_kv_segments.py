@@ -193,8 +193,8 @@ def test_qwen3_omni_on_one_worker_runs_its_parts_inside_it(tmp_path):
         assert stats["segment_runs"] == 0
     # Thinker on one worker, talker, code predictor and code2wav on another. The thinker's
     # prefill and decode loop are segments whose streams to the talker leave item by item
-    # (Conductor.push_stream); the talker, reading a stream from outside, runs node by node,
-    # except the code predictor's inner Loop: one segment run per audio frame.
+    # (Conductor.push_stream); they enter the talker's loop, one segment run per request,
+    # window by window (placement/stream_in.py); code2wav alone runs node by node.
     thinker = [n for n in nodes if n.startswith(("text_", "thinker_", "audio_encoder"))]
     groups = [NodeGroup(thinker, rank=1), NodeGroup([n for n in nodes if n not in thinker],
                                                     rank=2)]
@@ -202,7 +202,7 @@ def test_qwen3_omni_on_one_worker_runs_its_parts_inside_it(tmp_path):
                        model_kwargs={"directory": str(tmp_path)}, progress=False) as rt:
         assert segments_of(rt) == ["segment:text:0", "segment:speak:0", "segment:speak:1",
                                    "segment:speak:2"]
-        before = messages(rt)
+        before, before2 = messages(rt), rt.worker_stats(2)["messages"]
         tokens, audio = collect(rt.submit(req))
         assert tokens == want_tokens
         np.testing.assert_allclose(audio, want_audio, atol=1e-5)
@@ -210,5 +210,9 @@ def test_qwen3_omni_on_one_worker_runs_its_parts_inside_it(tmp_path):
                 if k == "token"] == want_text
         # two requests, their walks' runs (prefill, decode) and a stats call: not one per token
         assert messages(rt) - before <= 8 < len(want_tokens)
+        # worker 2: a window per thinker token and code2wav's windows, not a crossing per
+        # talker step and code-predictor run (40 frames)
+        # (20 here, against 88 node by node)
+        assert rt.worker_stats(2)["messages"] - before2 <= 2 * len(want_tokens) + 4
         for rank in (1, 2):
             assert idle(rt, rank)["segment_runs"] == 0

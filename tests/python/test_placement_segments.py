@@ -108,7 +108,8 @@ def test_a_worker_dying_mid_segment_fails_its_requests_and_restarts():
 def test_segments_are_not_made_where_they_would_change_what_nodes_see():
     # A stream (backbone -> collect) with both ends on one worker is its segment's own; with
     # its consumer elsewhere it leaves the producer's loop item by item (pushes); entering a
-    # section from outside, the consumer keeps the per-node path; single nodes keep it too.
+    # section from outside, it enters through the stand-in (takes: test_placement_stream_in.py);
+    # single nodes keep the per-node path.
     walk = pm.pipeline()
     ranks = {"encoder": 1, "embed": 0, "backbone": 2, "collect": 2, "head": 0}
     assert [s.nodes for s in find_segments(walk, ranks, {1, 2}).segments] == \
@@ -126,7 +127,9 @@ def test_segments_are_not_made_where_they_would_change_what_nodes_see():
                                 submodule=sm.Affine("y", "z", 1.0, 0.0))]
     entering.inputs = ("x",)
     entering.walks = {"main": Parallel(Loop("p", 3), Sequential("c", "d"))}
-    assert find_segments(entering, {"p": 0, "c": 1, "d": 1}, {1}).segments == []
+    assert [(s.nodes, [e.name for _, e in s.takes]) for s in
+            find_segments(entering, {"p": 0, "c": 1, "d": 1}, {1}).segments] == [(("c", "d"),
+                                                                                   ["s"])]
     # the same stream leaving the producer's loop on a worker for the consumer's section
     assert [s.pushes for s in find_segments(entering, {"p": 1, "c": 0, "d": 0},
                                             {1}).segments] == [("s",)]

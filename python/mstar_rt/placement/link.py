@@ -35,8 +35,8 @@ from mstar_rt.placement.hub import bell_path
 from mstar_rt.placement.ledger import ItemLedger
 from mstar_rt.placement.inbox import Inbox
 from mstar_rt.placement.mailbox import MailboxSocket, worker_mail
-from mstar_rt.placement.replies import (complete_from_reply, deliver_emits, fail_for_death,
-                                        open_entry)
+from mstar_rt.placement.replies import (answer_windows, complete_from_reply, deliver_emits,
+                                        fail_for_death, open_entry)
 from mstar_rt.placement.watchdog import Watchdog, heartbeat_period
 from mstar_rt.placement.process import ProcessLauncher, WorkerProcess, WorkerStartError, say
 from mstar_rt.placement.protocol import VERSION, ProtocolError, field, int_list
@@ -84,6 +84,7 @@ class WorkerLink:
         self._fatal: Optional[str] = None
         self._threads: list[threading.Thread] = []
         self._asks = Asks(self.rank)
+        self.feeds: set[int] = set()  # stand-ins taking streams: a window not last is answered here
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -331,6 +332,8 @@ class WorkerLink:
             rt.report(rt.conductor.fail_items(ended, "the request ended"))
         if live:
             self._transmit(gen, node, walk, live)
+            if node in self.feeds:
+                answer_windows(rt, node, live, self._take)
 
     def _transmit(self, gen: int, node: int, walk: int, items: list) -> None:
         failures: list[tuple[list[int], str]] = []
@@ -411,8 +414,7 @@ class WorkerLink:
     # ---- receiving (the hub's receiver thread) ------------------------------------------------
 
     def take_mail(self) -> list[list[bytes]]:
-        """The replies waiting in a local worker's mailbox. A corrupt mailbox cannot be read
-        on: the worker is killed (its death fails its requests)."""
+        """A local worker's replies; a corrupt mailbox kills it (its death fails its requests)."""
         replies, error = self.inbox.take_mail()
         if error is not None:
             self._bad_reply(f"{error}; killing the worker")
@@ -443,9 +445,9 @@ class WorkerLink:
     def _dispatch(self, kind: str, msg: dict) -> None:
         if kind == "done":
             complete_from_reply(self.rt, msg, self._take)
-        elif kind == "failed":
-            named = msg.get("named") is True  # the message names the node (a segment's)
-            self._report_failed(int_list(msg, "items"), field(msg, "message", str), named)
+        elif kind == "failed":  # named: the message names the node (a segment's)
+            self._report_failed(int_list(msg, "items"), field(msg, "message", str),
+                                msg.get("named") is True, field(msg, "request", int, True))
         elif kind == "emit":
             deliver_emits(self.rt, msg)
         elif kind == "ready":
@@ -474,10 +476,13 @@ class WorkerLink:
         with self._lock:
             return self._ledger.take(ids)
 
-    def _report_failed(self, ids: list[int], message: str, named: bool = False) -> None:
+    def _report_failed(self, ids: list[int], message: str, named: bool = False,
+                       request: Optional[int] = None) -> None:
         taken = self._take(ids)
         if taken:
             self.rt.report(self.rt.conductor.fail_items(sorted(taken), message, named=named))
+        elif request is not None:  # a run fed by streams failed before its last window came
+            self.rt.report(self.rt.conductor.fail(request, message))
 
     # ---- introspection ------------------------------------------------------------------------
 

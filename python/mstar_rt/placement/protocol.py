@@ -16,6 +16,8 @@ parent's PULL socket.
 parent -> worker (worker's mailbox, or its ROUTER socket)::
 
     batch    gen node walk items=[[item, request, iteration, {input: value}, chunk|None]]
+             (a segment's stand-in taking streams: one window per item, only the last of
+             them answered: stream_in.py)
              open={request: {"inputs": {..}|None, "state": {..},
                              "order": [deadline_ns, priority]}}
              release=[request]   (requests that ended since: released before the batch)
@@ -34,8 +36,10 @@ worker -> parent (its mailbox, or the parent's PULL socket)::
     done     rank gen node items=[item] outputs=[{name: value}] stops=[[loop]]|None
              states={request: {key: scalar}} [emits=[[request, name, value]]]
                                               (a segment's last EMITs, delivered first)
-    failed   rank gen items=[item] message [named=true]
-                                              (named: the message says which node failed)
+    failed   rank gen items=[item] message [named=true] [request=id]
+                                              (named: the message says which node failed;
+                                              request: a segment run fed by streams failed
+                                              before its last window: stream_in.py)
     emit     rank gen emits=[[request, name, value]] items=[item]   (a segment's EMITs)
     stats    rank gen token stats={..}
     error    rank gen message                 (it got a malformed message)

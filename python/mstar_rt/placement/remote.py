@@ -60,11 +60,16 @@ class PlacedModel(Model):
         used = set(parent_engines.values())
         self.engine_specs = {e: spec for e, spec in model.engine_specs.items() if e in used}
         if segments is not None and segments.segments:
+            # A stream into a segment goes to its stand-in, which takes it whole.
+            self.nodes = [dataclasses.replace(n, outputs=tuple(segments.edge(o) for o in n.outputs))
+                          if segments.redirect else n for n in self.nodes]
             # Appended: the model's own nodes keep their ids, which both processes share.
             self.nodes += stand_in_nodes(segments.segments)
             self.walks = segments.walks
             for seg in segments.segments:
-                self.submodules[seg.name] = RemoteSubmodule(seg.name, seg.rank, SEGMENT_BATCH)
+                # one taking streams hears their end: that last window answers for the run
+                kind = RemoteStreamEndSubmodule if seg.takes else RemoteSubmodule
+                self.submodules[seg.name] = kind(seg.name, seg.rank, SEGMENT_BATCH)
                 self.engines[seg.name] = SEGMENT_ENGINE.format(rank=seg.rank)
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:

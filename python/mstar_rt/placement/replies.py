@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 from mstar_rt.placement.codec import scalar_items
 from mstar_rt.placement.protocol import ProtocolError, field, int_list
+from mstar_rt.placement.stream_in import window_lasts
 
 if TYPE_CHECKING:
     from mstar_rt.placement.config import RankPlan
@@ -67,6 +68,17 @@ def complete_from_reply(rt: "PlacedRuntime", msg: dict,
     except Exception as e:  # e.g. outputs the node does not declare: fail those items
         outcome = rt.conductor.fail_items(keep_ids, f"{type(e).__name__}: {e}")
     rt.report(outcome)
+
+
+def answer_windows(rt: "PlacedRuntime", node: int, items: list,
+                   take: Callable[[list[int]], set[int]]) -> None:
+    """Completes, as sent, the windows of stand-in ``node`` (it takes streams entering its
+    segment, placement/stream_in.py) that are not their streams' last: the worker has nothing to
+    say about them, and the next window may leave at once. The last one waits for the run."""
+    ids = [it.id for it in items if not all(window_lasts(it.chunk))]
+    taken = sorted(take(ids)) if ids else []
+    if taken:
+        rt.report(rt.conductor.complete(node, taken, [{}] * len(taken)))
 
 
 def deliver_emits(rt: "PlacedRuntime", msg: dict) -> None:

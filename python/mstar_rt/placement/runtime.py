@@ -210,6 +210,9 @@ class PlacedRuntime(Runtime):
                     plan.kv_moves, self._links, kv_timeout_s, self._host,
                     lambda rid: self.requests.get(rid) is not None)
             super().__init__(placed, poll_s, {**remote, **local_engines})
+            for seg in seg_plan.segments if seg_plan is not None else ():
+                if seg.takes:  # its windows not last are answered as sent (stream_in.py)
+                    self._links[seg.rank].feeds.add(self.graph.node_ids[seg.name])
             self._remote_engines = list(remote.values())
             for engine in self._remote_engines:  # submit() sends their first batch (below)
                 self.conductor.set_submitter_takes(engine.engine_id, True)

@@ -20,20 +20,26 @@ from mstar_rt.graph import EMIT, GraphEdge
 from mstar_rt.model import NO_DEADLINE, Model, RequestContext
 from mstar_rt.placement.codec import scalar_items
 from mstar_rt.placement.inline_runs import InlineRuns
-from mstar_rt.placement.segments import Segment, SegmentModel, loop_names
+from mstar_rt.placement.segment_model import SegmentModel
+from mstar_rt.placement.segments import Segment, loop_names
+from mstar_rt.placement.stream_in import STREAM_IN_ENGINE, Feed, source_name, window_lasts
 from mstar_rt.runtime import RequestCancelled, RequestHandle, Runtime
 
 
 class _Run:
     """One segment run: the parent's work item it answers and the request it belongs to."""
 
-    __slots__ = ("context", "item", "request", "node", "outputs", "released", "last_emits")
+    __slots__ = ("context", "item", "request", "node", "outputs", "released", "last_emits",
+                 "feed")
 
     def __init__(self, context: RequestContext, item: int, request: int, node: int) -> None:
         self.context, self.item, self.request, self.node = context, item, request, node
         self.outputs: dict = {}
         self.released = False
         self.last_emits: list = []  # made by the batch that ends the run: they leave with it
+        # streams entering it (placement/stream_in.py), until its last window came: its end's
+        # answer then waits for that window's item
+        self.feed: Optional[Feed] = None
 
 
 class _SegmentRuntime(Runtime):
@@ -82,6 +88,7 @@ class SegmentRunner:
         self._runs: dict[int, _Run] = {}           # id(run context) -> run
         self._driver: Optional[int] = None          # the thread running a run inline
         self._pending = threading.local()           # the run that submit() is binding
+        self._feeds: dict[tuple[int, int], _Run] = {}  # (segment, request) -> run fed by streams
         self.segments = {first_id + i: s for i, s in enumerate(segments) if s.rank == rank}
         # streams leaving a segment: name -> whether its producer also EMITs it
         emitted = {(n.name, o.name) for n in model.nodes for o in n.outputs
@@ -161,10 +168,14 @@ class SegmentRunner:
     # ---- runs ----------------------------------------------------------------------------------
 
     def submit(self, node: int, items: list, alone: bool = False) -> list[int]:
-        """Starts a run per item ``(item, request, inputs)``; the items it could not start (no
-        context for the request) are returned, for the caller to fail. ``alone``: the message
-        came with no other waiting; a single short run then runs on this thread
-        (placement/inline_runs.py)."""
+        """Starts a run per item ``(item, request, inputs, chunk)``; the items it could not start
+        (no context for the request) are returned, for the caller to fail. ``alone``: the
+        message came with no other waiting; a single short run then runs on this thread
+        (placement/inline_runs.py). A segment taking streams gets their windows instead
+        (:meth:`_windows`)."""
+        if self.segments[node].takes:
+            return self._windows(node, items)
+        items = [it[:3] for it in items]
         rt, inline = self.runtimes[node], self._inline[node]
         driving = inline.begin(alone and len(items) == 1)
         if driving:
@@ -181,23 +192,73 @@ class SegmentRunner:
                 self._send_here()  # what a run going on on the engine thread made here
         return refused
 
-    def _start(self, rt: Runtime, node: int, items: list) -> list[int]:
+    def _start(self, rt: Runtime, node: int, items: list, feed: Optional[Feed] = None
+               ) -> list[int]:
         refused = []
         for item, rid, inputs in items:
             ctx = self._context(rid)
             if ctx is None:
                 refused.append(item)
                 continue
-            self._pending.run = _Run(ctx, item, rid, node)
+            run = self._pending.run = _Run(ctx, item, rid, node)
+            if feed is not None:
+                run.feed = feed
+                with self._lock:
+                    self._feeds[(node, rid)] = run
             deadline = (None if ctx.deadline_ns == NO_DEADLINE
                         else (ctx.deadline_ns - time.monotonic_ns()) / 1e9)
             try:
                 rt.submit(inputs, deadline=deadline, priority=ctx.priority, keep_outputs=False)
-            except Exception as e:  # the run never started: only its item fails
-                self._forget(self._pending.run)
-                self._reply("failed", items=[item], message=f"{type(e).__name__}: {e}")
+            except Exception as e:  # the run never started: only its item (request) fails
+                self._forget(run)
+                message = f"{type(e).__name__}: {e}"
+                if run.feed is not None:  # its later windows are dropped, its last answered
+                    run.feed.result = (RuntimeError(message),)
+                self._reply("failed", items=[item], message=message,
+                            **({"request": rid} if run.feed is not None else {}))
             finally:
                 self._pending.run = None
+        return refused
+
+    def _windows(self, node: int, items: list) -> list[int]:
+        """Windows of the streams entering segment ``node``, one item each (the parent takes
+        them with Fixed(1)): the first starts the run, each item is pushed into its stream's
+        source node, a stream's last window ends its source, and the run's end is answered
+        with the item of the last window of all (placement/stream_in.py)."""
+        rt, seg = self.runtimes[node], self.segments[node]
+        names = [e.name for _, e in seg.takes]
+        refused = []
+        for item, rid, inputs, chunk in items:
+            lasts = window_lasts(chunk)
+            with self._lock:
+                run = self._feeds.get((node, rid))
+            if run is None:
+                plain = {k: v for k, v in inputs.items() if k not in names}
+                sources = [(rt.graph.node_ids[source_name(seg.name, x)], rt.graph.name_ids[x])
+                           for x in names]
+                refused += self._start(rt, node, [(item, rid, plain)], Feed(sources))
+                with self._lock:
+                    run = self._feeds.get((node, rid))
+                if run is None:
+                    continue
+            feed = run.feed
+            assert feed is not None
+            sub = run.context.id
+            for k, (source, name) in enumerate(feed.sources):
+                if feed.result is not None or feed.ended[k]:
+                    continue
+                for value in inputs.get(names[k]) or ():
+                    rt.report(rt.conductor.push_stream(sub, source, name, value))
+                if lasts[k]:
+                    feed.ended[k] = True
+                    rt.engines[STREAM_IN_ENGINE].end(sub, source)
+            if all(lasts):
+                with self._lock:
+                    self._feeds.pop((node, rid), None)
+                    run.item, run.feed = item, None
+                    result = feed.result
+                if result is not None:  # the run ended before: answered now
+                    self._answer(run, result[0])
         return refused
 
     def _bind(self, run_ctx: RequestContext) -> Segment:
@@ -245,7 +306,25 @@ class SegmentRunner:
     def ended(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
         with self._lock:
             run = self._runs.pop(id(handle.context), None)
+            feed = run.feed if run is not None else None
+            if feed is not None:  # the answer waits for the last window's item
+                feed.result = (error,)
+        if feed is not None:  # its sources' items are let go
+            self.runtimes[run.node].engines[STREAM_IN_ENGINE].release(handle.context.id)
         if run is None or run.released:
+            return
+        if feed is not None:
+            if run.last_emits:
+                self._reply("emit", emits=run.last_emits, items=[run.item])
+                run.last_emits = []
+            if error is not None and not isinstance(error, RequestCancelled):
+                self._reply("failed", items=[], message=str(error), named=True,
+                            request=run.request)
+            return
+        self._answer(run, error)
+
+    def _answer(self, run: _Run, error: Optional[BaseException]) -> None:
+        if run.released:
             return
         if error is None:
             extra = {"emits": run.last_emits} if run.last_emits else {}
@@ -263,6 +342,8 @@ class SegmentRunner:
             runs = [r for r in self._runs.values() if r.request == rid]
             for r in runs:
                 r.released = True
+            for key in [k for k in self._feeds if k[1] == rid]:
+                self._feeds.pop(key).released = True
         for r in runs:
             handle = self.runtimes[r.node].requests.get(r.context.id)
             if handle is not None:
@@ -285,7 +366,9 @@ class SegmentRunner:
         for rt in self._unique_runtimes():
             for k, v in rt.live.items():
                 live[k] += v
-        return dict(segment_runs=len(self._runs), segment_live=live)
+        with self._lock:  # a run fed by streams counts until its last window came
+            runs = len(set(map(id, self._runs.values())) | set(map(id, self._feeds.values())))
+        return dict(segment_runs=runs, segment_live=live)
 
     def close(self) -> None:
         for rt in self._unique_runtimes():

@@ -25,7 +25,13 @@ policy, windows and end as in one process). A stream leaving a segment (its cons
 leaves through the stand-in: the worker sends each item as it is made and the parent appends it
 to the stand-in's stream (``Conductor.push_stream``), which the stand-in's end ends -- so the
 segment must hold the producer's whole scope (the innermost loop around it, if any). A stream
-entering a segment from outside keeps its consumer on the per-node path.
+entering a segment (its producer elsewhere) enters through the stand-in: the parent's producer
+streams to the stand-in instead, which takes the stream whole, one item per window; each window
+crosses to the worker as it comes and is pushed into a source node that stands for the producer
+in the worker's Runtime (placement/stream_in.py), so the consumer's own chunk policy cuts its
+windows there, as in one process. Such a stand-in sits in no loop of the walk (one run of it
+reads the whole stream), and the producer and consumer run in no other walk (the producer's edge
+is redirected to the stand-in).
 
 A walk with Parts that runs whole on one worker is one segment, its Parts' sub-walks chosen in
 the worker; otherwise each sub-walk of a Part is searched like any section (the parent chooses
@@ -33,10 +39,11 @@ the sub-walks).
 
 Where a segment would change what a node sees, the per-node path stays: a node that keeps
 per-request state ``cleanup`` drops (unless it keys it by cache id), a stream entering the
-section, one leaving it from inside a loop the section does not hold, a Loop with
+section inside a loop, one leaving it from inside a loop the section does not hold, a Loop with
 ``accumulated_outputs``, and, inside a loop that runs in the
 parent (its iterations and stops are the parent's), anything but a fixed Loop whose nodes stop
-no loop (a code predictor's steps inside a talker's decode loop: one run per outer iteration). A
+no loop (a code predictor's steps inside a talker's decode loop: one run per outer iteration);
+nor a stream entering a section inside a loop, or one that would need a Loop around it. A
 segment of one node gains nothing and is not made, except for a stateful engine's node.
 """
 
@@ -44,12 +51,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional
 
 from mstar_rt.graph import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Parallel, Part,
                             SectionLike, Sequential, StreamingGraphEdge)
 from mstar_rt.model import Model, NodeSubmodule, node_engines, node_submodules
 from mstar_rt.nodes import overrides
+from mstar_rt.streaming import Fixed
 
 SEGMENT_ENGINE = "segment@rank{rank}"
 
@@ -67,12 +75,35 @@ class Segment:
     outputs: tuple[Any, ...]       # the stand-in's outputs: what it leaves visible after it
     engines: tuple[str, ...] = ()  # the stateful engines its nodes use (shared across runs)
     pushes: tuple[str, ...] = ()   # streams leaving it: each item crosses as it is made
+    # streams entering it, by name: (producer, its edge to the consumer inside)
+    takes: tuple[tuple[str, StreamingGraphEdge], ...] = ()
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The stand-in's inputs: what it reads from outside, then the streams entering it (its
+        windows come in this order)."""
+        return self.inputs + tuple(e.name for _, e in self.takes)
+
+    @property
+    def stream_input(self) -> Any:
+        """None, the one stream it takes, or a tuple of them (as NodeEntry.stream_input)."""
+        names = tuple(e.name for _, e in self.takes)
+        return None if not names else names[0] if len(names) == 1 else names
 
 
 @dataclass
 class SegmentPlan:
     segments: list[Segment]
     walks: dict[str, SectionLike]  # the walks with each segment replaced by its stand-in
+    # (consumer, stream name) -> the stand-in that takes that stream in its place
+    redirect: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+
+    def edge(self, o: Any) -> Any:
+        """An output of the parent's model view: a stream to a node inside a segment goes to
+        its stand-in, one item per window."""
+        if isinstance(o, StreamingGraphEdge) and (o.to, o.name) in self.redirect:
+            return StreamingGraphEdge(self.redirect[(o.to, o.name)], o.name, Fixed(1))
+        return o
 
 
 def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int],
@@ -97,12 +128,17 @@ def find_segments(model: Model, node_rank: Mapping[str, int], workers: set[int],
         left = {n for w in walks.values() for n in section_nodes(w, parts=True)}
         lost = {e for e, nodes in finder.shared.items() if nodes & left}
         if not lost:
-            return SegmentPlan(finder.segments, walks)
+            plan = SegmentPlan(finder.segments, walks,
+                               {(e.to, e.name): s.name for s in finder.segments
+                                for _, e in s.takes})
+            plan.segments = [dataclasses.replace(s, outputs=tuple(plan.edge(o) for o in s.outputs))
+                             for s in plan.segments]
+            return plan
         finder.drop(lost)
 
 
 def stand_in_nodes(segments: list[Segment]) -> list[GraphNode]:
-    return [GraphNode(s.name, s.inputs, s.outputs) for s in segments]
+    return [GraphNode(s.name, s.reads, s.outputs) for s in segments]
 
 
 class _Finder:
@@ -137,6 +173,10 @@ class _Finder:
         # What a segment must send back: names read outside it or kept for later walks (a
         # walk's end keeps only those: next_walk sees no other value).
         self.readers = {n.name: set(n.inputs) for n in model.nodes}
+        self.walks_of: dict[str, set[str]] = {}
+        for walk, root in model.walks.items():
+            for n in section_nodes(root, True):
+                self.walks_of.setdefault(n, set()).add(walk)
         self.segments: list[Segment] = []
         self.walk, self.count = "", 0
         self.looped: set[str] = set()  # the nodes inside a loop of the walk being rewritten
@@ -176,16 +216,26 @@ class _Finder:
         stops loops: a stop of the outer loop would not reach the parent."""
         return (type(s) is Loop and not any(self.stops[n] for n in section_nodes(s, True)))
 
-    def closed(self, s: SectionLike) -> bool:
-        """No stream enters the section, and each leaving it can leave through the stand-in:
-        its producer's stream ends where the stand-in ends (the innermost loop around the
-        producer lies inside the section, or the walk has none: the end then comes no
-        earlier), and nothing outside reads its name but its consumer."""
+    def closed(self, s: SectionLike, inside_loop: bool = False) -> bool:
+        """Each stream leaving the section can leave through the stand-in: its producer's
+        stream ends where the stand-in ends (the innermost loop around the producer lies
+        inside the section, or the walk has none: the end then comes no earlier), and nothing
+        outside reads its name but its consumer. Each entering it can enter through the
+        stand-in: outside any loop (one run of the stand-in reads it whole), its producer and
+        consumer in this walk only (the producer's edge goes to the stand-in), its name read
+        inside by its consumer alone and taken once."""
         members = set(section_nodes(s, True))
         looped = _looped(s)
+        taken: set[str] = set()
         for (p, c), edge in self.streams.items():
             if c in members and p not in members:
-                return False
+                if (inside_loop or edge.name in taken
+                        or not self.walks_of.get(p, set()) == self.walks_of.get(c) == {self.walk}
+                        or any(edge.name in self.readers[n] for n in members
+                               if (n, edge.name) not in self.consumes)):
+                    return False
+                taken.add(edge.name)
+                continue
             if p in members and c not in members and (
                     (p not in looped and p in self.looped) or edge.name in self.persisted
                     or any(edge.name in xs for n, xs in self.readers.items()
@@ -207,7 +257,9 @@ class _Finder:
         if section_nodes(root, True) != section_nodes(root):  # it has Parts
             rank = self.whole_rank(root, parts=True)
             if rank is not None and self.worth_it(root) and self.closed(root):
-                return self.make(root, rank)
+                made = self.make(root, rank)
+                if made is not None:
+                    return made
         return self.rewrite(root, inside_loop=False)
 
     def rewrite(self, s: SectionLike, inside_loop: bool) -> SectionLike:
@@ -217,8 +269,10 @@ class _Finder:
             return Part(s.name, {k: self.rewrite(w, inside_loop) for k, w in s.walks.items()})
         if not inside_loop or self.nested_loop(s):
             rank = self.whole_rank(s)
-            if rank is not None and self.worth_it(s) and self.closed(s):
-                return self.make(s, rank)
+            if rank is not None and self.worth_it(s) and self.closed(s, inside_loop):
+                made = self.make(s, rank)
+                if made is not None:
+                    return made
         if isinstance(s, str):
             return s
         if isinstance(s, Loop):
@@ -238,8 +292,11 @@ class _Finder:
             if not run:
                 return
             section = run[0] if len(run) == 1 else Sequential(*run)
-            if not inside_loop and self.worth_it(section) and self.closed(section):
-                out.append(self.make(section, run_rank))  # type: ignore[arg-type]
+            made = (self.make(section, run_rank)  # type: ignore[arg-type]
+                    if not inside_loop and self.worth_it(section) and self.closed(section)
+                    else None)
+            if made is not None:
+                out.append(made)
             else:
                 out.extend(self.rewrite(p, inside_loop) for p in run)
             run.clear()
@@ -257,9 +314,10 @@ class _Finder:
         close_run()
         return Sequential(*out)
 
-    def make(self, section: SectionLike, rank: int) -> SectionLike:
+    def make(self, section: SectionLike, rank: int) -> Optional[SectionLike]:
+        """The stand-in of ``section`` (recorded as a segment), or None when it cannot stand
+        there (streams enter it and it would need a Loop around it)."""
         name = f"segment:{self.walk}:{self.count}"
-        self.count += 1
         inputs: list[str] = []
         made = self.flow(section, set(), inputs)
         members = set(section_nodes(section, True))
@@ -277,17 +335,24 @@ class _Finder:
                      if isinstance(e, GraphEdge) and e.name == x and e.to != EMIT}
             outputs.extend(sorted(edges, key=lambda e: (e.to, e.persist)) or [x])
         engines = sorted({self.engine_of[n] for n in members} & set(self.shared))
-        self.segments.append(Segment(name, self.walk, rank, section, tuple(sorted(members)),
-                                     tuple(inputs), tuple(outputs), tuple(engines),
-                                     tuple(sorted(pushes))))
+        takes = sorted(((p, e) for (p, c), e in self.streams.items()
+                        if c in members and p not in members), key=lambda t: t[1].name)
         # The stand-in sits in a Loop of one iteration, whose outputs are its own: when a name
         # it makes was made before it (a loop may make again what a node before it made, as a
         # backbone refines the encoder's h; a node may not), and when streams leave it (their
-        # scope is then the stand-in's run, not a loop around it).
+        # scope is then the stand-in's run, not a loop around it) -- unless streams enter it:
+        # it then sits in no loop (closed()), and in a Loop it would read one window only.
         plain = [o if isinstance(o, str) else o.name for o in outputs
                  if not isinstance(o, StreamingGraphEdge)]
-        if pushes or set(plain) & set().union(*(m for n, m in self.made.items()
-                                                if n not in members)):
+        remade = bool(set(plain) & set().union(*(m for n, m in self.made.items()
+                                                 if n not in members)))
+        if takes and remade:
+            return None
+        self.count += 1
+        self.segments.append(Segment(name, self.walk, rank, section, tuple(sorted(members)),
+                                     tuple(inputs), tuple(outputs), tuple(engines),
+                                     tuple(sorted(pushes)), tuple(takes)))
+        if (pushes and not takes) or remade:
             return Loop(name, 1, tuple(dict.fromkeys(plain)))
         return name
 
@@ -378,68 +443,5 @@ def section_nodes(s: SectionLike, parts: bool = False) -> list[str]:
     return []
 
 
-class SegmentModel(Model):
-    """What a worker's in-process Runtime serves for its ``segments`` (one, or those sharing a
-    stateful engine): their nodes (with the worker's submodules), one walk per segment (its
-    section), their inputs (those a run does not read default to None).
-    An edge to a node outside every segment of its node becomes a plain output.
-    ``bind(request)`` runs in ``submit`` and returns the run's segment (it gives the run the
-    worker's context of the request); ``capture(request, outputs)`` gets the segment's outputs
-    at its end."""
-
-    def __init__(self, model: Model, segments: Sequence[Segment],
-                 bind: Callable[[Any], Segment], capture: Callable[[Any, dict], None]) -> None:
-        subs, engines = node_submodules(model), node_engines(model)
-        near = {n: set() for s in segments for n in s.nodes}  # node -> nodes it shares a run with
-        for s in segments:
-            for n in s.nodes:
-                near[n] |= set(s.nodes)
-        # What a run hands back must outlive its walk's end, which keeps persisted values
-        # only: the segments' outputs are persisted here.
-        keep = {o if isinstance(o, str) else o.name for s in segments for o in s.outputs}
-
-        def edge(o: Any, node: str) -> Any:
-            if isinstance(o, StreamingGraphEdge):  # leaving: each item goes out as made
-                return o if o.to in near[node] else GraphEdge(EMIT, o.name)
-            if not isinstance(o, str) and o.to == EMIT:
-                return o
-            name = o if isinstance(o, str) else o.name
-            persist = name in keep or (not isinstance(o, str) and o.persist)
-            if isinstance(o, str):
-                return GraphEdge("", o, True) if persist else o
-            return GraphEdge(o.to if o.to in near[node] else "", name, persist)
-
-        self.nodes = [dataclasses.replace(
-            n, outputs=tuple(dict.fromkeys(edge(o, n.name) for o in n.outputs)),
-            submodule=subs[n.name], engine=engines[n.name])
-            for n in model.nodes if n.name in near]
-        # A run's walk has the parent's walk name (its errors then read as in one process),
-        # unless two of these segments share it.
-        walks = [s.walk for s in segments]
-        self._walk = {s.name: s.walk if walks.count(s.walk) == 1 else s.name for s in segments}
-        self.walks = {self._walk[s.name]: s.section for s in segments}
-        self.inputs = tuple(dict.fromkeys(x for s in segments for x in s.inputs))
-        if len(segments) > 1:
-            self.input_defaults = {x: None for x in self.inputs}
-        self.engine_specs = {e: model.engine_specs[e] for s in segments for e in s.engines}
-        self._bind, self._capture, self._model = bind, capture, model
-        self._out_names = {self._walk[s.name]: {o if isinstance(o, str) else o.name
-                                                for o in s.outputs} for s in segments}
-
-    def initial_walk(self, request: Any) -> str:
-        return self._walk[self._bind(request).name]
-
-    def next_part_walk(self, request: Any, part: str, finished: Optional[str]) -> Optional[str]:
-        """The model's own choice: a segment with Parts is a whole walk (its run keeps the
-        walk's name) and its run's context is the request's (inputs, state)."""
-        return self._model.next_part_walk(request, part, finished)
-
-    def next_walk(self, request: Any, finished_walk: str, persisted: Mapping[str, Any]
-                  ) -> Optional[str]:
-        names = self._out_names[finished_walk]
-        self._capture(request, {x: v for x, v in persisted.items() if x in names})
-        return None
-
-
-__all__ = ["SEGMENT_ENGINE", "Segment", "SegmentModel", "SegmentPlan", "find_segments",
+__all__ = ["SEGMENT_ENGINE", "Segment", "SegmentPlan", "find_segments",
            "loop_names", "stand_in_nodes"]

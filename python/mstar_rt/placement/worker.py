@@ -312,8 +312,8 @@ class Worker:
                 raise ProtocolError(f"node id {node} is not one of this worker's nodes {names}")
             if not 0 <= walk < len(host.walk_names):
                 raise ProtocolError(f"walk id {walk} is out of range")
-            if segment is not None:
-                inputs, stream_input = set(segment.inputs), None
+            if segment is not None:  # the streams entering it come in windows
+                inputs, stream_input = set(segment.reads), segment.stream_input
                 node_name = segment.name
             else:
                 inputs = set(host.graph.node_inputs[node])
@@ -371,8 +371,8 @@ class Worker:
         if node not in self.host.segments.segments:
             self.host.dispatch(node, walk, items, alone)
             return
-        refused = self.host.segments.submit(node, [(w.id, w.request, w.inputs) for w in items],
-                                            alone)
+        refused = self.host.segments.submit(
+            node, [(w.id, w.request, w.inputs, w.chunk) for w in items], alone)
         if refused:
             self.outbox.send("failed", items=refused, message="the request ended")
 

@@ -1,0 +1,155 @@
+"""Streams entering a segment (placement/stream_in.py): a talker-like loop on a worker reading
+a thinker's streams from outside runs as one segment, its windows crossing one item each as they
+are made, instead of one parent round trip per node and iteration. Outputs equal in-process
+(the consumer's own windows, continuing after the stream ends, stopping before it does); a
+failure before or after the last window fails exactly its request, naming the node; a cancel
+mid-stream leaves nothing held; where entering would change what a node sees, the per-node path
+stays."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mstar_rt import (EMIT, DynamicLoop, Fixed, GraphEdge, GraphNode, Loop, Model, Parallel,
+                      RequestFailed, Runtime, Sequential, StreamingGraphEdge)
+from mstar_rt.placement import NodeGroup, PlacedRuntime
+from mstar_rt.placement.segments import find_segments
+
+import placement_segment_models as sm
+from placement_support import T
+from walk_models import wait_until
+
+TALKER = {"talk": 2, "voice": 2}
+
+
+def cases() -> list[dict]:
+    """Talker shorter than, equal to and longer than the thinker, and a one-step thinker."""
+    return [dict(x=torch.tensor(0.1 * (i + 1)), **kw) for i, kw in enumerate(
+        [{}, dict(m=3), dict(n=1, m=4), dict(n=8, m=8), dict(n=6, m=11), dict(m=1)])]
+
+
+def by_name(outputs: list) -> dict:
+    """Each output name's values in order (names interleave by timing, each in its order)."""
+    out: dict = {}
+    for name, value in outputs:
+        out.setdefault(name, []).append(round(float(value), 6))
+    return out
+
+
+def idle(rt: PlacedRuntime, rank: int) -> dict:
+    want = dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
+    assert wait_until(lambda: (s := rt.worker_stats(rank))["live_requests"] == 0
+                      and s["segment_runs"] == 0 and s["segment_live"] == want, T)
+    return rt.worker_stats(rank)
+
+
+def test_entering_streams_make_the_talker_loop_one_segment():
+    plan = find_segments(sm.fed(), {"prefill": 0, "think": 0, **TALKER, "sink": 0}, {2})
+    (seg,) = plan.segments
+    assert seg.nodes == ("talk", "voice") and seg.pushes == ("frames",)
+    assert [(p, e.name) for p, e in seg.takes] == [("prefill", "prompt"), ("think", "reply")]
+    assert seg.reads == seg.inputs + ("prompt", "reply")  # its windows come in this order
+    assert plan.walks["speak"].branches[1] == seg.name  # in no Loop: one run reads it whole
+    assert plan.redirect == {("talk", "prompt"): seg.name, ("talk", "reply"): seg.name}
+    # a thinker on a worker of its own streams from its stand-in to the talker's
+    both = find_segments(sm.fed(), {"prefill": 1, "think": 1, **TALKER, "sink": 0}, {1, 2})
+    thinker, talker = both.segments
+    assert {(o.to, o.name, repr(o.chunk_policy)) for o in thinker.outputs
+            if isinstance(o, StreamingGraphEdge)} == {(talker.name, "prompt", "Fixed(1)"),
+                                                      (talker.name, "reply", "Fixed(1)")}
+
+
+def test_entering_stays_per_node_where_it_would_change_what_nodes_see():
+    # Inside a loop the parent runs, a stand-in would read one window per iteration.
+    looped = sm.fed()
+    looped.walks = {"speak": Parallel(Sequential("prefill", DynamicLoop("think", 8, "think")),
+                                      DynamicLoop(Sequential("talk", Loop("voice", 1)), 8,
+                                                  "talk"), "sink")}
+    assert all(s.nodes != ("voice",) or not s.takes for s in
+               find_segments(looped, {"voice": 2}, {2}).segments)
+    # A producer that runs in another walk too: its edge cannot go to one walk's stand-in.
+    shared = sm.fed()
+    shared.walks = {**shared.walks, "think_only": Sequential("prefill",
+                                                             DynamicLoop("think", 8, "think"),
+                                                             "talk", "voice", "sink")}
+    assert not any(s.takes for s in find_segments(shared, TALKER, {2}).segments)
+    # A node inside reading the stream's name plainly would see a window instead.
+    entering = Model()
+    entering.nodes = [GraphNode("p", ["x"], ["x", StreamingGraphEdge("c", "s", Fixed(1))],
+                                submodule=sm.Affine("x", "x", 1.0, 1.0)),
+                      GraphNode("c", ["s"], ["y"], submodule=sm.Affine("s", "y", 1.0, 0.0)),
+                      GraphNode("d", ["y", "s"], [GraphEdge(EMIT, "z")],
+                                submodule=sm.Affine("y", "z", 1.0, 0.0))]
+    entering.inputs = ("x",)
+    entering.walks = {"main": Parallel(Loop("p", 3), Sequential("c", "d"))}
+    assert find_segments(entering, {"p": 0, "c": 1, "d": 1}, {1}).segments == []
+
+
+@pytest.mark.parametrize("thinker,sink", [(0, 0), (1, 0), (1, 2)])
+def test_a_stream_entering_a_segment_crosses_window_by_window(thinker, sink):
+    ranks = {"prefill": thinker, "think": thinker, **TALKER, "sink": sink}
+    groups = [NodeGroup([n for n, r in ranks.items() if r == rank], rank=rank)
+              for rank in sorted(set(ranks.values()) - {0})]
+    reqs = cases()
+    with Runtime(sm.fed()) as local:
+        want = [by_name(local.submit(r)) for r in reqs]
+    with PlacedRuntime("placement_segment_models:fed", groups, progress=False,
+                       shm_bytes=1 << 20) as rt, \
+            PlacedRuntime("placement_segment_models:fed", groups, progress=False,
+                          shm_bytes=1 << 20, segments=False) as per_node:
+        talker = [s for s in rt.node_names if s.startswith("segment:")][-1]
+        assert rt.segments_enabled and talker not in per_node.node_names
+        counts = []
+        for r in (rt, per_node):
+            before = r.worker_stats(2)["messages"]
+            assert [by_name(r.submit(c)) for c in reqs] == want
+            handles = [r.submit(c) for c in reqs]  # at once: windows of several requests
+            assert [by_name(h) for h in handles] == want
+            counts.append(r.worker_stats(2)["messages"] - before)
+        # one message per window of the thinker's streams (and a release) per request, and
+        # the sink's windows when it runs there: not one per talker node and step
+        windows = sum(c.get("n", 5) + 1 + (sink == 2) * (c.get("m", 7) // 2 + 2) for c in reqs)
+        assert counts[0] <= 2 * windows + 2 < counts[1]
+        idle(rt, 2)
+
+
+def test_a_failing_talker_fails_its_request_before_the_stream_ends():
+    groups = [NodeGroup(list(TALKER), rank=2)]
+    with PlacedRuntime("placement_segment_models:fed", groups, progress=False,
+                       shm_bytes=1 << 20) as rt:
+        assert any(s.startswith("segment:") for s in rt.node_names)
+        # the thinker streams for 2 s; voice fails at its second step, long before
+        t0 = time.monotonic()
+        h = rt.submit(dict(x=torch.tensor(0.3), n=40, m=60, pause=0.05, fail_at=1))
+        with pytest.raises(RequestFailed, match="node 'voice' in walk 'speak' failed: "
+                                                "ValueError: voice fails on purpose"):
+            h.result(T)
+        assert time.monotonic() - t0 < 1.5
+        # after the last window (the talker outlives the thinker), and at its first step
+        for fail_at in (6, 0):
+            with pytest.raises(RequestFailed, match="voice fails on purpose"):
+                rt.submit(dict(x=torch.tensor(0.3), n=2, m=9, fail_at=fail_at)).result(T)
+        idle(rt, 2)
+        with Runtime(sm.fed()) as local:
+            c = dict(x=torch.tensor(0.2), n=3)
+            assert by_name(rt.submit(c)) == by_name(local.submit(c))
+
+
+def test_a_cancel_mid_stream_leaves_nothing_held():
+    groups = [NodeGroup(["prefill", "think"], rank=1), NodeGroup(list(TALKER), rank=2)]
+    with PlacedRuntime("placement_segment_models:fed", groups, progress=False,
+                       shm_bytes=1 << 20) as rt:
+        slow = [rt.submit(dict(x=torch.tensor(0.1 * i), n=30, m=40, pause=0.02))
+                for i in range(3)]
+        for h in slow:
+            assert next(iter(h))[0] in ("tok", "audio", "wave")
+            h.cancel()
+        for rank in (1, 2):
+            idle(rt, rank)
+        assert rt.live == dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
+        with Runtime(sm.fed()) as local:
+            c = dict(x=torch.tensor(0.4), n=4, m=6)
+            assert by_name(rt.submit(c)) == by_name(local.submit(c))
