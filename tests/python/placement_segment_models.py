@@ -37,20 +37,26 @@ class MaybeFail(Affine):
         return super().forward(batch)
 
 
-class Gen(NodeSubmodule):
-    """One step per iteration: g -> tanh(g) + 0.1, the step's token EMITted; stops after n."""
+class Step(NodeSubmodule):
+    """A loop's step: sees its iteration as ``step`` and sleeps ``pause`` seconds if given."""
 
     max_batch = 8
 
     def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
-        ctx.request.state["gen_steps"] = ctx.iteration + 1
+        time.sleep(inputs.get("pause") or 0.0)
         return {**inputs, "step": ctx.iteration}
+
+
+class Gen(Step):
+    """One step per iteration: g -> tanh(g) + 0.1, the step's token EMITted; stops after n."""
+
+    def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
+        ctx.request.state["gen_steps"] = ctx.iteration + 1
+        return super().prepare_inputs(ctx, inputs)
 
     def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
         out = []
         for item in batch:
-            if item["pause"]:
-                time.sleep(item["pause"])
             g = torch.tanh(item["g"]) + 0.1
             out.append({"g": g, "tok": int(g.sum() * 1000) % 97})
         return out
@@ -189,23 +195,12 @@ def nested() -> Nested:
     return Nested()
 
 
-class Think(NodeSubmodule):
+class Think(Step):
     """A thinker's decode step: t -> 0.9 t + 0.1, EMITted and streamed (``reply``) to the
     talker; stops ``think`` after ``n`` steps (``pause`` seconds each)."""
 
-    max_batch = 8
-
-    def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
-        return {**inputs, "step": ctx.iteration}
-
     def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
-        out = []
-        for item in batch:
-            if item["pause"]:
-                time.sleep(item["pause"])
-            t = item["t"] * 0.9 + 0.1
-            out.append({"t": t, "tok": t, "reply": t})
-        return out
+        return [{"t": t, "tok": t, "reply": t} for t in (b["t"] * 0.9 + 0.1 for b in batch)]
 
     def check_stop(self, batch: list[dict], outputs: list) -> list:
         return [("think",) if b["step"] + 1 >= b["n"] else () for b in batch]
@@ -227,14 +222,9 @@ class Talk(NodeSubmodule):
         return out
 
 
-class Voice(NodeSubmodule):
+class Voice(Step):
     """The talker's second node: ``frame`` from ``mix``, EMITted as ``audio``; stops ``talk``
     after ``m`` steps; raises at step ``fail_at``."""
-
-    max_batch = 8
-
-    def prepare_inputs(self, ctx: Any, inputs: dict) -> dict:
-        return {**inputs, "step": ctx.iteration}
 
     def forward(self, batch: list[dict]) -> list[Mapping[str, Any]]:
         for item in batch:

@@ -54,12 +54,15 @@ def test_entering_streams_make_the_talker_loop_one_segment():
     assert seg.reads == seg.inputs + ("prompt", "reply")  # its windows come in this order
     assert plan.walks["speak"].branches[1] == seg.name  # in no Loop: one run reads it whole
     assert plan.redirect == {("talk", "prompt"): seg.name, ("talk", "reply"): seg.name}
-    # a thinker on a worker of its own streams from its stand-in to the talker's
+    # A thinker on a worker of its own streams from its decode loop's stand-in to the
+    # talker's. Its prefill is no segment with the loop: the prompt's stream would end only
+    # when the loop does, holding the talker back meanwhile (it stays node by node).
     both = find_segments(sm.fed(), {"prefill": 1, "think": 1, **TALKER, "sink": 0}, {1, 2})
     thinker, talker = both.segments
-    assert {(o.to, o.name, repr(o.chunk_policy)) for o in thinker.outputs
-            if isinstance(o, StreamingGraphEdge)} == {(talker.name, "prompt", "Fixed(1)"),
-                                                      (talker.name, "reply", "Fixed(1)")}
+    assert thinker.nodes == ("think",) and talker.nodes == ("talk", "voice")
+    assert [(o.to, o.name, repr(o.chunk_policy)) for o in thinker.outputs
+            if isinstance(o, StreamingGraphEdge)] == [(talker.name, "reply", "Fixed(1)")]
+    assert both.redirect == {("talk", "prompt"): talker.name, ("talk", "reply"): talker.name}
 
 
 def test_entering_stays_per_node_where_it_would_change_what_nodes_see():
@@ -109,10 +112,11 @@ def test_a_stream_entering_a_segment_crosses_window_by_window(thinker, sink):
             handles = [r.submit(c) for c in reqs]  # at once: windows of several requests
             assert [by_name(h) for h in handles] == want
             counts.append(r.worker_stats(2)["messages"] - before)
-        # one message per window of the thinker's streams (and a release) per request, and
-        # the sink's windows when it runs there: not one per talker node and step
-        windows = sum(c.get("n", 5) + 1 + (sink == 2) * (c.get("m", 7) // 2 + 2) for c in reqs)
-        assert counts[0] <= 2 * windows + 2 < counts[1]
+        # per request: a message per window of the thinker's streams (n, and the stream end),
+        # a release, and the sink's windows when the sink runs there; not one per talker node
+        # and step (node by node: 118-132 here, against 53-89)
+        windows = sum(c.get("n", 5) + 2 + (sink == 2) * -(-c.get("m", 7) // 2) for c in reqs)
+        assert counts[0] <= 2 * windows + 2 and counts[0] < counts[1]
         idle(rt, 2)
 
 
@@ -153,3 +157,17 @@ def test_a_cancel_mid_stream_leaves_nothing_held():
         with Runtime(sm.fed()) as local:
             c = dict(x=torch.tensor(0.4), n=4, m=6)
             assert by_name(rt.submit(c)) == by_name(local.submit(c))
+
+
+def test_the_talker_speaks_while_the_thinker_on_another_worker_still_thinks():
+    """Each stream entering the talker's segment ends when its producer's scope does, as in one
+    process: the prompt's (one prefill item) long before the thinker's decode loop ends, so the
+    talker reads on past its first window while the thinker still streams."""
+    groups = [NodeGroup(["prefill", "think"], rank=1), NodeGroup(list(TALKER), rank=2)]
+    with PlacedRuntime("placement_segment_models:fed", groups, progress=False,
+                       shm_bytes=1 << 20) as rt:
+        names = [name for name, _ in rt.submit(dict(x=torch.tensor(0.5), n=12, m=12,
+                                                    pause=0.03))]
+        audio = [i for i, n in enumerate(names) if n == "audio"]
+        last_token = max(i for i, n in enumerate(names) if n == "tok")
+        assert len(audio) == 12 and audio[3] < last_token, names

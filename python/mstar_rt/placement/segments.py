@@ -24,12 +24,13 @@ A stream whose producer and consumer sit in one segment is the segment Runtime's
 policy, windows and end as in one process). A stream leaving a segment (its consumer elsewhere)
 leaves through the stand-in: the worker sends each item as it is made and the parent appends it
 to the stand-in's stream (``Conductor.push_stream``), which the stand-in's end ends -- so the
-segment must hold the producer's whole scope (the innermost loop around it, if any). A stream
-entering a segment (its producer elsewhere) enters through the stand-in: the parent's producer
-streams to the stand-in instead, which takes the stream whole, one item per window; each window
-crosses to the worker as it comes and is pushed into a source node that stands for the producer
-in the worker's Runtime (placement/stream_in.py), so the consumer's own chunk policy cuts its
-windows there, as in one process. Such a stand-in sits in no loop of the walk (one run of it
+segment must hold the producer's whole scope (the innermost loop around it, if any) and end
+with it (else the stream would end later than in one process, holding its consumer back). A
+stream entering a segment (its producer elsewhere) enters through the stand-in: the parent's
+producer streams to the stand-in instead, which takes the stream whole, one item per window;
+each window crosses to the worker as it comes and is pushed into a source node that stands for
+the producer in the worker's Runtime (placement/stream_in.py), so the consumer's own chunk
+policy cuts its windows there, as in one process. Such a stand-in sits in no loop of the walk (one run of it
 reads the whole stream), and the producer and consumer run in no other walk (the producer's edge
 is redirected to the stand-in).
 
@@ -219,8 +220,10 @@ class _Finder:
     def closed(self, s: SectionLike, inside_loop: bool = False) -> bool:
         """Each stream leaving the section can leave through the stand-in: its producer's
         stream ends where the stand-in ends (the innermost loop around the producer lies
-        inside the section, or the walk has none: the end then comes no earlier), and nothing
-        outside reads its name but its consumer. Each entering it can enter through the
+        inside the section, or the walk has none, and the section ends with that scope: a
+        stream ending earlier in one process would hold its consumer back until the whole
+        section ended, as a prefill's stream would wait for the decode loop after it), and
+        nothing outside reads its name but its consumer. Each entering it can enter through the
         stand-in: outside any loop (one run of the stand-in reads it whole), its producer and
         consumer in this walk only (the producer's edge goes to the stand-in), its name read
         inside by its consumer alone and taken once."""
@@ -237,7 +240,8 @@ class _Finder:
                 taken.add(edge.name)
                 continue
             if p in members and c not in members and (
-                    (p not in looped and p in self.looped) or edge.name in self.persisted
+                    (p not in looped and p in self.looped) or not _ends_with_scope(s, p)
+                    or edge.name in self.persisted
                     or any(edge.name in xs for n, xs in self.readers.items()
                            if n not in members and (p, n) not in self.streams)):
                 return False
@@ -408,6 +412,24 @@ def _exported(s: SectionLike) -> set[str]:
     """The names the Loops of ``s`` hand on after them (outputs, accumulated outputs)."""
     own = set(s.outputs) | set(s.accumulated_outputs) if isinstance(s, Loop) else set()
     return own.union(*(_exported(p) for p in _children(s)))
+
+
+def _ends_with_scope(s: SectionLike, node: str) -> bool:
+    """Whether ``s`` ends when ``node``'s stream does: its scope (the innermost Loop around it
+    in ``s``, or the node itself) is ``s`` or the last part of ``s``'s trailing Sequentials."""
+    scope = _innermost_loop(s, node)
+    while isinstance(s, Sequential) and s.parts:
+        s = s.parts[-1]
+    return s == node if scope is None else s is scope
+
+
+def _innermost_loop(s: SectionLike, node: str) -> Optional[Loop]:
+    """The innermost Loop of ``s`` around ``node``, if any."""
+    for child in _children(s):
+        if node in section_nodes(child, True):
+            inner = _innermost_loop(child, node)
+            return inner if inner is not None else (s if isinstance(s, Loop) else None)
+    return None
 
 
 def _looped(s: SectionLike) -> set[str]:
