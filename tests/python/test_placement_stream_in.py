@@ -8,6 +8,8 @@ stays."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -171,3 +173,26 @@ def test_the_talker_speaks_while_the_thinker_on_another_worker_still_thinks():
         audio = [i for i, n in enumerate(names) if n == "audio"]
         last_token = max(i for i, n in enumerate(names) if n == "tok")
         assert len(audio) == 12 and audio[3] < last_token, names
+
+
+def test_a_talker_worker_dying_mid_stream_fails_its_request_and_restarts():
+    """The parent answered the windows already sent; the worker still held the request, so
+    its death fails it (not a window it is waiting for), and a deadline likewise."""
+    with PlacedRuntime("placement_segment_models:fed", [NodeGroup(list(TALKER), rank=2)],
+                       progress=False, shm_bytes=1 << 20) as rt:
+        h = rt.submit(dict(x=torch.tensor(0.3), n=60, m=80, pause=0.05))
+        assert wait_until(lambda: rt.worker_stats(2)["segment_runs"] == 1, T)
+        t0 = time.monotonic()
+        os.kill(rt.workers[2]["pid"], signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="killed by signal 9"):
+            h.result(T)
+        assert time.monotonic() - t0 < 5
+        rt.restart_worker(2)
+        late = rt.submit(dict(x=torch.tensor(0.3), n=60, m=80, pause=0.05), deadline=0.4,
+                         fail_late=True)
+        with pytest.raises(RequestFailed):
+            late.result(T)
+        idle(rt, 2)
+        with Runtime(sm.fed()) as local:
+            c = dict(x=torch.tensor(0.2), n=4, m=6)
+            assert by_name(rt.submit(c)) == by_name(local.submit(c))
