@@ -17,7 +17,9 @@ import torch
 
 from mstar_rt import (EMIT, DynamicLoop, Fixed, GraphEdge, GraphNode, Loop, Model, Parallel,
                       RequestFailed, Runtime, Sequential, StreamingGraphEdge)
+from mstar_rt.model import RequestContext
 from mstar_rt.placement import NodeGroup, PlacedRuntime
+from mstar_rt.placement.segment_runner import SegmentRunner
 from mstar_rt.placement.segments import find_segments
 
 import placement_segment_models as sm
@@ -196,3 +198,44 @@ def test_a_talker_worker_dying_mid_stream_fails_its_request_and_restarts():
         with Runtime(sm.fed()) as local:
             c = dict(x=torch.tensor(0.2), n=4, m=6)
             assert by_name(rt.submit(c)) == by_name(local.submit(c))
+
+
+def test_the_worker_side_takes_windows_and_answers_the_last():
+    """SegmentRunner alone, fed as the parent feeds it: the first window starts the run, each
+    is pushed into its source, the run's outputs leave as made and its end answers the item of
+    the last window; a malformed window fails its request by id; nothing is held after."""
+    model = sm.fed()
+    (seg,) = find_segments(model, TALKER, {2}).segments
+    assert seg.reads == ("frame", "m", "fail_at", "prompt", "reply")
+    contexts = {7: RequestContext(7, {}), 8: RequestContext(8, {})}
+    replies: list = []
+    node = len(model.nodes)
+    runner = SegmentRunner(model, [seg], node, 2, contexts.get,
+                           lambda kind, **fields: replies.append((kind, fields)))
+    plain = {"frame": torch.zeros(()), "m": 3, "fail_at": -1}
+    # what the thinker of a request x = 0.5, n = 2 streams: its prompt, then two replies
+    one = torch.tensor(1.0)
+    first = torch.tanh(torch.tensor(0.5)) * 0.9 + 0.1
+    second = first * 0.9 + 0.1
+    try:
+        assert runner.submit(node, [(1, 7, {**plain, "prompt": [one], "reply": [first]},
+                                     (((0, 0, 1, True), (0, 0, 1, False)), False))]) == []
+        assert runner.submit(node, [(2, 7, {**plain, "prompt": [], "reply": [second]},
+                                     (((1, 1, 1, True), (1, 1, 2, True)), False))]) == []
+        assert wait_until(lambda: any(k == "done" for k, _ in replies), T)
+        done = [f for k, f in replies if k == "done"]
+        assert [d["items"] for d in done] == [[2]]  # the last window's item, once
+        with Runtime(sm.fed()) as local:
+            want = by_name(local.submit(dict(x=torch.tensor(0.5), n=2, m=3)))
+        emitted = [(e[1], e[2]) for k, f in replies if k in ("emit", "done")
+                   for e in f.get("emits", []) if len(e) == 3]
+        assert by_name(emitted)["audio"] == want["audio"]
+        # a window that is not a list of values fails its request at once, by id
+        runner.submit(node, [(3, 8, {**plain, "prompt": one, "reply": [first]},
+                              (((0, 0, 1, False), (0, 0, 1, False)), False))])
+        failed = [f for k, f in replies if k == "failed"]
+        assert failed and failed[-1]["request"] == 8 and "one window" in failed[-1]["message"]
+        assert wait_until(lambda: runner.stats()["segment_runs"] == 0, T)
+        assert not any(runner.stats()["segment_live"].values())
+    finally:
+        runner.close()

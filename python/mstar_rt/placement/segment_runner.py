@@ -230,6 +230,13 @@ class SegmentRunner:
         refused = []
         for item, rid, inputs, chunk in items:
             lasts = window_lasts(chunk)
+            if len(lasts) != len(names) or not all(isinstance(inputs.get(x), list)
+                                                   for x in names):
+                self._reply("failed", items=[item], request=rid,
+                            message=f"segment '{seg.name}' takes streams {names}: each of its "
+                                    "items carries one window (a list of values) per stream "
+                                    "and the chunk saying which is last")
+                continue
             with self._lock:
                 run = self._feeds.get((node, rid))
             if run is None:
@@ -247,7 +254,7 @@ class SegmentRunner:
             for k, (source, name) in enumerate(feed.sources):
                 if feed.result is not None or feed.ended[k]:
                     continue
-                for value in inputs.get(names[k]) or ():
+                for value in inputs[names[k]]:
                     rt.report(rt.conductor.push_stream(sub, source, name, value))
                 if lasts[k]:
                     feed.ended[k] = True
