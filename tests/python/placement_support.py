@@ -6,12 +6,16 @@ in its own fixture, so every file gets fresh workers)."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from typing import Optional
 
 import numpy as np
 import torch
 
-from mstar_rt import Runtime
+import pytest
+
+from mstar_rt import RequestFailed, Runtime
 from mstar_rt.engines import KVCacheEngine, SamplingParams
 from mstar_rt.placement import NodeGroup, PlacedRuntime
 
@@ -123,6 +127,18 @@ def idle(rt: PlacedRuntime, rank: int) -> dict:
 
     wait_until(check, timeout=T, interval=0.02)
     return stats
+
+
+def kill_mid_run(rt: PlacedRuntime, rank: int, handle) -> None:
+    """Kills worker ``rank`` once ``handle``'s segment run is in it: the request fails within
+    5 s, naming the signal, and the rank restarts."""
+    assert wait_until(lambda: rt.worker_stats(rank)["segment_runs"] == 1, T)
+    t0 = time.monotonic()
+    os.kill(rt.workers[rank]["pid"], signal.SIGKILL)
+    with pytest.raises(RequestFailed, match="killed by signal 9"):
+        handle.result(T)
+    assert time.monotonic() - t0 < 5
+    rt.restart_worker(rank)
 
 
 def worker_children(parent: Optional[int] = 0,

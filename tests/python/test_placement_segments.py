@@ -7,8 +7,6 @@ by the parent) the per-node path stays (a KV engine on one worker: test_placemen
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
@@ -21,7 +19,7 @@ from mstar_rt.placement.segments import find_segments
 
 import placement_models as pm
 import placement_segment_models as sm
-from placement_support import T, pipeline_inputs, same
+from placement_support import T, kill_mid_run, pipeline_inputs, same
 from walk_models import settled, wait_until
 
 
@@ -93,14 +91,7 @@ def test_cancel_and_timeout_inside_a_segment_free_the_run(placed):
 def test_a_worker_dying_mid_segment_fails_its_requests_and_restarts():
     with PlacedRuntime("placement_segment_models:segmented", [NodeGroup(sm.GROUP, rank=1)],
                        progress=False, shm_bytes=1 << 20) as rt:
-        h = rt.submit(inputs(0, n=60, pause=0.05))
-        assert wait_until(lambda: rt.worker_stats(1)["segment_runs"] == 1, T)
-        t0 = time.monotonic()
-        os.kill(rt.workers[1]["pid"], signal.SIGKILL)
-        with pytest.raises(RequestFailed, match="killed by signal 9"):
-            h.result(T)
-        assert time.monotonic() - t0 < 5
-        rt.restart_worker(1)
+        kill_mid_run(rt, 1, rt.submit(inputs(0, n=60, pause=0.05)))
         assert len(rt.submit(inputs(1)).result(T)["tok"]) == 4
         assert settled(rt) == dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
 

@@ -8,8 +8,6 @@ stays."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
@@ -23,7 +21,7 @@ from mstar_rt.placement.segment_runner import SegmentRunner
 from mstar_rt.placement.segments import find_segments
 
 import placement_segment_models as sm
-from placement_support import T
+from placement_support import T, kill_mid_run
 from walk_models import wait_until
 
 TALKER = {"talk": 2, "voice": 2}
@@ -182,14 +180,7 @@ def test_a_talker_worker_dying_mid_stream_fails_its_request_and_restarts():
     its death fails it (not a window it is waiting for), and a deadline likewise."""
     with PlacedRuntime("placement_segment_models:fed", [NodeGroup(list(TALKER), rank=2)],
                        progress=False, shm_bytes=1 << 20) as rt:
-        h = rt.submit(dict(x=torch.tensor(0.3), n=60, m=80, pause=0.05))
-        assert wait_until(lambda: rt.worker_stats(2)["segment_runs"] == 1, T)
-        t0 = time.monotonic()
-        os.kill(rt.workers[2]["pid"], signal.SIGKILL)
-        with pytest.raises(RequestFailed, match="killed by signal 9"):
-            h.result(T)
-        assert time.monotonic() - t0 < 5
-        rt.restart_worker(2)
+        kill_mid_run(rt, 2, rt.submit(dict(x=torch.tensor(0.3), n=60, m=80, pause=0.05)))
         late = rt.submit(dict(x=torch.tensor(0.3), n=60, m=80, pause=0.05), deadline=0.4,
                          fail_late=True)
         with pytest.raises(RequestFailed):
