@@ -175,7 +175,6 @@ class SegmentRunner:
         (:meth:`_windows`)."""
         if self.segments[node].takes:
             return self._windows(node, items)
-        items = [it[:3] for it in items]
         rt, inline = self.runtimes[node], self._inline[node]
         driving = inline.begin(alone and len(items) == 1)
         if driving:
@@ -195,7 +194,8 @@ class SegmentRunner:
     def _start(self, rt: Runtime, node: int, items: list, feed: Optional[Feed] = None
                ) -> list[int]:
         refused = []
-        for item, rid, inputs in items:
+        for it in items:  # (item, request, inputs, ...)
+            item, rid, inputs = it[0], it[1], it[2]
             ctx = self._context(rid)
             if ctx is None:
                 refused.append(item)
