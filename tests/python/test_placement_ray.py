@@ -286,6 +286,30 @@ def test_a_killed_actor_fails_only_its_requests_and_ray_restarts_it(placed, refe
     assert same(placed.submit(inp).result(T), reference["walk"][0])
 
 
+def test_a_thinker_streams_into_a_talker_segment_across_ray_nodes(cluster):
+    """Streams entering a segment (placement/stream_in.py) between actors on two nodes, over
+    tcp: the thinker's loop (head) pushes its items, they enter the talker's loop (second
+    node) window by window; outputs equal one process."""
+    import torch
+
+    import placement_segment_models as sm
+    before = _slots()
+    rt = PlacedRuntime("placement_segment_models:fed",
+                       [NodeGroup(["prefill", "think"], rank=1, **ON_HEAD),
+                        NodeGroup(["talk", "voice"], rank=2, **ON_NODE2)],
+                       launcher="ray", progress=False)
+    try:
+        assert [n for n in rt.node_names if n.startswith("segment:")] == \
+            ["segment:speak:0", "segment:speak:1"]
+        with Runtime(sm.fed()) as local:
+            for kw in ({}, {"n": 8, "m": 3}, {"n": 2, "m": 9}):
+                c = {"x": torch.tensor(0.4), **kw}
+                want = sorted((k, round(float(v), 6)) for k, v in local.submit(c))
+                assert sorted((k, round(float(v), 6)) for k, v in rt.submit(c)) == want
+    finally:
+        _closed_cleanly(rt, [w["pid"] for w in rt.workers.values()], before)
+
+
 def test_a_rank_that_cannot_start_fails_clearly_and_leaves_no_actor(cluster):
     before = _slots()
     with pytest.raises(WorkerStartError, match=r"rank 1 failed to start.*missing_dependency"):
