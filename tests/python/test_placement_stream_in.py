@@ -230,3 +230,38 @@ def test_the_worker_side_takes_windows_and_answers_the_last():
         assert not any(runner.stats()["segment_live"].values())
     finally:
         runner.close()
+
+
+def test_many_requests_at_once_some_failing_some_cancelled_equal_one_process():
+    """40 requests of random lengths at once, some failing in the talker, a third cancelled at
+    random moments: each other one equals one process (its outputs or its failure), and both
+    workers hold nothing after."""
+    import random
+
+    rnd = random.Random(7)
+    reqs = [dict(x=torch.tensor(rnd.uniform(-1, 1)), n=rnd.randint(1, 12), m=rnd.randint(1, 14),
+                 pause=rnd.choice([0.0, 0.0, 0.002]), fail_at=rnd.choice([-1] * 6 + [0, 2, 5]))
+            for _ in range(40)]
+
+    def result(handle) -> object:
+        try:
+            return by_name(handle)
+        except RequestFailed as e:
+            return str(e)
+
+    with Runtime(sm.fed()) as local:
+        want = [result(local.submit(c)) for c in reqs]
+    assert sum(isinstance(w, str) for w in want) >= 3  # some fail
+    groups = [NodeGroup(["prefill", "think"], rank=1), NodeGroup(list(TALKER), rank=2)]
+    with PlacedRuntime("placement_segment_models:fed", groups, progress=False,
+                       shm_bytes=1 << 20) as rt:
+        handles = [rt.submit(c) for c in reqs]
+        cancelled = set(rnd.sample(range(len(reqs)), len(reqs) // 3))
+        for i in sorted(cancelled):
+            time.sleep(rnd.uniform(0, 0.003))
+            handles[i].cancel()
+        for i, h in enumerate(handles):
+            if i not in cancelled:
+                assert result(h) == want[i], (i, reqs[i])
+        for rank in (1, 2):
+            idle(rt, rank)
