@@ -318,30 +318,27 @@ class SegmentRunner:
                 feed.result = (error,)
         if feed is not None:  # its sources' items are let go
             self.runtimes[run.node].engines[STREAM_IN_ENGINE].release(handle.context.id)
-        if run is None or run.released:
-            return
-        if feed is not None:
-            if run.last_emits:
-                self._reply("emit", emits=run.last_emits, items=[run.item])
-                run.last_emits = []
-            if error is not None and not isinstance(error, RequestCancelled):
-                self._reply("failed", items=[], message=str(error), named=True,
-                            request=run.request)
-            return
-        self._answer(run, error)
+        if run is not None:
+            self._answer(run, error, waiting=feed is not None)
 
-    def _answer(self, run: _Run, error: Optional[BaseException]) -> None:
+    def _answer(self, run: _Run, error: Optional[BaseException], waiting: bool = False) -> None:
+        """The run's end to the parent. ``waiting``: fed by streams whose last window has not
+        come, so its outputs and failure go now (the failure by request: the parent answered
+        its windows), its ``done`` later with that window's item (:meth:`_windows`)."""
         if run.released:
             return
-        if error is None:
+        if error is None and not waiting:
             extra = {"emits": run.last_emits} if run.last_emits else {}
             self._reply("done", node=run.node, items=[run.item], outputs=[run.outputs],
                         stops=None, states={run.request: scalar_items(run.context.state)},
                         **extra)
-        elif not isinstance(error, RequestCancelled):
-            if run.last_emits:
-                self._reply("emit", emits=run.last_emits, items=[run.item])
-            self._reply("failed", items=[run.item], message=str(error), named=True)
+            return
+        if run.last_emits:
+            self._reply("emit", emits=run.last_emits, items=[run.item])
+            run.last_emits = []
+        if error is not None and not isinstance(error, RequestCancelled):
+            self._reply("failed", items=[] if waiting else [run.item], message=str(error),
+                        named=True, **({"request": run.request} if waiting else {}))
 
     def release(self, rid: int) -> None:
         """The request ended in the parent: its runs stop (their pages and values freed)."""
