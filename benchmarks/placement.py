@@ -152,12 +152,14 @@ def direct_vs_star(reps: int, nbytes: int = 1 << 20, ray: bool = False) -> dict[
            for mode, bytes_ in (("star", None), ("direct", 64 << 10))}
     x = torch.randn(nbytes // 4)
     # Warm-up: one lap of every arena, so no timed hop touches a page of shared memory for the
-    # first time (a fault per 4 KiB; with 5 warm-up requests the direct hop measured ~1.4x
-    # slower than with a lap).
-    lap = (64 << 20) // (HOPS // 2 * nbytes) + 4
+    # first time (a fault per 4 KiB, ~0.4-0.65 ms per MiB here). Through the parent every
+    # arena carries HOPS / 2 tensors per request; worker to worker the parent's arenas carry
+    # only the input and the output, one each: 68 requests for a lap, not 20 (with 20 the
+    # direct hop measured 0.8-0.9x the star's, every timed request faulting).
+    per_request = {"star": HOPS // 2 * nbytes, "direct": nbytes}
     try:
-        for rt in rts.values():
-            for _ in range(lap):
+        for mode, rt in rts.items():
+            for _ in range((64 << 20) // per_request[mode] + 4):
                 rt.submit({"x": x}).result(60)
 
         def one(rt: Any) -> float:
