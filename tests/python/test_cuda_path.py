@@ -324,11 +324,28 @@ class _FakeDecode(_FakeWrapper):
         return self._run(q, self._paged_keys(paged_kv_cache))
 
 
-class _FakePagedPrefill(_FakeWrapper):
+class _FakePrefill(_FakeWrapper):
+    """FlashInfer's prefill ``backend``: "auto" picks the kernels at the first plan for the
+    wrapper's life, and on Hopper a plan without a custom mask picks FA3, which refuses custom
+    masks (flashinfer/prefill.py, hopper/prefill_sm90.cuh)."""
+
+    def __init__(self, workspace, kv_layout="NHD", backend="auto", **kwargs):
+        super().__init__(workspace, kv_layout, **kwargs)
+        self.backend = backend
+
+    def _pick(self, custom_mask):
+        if self.backend == "auto":
+            self.backend = "fa2" if custom_mask is not None else "fa3"
+        if self.backend == "fa3" and custom_mask is not None:
+            raise RuntimeError("FA3 prefill does not support custom masks")
+
+
+class _FakePagedPrefill(_FakePrefill):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None,
              custom_mask=None, causal=False, sm_scale=None, q_data_type="float16",
              kv_data_type=None):
+        self._pick(custom_mask)
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                    num_qo_heads, num_kv_heads, head_dim_qk, page_size, custom_mask, causal,
                    sm_scale, q_data_type)
@@ -337,10 +354,11 @@ class _FakePagedPrefill(_FakeWrapper):
         return self._run(q, self._paged_keys(paged_kv_cache))
 
 
-class _FakeRagged(_FakeWrapper):
+class _FakeRagged(_FakePrefill):
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,
              head_dim_vo=None, custom_mask=None, causal=False, sm_scale=None,
              q_data_type="float16", kv_data_type=None):
+        self._pick(custom_mask)
         self._plan(qo_indptr, kv_indptr, None, None, num_qo_heads, num_kv_heads, head_dim_qk,
                    0, custom_mask, causal, sm_scale, q_data_type)
 
@@ -423,6 +441,19 @@ def test_flashinfer_plan_logic_matches_torch(fake_flashinfer, name):
     cache, steps = build_step(KVLayout(2, 2, 16), SCENARIOS[name])
     compare_backends(cache, steps, lambda c: fib.FlashInferAttention(c, workspace_bytes=256),
                      1e-5)
+
+
+def test_flashinfer_prefill_keeps_custom_masks_after_a_causal_first_plan(fake_flashinfer):
+    """A wrapper's first plan fixes its kernels: with backend "auto" a causal first plan would
+    take FA3 on Hopper, and a masked step after it (a VLA prefix, a flow step) would fail."""
+    cache, steps = build_step(KVLayout(2, 2, 16), [(0, 5, True, CAUSAL)] + SCENARIOS["masks"])
+    fi = fib.FlashInferAttention(cache, workspace_bytes=256)
+    assert fi._paged.backend == fi._ragged.backend == "fa2"
+    q = torch.randn(5, 4, 16)
+    before = snapshot(cache)
+    fi.attend(0, q, q[:, :2], q[:, :2], fi.plan(steps[:1]))  # the causal step first
+    restore(cache, before)
+    compare_backends(cache, steps[1:], lambda c: fi, 1e-5)
 
 
 def test_flashinfer_plan_logic_with_a_fork_reading_shared_pages(fake_flashinfer):

@@ -58,6 +58,16 @@ def flashinfer_available() -> bool:
     return True
 
 
+def _takes(fn: Any, name: str) -> bool:
+    """Whether callable ``fn`` accepts keyword ``name`` (FlashInfer's signatures grow)."""
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _mask_rows(s: SeqStep) -> torch.Tensor:
     """The work's ``[new, cached+new]`` allowed matrix, flattened row-major (FlashInfer's custom
     mask layout)."""
@@ -192,8 +202,13 @@ class FlashInferAttention:
         # executes, and runs are serialised on the worker's stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=layout.device)
         self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self._paged = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self._ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+        # FlashAttention-2 kernels for prefill: with backend "auto" a wrapper picks its kernels
+        # at its first plan and keeps them, and on Hopper a first plan without a mask picks FA3,
+        # which refuses the custom masks (PrefixBidirectional, BlockCausal) later steps bring.
+        fa2 = {"backend": "fa2"} if _takes(fi.BatchPrefillWithPagedKVCacheWrapper, "backend") \
+            else {}
+        self._paged = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", **fa2)
+        self._ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", **fa2)
         self._planned: Optional[FlashInferPlan] = None  # the plan the wrappers hold now
 
     def plan(self, steps: Seq[SeqStep]) -> FlashInferPlan:
