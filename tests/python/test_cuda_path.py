@@ -251,7 +251,7 @@ class _FakeWrapper:
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None):
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
-        self.graph = use_cuda_graph
+        self.graph, self.tensor_cores = use_cuda_graph, use_tensor_cores
         self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
                      paged_kv_last_page_len_buffer)
         if use_cuda_graph:
@@ -316,6 +316,9 @@ class _FakeWrapper:
 class _FakeDecode(_FakeWrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, q_data_type="float16", kv_data_type=None, sm_scale=None):
+        # the CUDA-core decode kernels exist for some head groups only (DISPATCH_GQA_GROUP_SIZE)
+        if not self.tensor_cores and num_qo_heads // num_kv_heads not in (1, 2, 3, 4, 8):
+            raise RuntimeError(f"Unsupported group_size: {num_qo_heads // num_kv_heads}")
         qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
         self._plan(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                    page_size, None, False, sm_scale, q_data_type)
@@ -415,11 +418,11 @@ def build_step(layout: KVLayout, spec, page_size: int = 4, fork: bool = False):
     return cache, steps
 
 
-def compare_backends(cache, steps, make_other, atol):
+def compare_backends(cache, steps, make_other, atol, heads=4):
     layout = cache.layout
     n = sum(s.new for s in steps)
     g = torch.Generator(device=layout.device).manual_seed(7)
-    q = torch.randn(n, 4, layout.head_dim, generator=g, device=layout.device).to(layout.dtype)
+    q = torch.randn(n, heads, layout.head_dim, generator=g, device=layout.device).to(layout.dtype)
     k, v = (torch.randn(n, layout.num_kv_heads, layout.head_dim, generator=g,
                         device=layout.device).to(layout.dtype) for _ in range(2))
     before = snapshot(cache)
@@ -454,6 +457,15 @@ def test_flashinfer_prefill_keeps_custom_masks_after_a_causal_first_plan(fake_fl
     fi.attend(0, q, q[:, :2], q[:, :2], fi.plan(steps[:1]))  # the causal step first
     restore(cache, before)
     compare_backends(cache, steps[1:], lambda c: fi, 1e-5)
+
+
+@pytest.mark.parametrize("heads", [7, 16])
+def test_flashinfer_decode_of_head_groups_without_cuda_core_kernels(fake_flashinfer, heads):
+    """Qwen2.5's 7 query heads per KV head, or 16: the tensor-core decode kernels."""
+    cache, steps = build_step(KVLayout(2, 1, 16), SCENARIOS["decode"])
+    compare_backends(cache, steps, lambda c: fib.FlashInferAttention(c, workspace_bytes=256),
+                     1e-5, heads=heads)
+    assert fib.tensor_cores(heads, 1) and not fib.tensor_cores(32, 8)
 
 
 def test_flashinfer_plan_logic_with_a_fork_reading_shared_pages(fake_flashinfer):

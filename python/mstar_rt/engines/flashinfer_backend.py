@@ -58,6 +58,17 @@ def flashinfer_available() -> bool:
     return True
 
 
+# Query heads per KV head that FlashInfer's CUDA-core decode kernels are built for (its
+# DISPATCH_GQA_GROUP_SIZE; 6 only in recent releases). Other groups (Qwen2.5's 7, 16) take the
+# tensor-core decode, which FlashInfer recommends from a group of 4 anyway.
+CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)
+
+
+def tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
+    """Whether decode for this head split runs on FlashInfer's tensor-core kernels."""
+    return num_qo_heads // max(num_kv_heads, 1) not in CUDA_CORE_GROUPS
+
+
 def _takes(fn: Any, name: str) -> bool:
     """Whether callable ``fn`` accepts keyword ``name`` (FlashInfer's signatures grow)."""
     import inspect
@@ -201,7 +212,8 @@ class FlashInferAttention:
         # One float workspace for every wrapper: it holds split-kv partials only while a run
         # executes, and runs are serialised on the worker's stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=layout.device)
-        self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._decodes: dict[bool, Any] = {}  # use_tensor_cores -> its decode wrapper
+        self._decode: Any = None  # the one the last plan used
         # FlashAttention-2 kernels for prefill: with backend "auto" a wrapper picks its kernels
         # at its first plan and keeps them, and on Hopper a first plan without a mask picks FA3,
         # which refuses the custom masks (PrefixBidirectional, BlockCausal) later steps bring.
@@ -213,6 +225,18 @@ class FlashInferAttention:
 
     def plan(self, steps: Seq[SeqStep]) -> FlashInferPlan:
         return FlashInferPlan(steps, self.cache)
+
+    def decode_wrapper(self, num_qo_heads: int, **kwargs: Any) -> Any:
+        """The decode wrapper for ``num_qo_heads`` query heads (one per kernel kind; with
+        ``kwargs``, a new one: a CUDA graph's)."""
+        cores = tensor_cores(num_qo_heads, self.cache.layout.num_kv_heads)
+        if kwargs:
+            return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=cores, **kwargs)
+        if cores not in self._decodes:
+            self._decodes[cores] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=cores)
+        return self._decodes[cores]
 
     def static_decode(self, num_qo_heads: int, max_seq_len: int) -> "FlashInferStaticDecode":
         return FlashInferStaticDecode(self, num_qo_heads, max_seq_len)
@@ -230,6 +254,7 @@ class FlashInferAttention:
             where = (lambda t: t.to(dev)) if g.mask is not None else (lambda t: t)
             common = dict(sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
             if g.kind == "decode":
+                self._decode = self.decode_wrapper(num_qo_heads)
                 self._decode.plan(g.kv_indptr, g.kv_indices, g.last_page_len, num_qo_heads, hkv,
                                   d, ps, **common)
             elif g.kind == "paged":
@@ -298,8 +323,8 @@ class FlashInferStaticDecode:
         plan.indptr = torch.zeros(size + 1, dtype=torch.int32, device=dev)
         plan.indices = torch.zeros(size * self.max_pages, dtype=torch.int32, device=dev)
         plan.last_page_len = torch.ones(size, dtype=torch.int32, device=dev)
-        plan.wrapper = self.backend.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.backend.workspace, "NHD", use_cuda_graph=True,
+        plan.wrapper = self.backend.decode_wrapper(
+            self.num_qo_heads, use_cuda_graph=True,
             paged_kv_indptr_buffer=plan.indptr, paged_kv_indices_buffer=plan.indices,
             paged_kv_last_page_len_buffer=plan.last_page_len)
         return plan
