@@ -169,6 +169,38 @@ def test_arena_wraps_around_and_reports_a_stuck_receiver(arena):
         arena.free_to(arena.published_head + 64)
 
 
+def test_an_emptied_arena_starts_over_at_its_front_with_all_of_it_free(arena):
+    """Request/reply traffic reuses the ring's first pages (mapped, likely cached) instead of
+    lapping through the whole segment, and the skipped end never counts as in use: a message
+    after the jump may fill the ring."""
+    cap = arena.capacity
+    assert arena.alloc(cap // 4, timeout_s=0.1) == 0
+    arena.free_to(arena.publish())
+    # emptied: the next message starts at 0 and may take all of it, in pieces
+    assert arena.alloc(cap // 2, timeout_s=0.1) == 0
+    assert arena.alloc(cap // 2, timeout_s=0.1) == cap // 2
+    span = arena.publish()
+    assert arena.published_head % cap == 0 and span == arena.published_head
+    arena.free_to(span)
+    assert arena.in_use == 0
+    # a message still in flight: no jump, the next one goes after it
+    assert arena.alloc(cap // 4, timeout_s=0.1) == 0
+    first = arena.publish()
+    assert arena.alloc(cap // 4, timeout_s=0.1) == cap // 4
+    arena.free_to(first)
+    arena.free_to(arena.publish())
+    # a message that jumped and was never sent is forgotten whole
+    mark = arena.mark()
+    assert arena.alloc(cap - 64, timeout_s=0.1) == 0
+    arena.rollback(mark)
+    assert arena.alloc(64, timeout_s=0.1) == 0  # still empty: starts over again
+    arena.free_to(arena.publish())
+    with pytest.raises(ArenaFull, match="stayed full"):  # in flight and full: waits, then fails
+        arena.alloc(cap, timeout_s=0.1)
+        arena.publish()
+        arena.alloc(64, timeout_s=0.1)
+
+
 def test_arena_counters_are_never_seen_half_written(arena):
     """Issue 16: another process allocates, publishes and frees as fast as it can while this one
     reads the head and the tail, as the two sides do. Each counter only grows and the head is

@@ -58,6 +58,9 @@ class ShmArena:
         os.close(fd)
         self.capacity = size - _DATA
         self._head = 0  # the writer's private copy; published to the segment per message
+        # (from, to): the writer skipped [from, to) to start over at 0 while the ring was empty
+        # (see alloc); until the reader frees past ``from``, nothing there holds data.
+        self._skip: Optional[tuple[int, int]] = None
         # The header as 64-bit words: one load or store each, never torn (see the module doc).
         self._words: Optional[memoryview] = memoryview(self.mm)[:_DATA].cast("Q")
         # The data's address, for the codec's one memmove per tensor (a torch or numpy copy
@@ -102,6 +105,8 @@ class ShmArena:
     def rollback(self, mark: int) -> None:
         """Forgets allocations after ``mark`` (a message that was never sent)."""
         self._head = mark
+        if self._skip is not None and mark <= self._skip[0]:
+            self._skip = None
 
     def alloc(self, nbytes: int, timeout_s: float) -> int:
         """Offset (from the data start) of ``nbytes`` contiguous free bytes; waits up to
@@ -114,7 +119,15 @@ class ShmArena:
         deadline = None
         pause = 20e-6
         while True:
-            off, tail = self._head % cap, self.tail
+            off, tail = self._head % cap, self._freed()
+            if off and self._head == tail:
+                # Everything sent is freed: start over at 0. Request/reply traffic then keeps
+                # reusing the ring's front, whose pages are mapped and whose lines are likely
+                # cached; a ring that laps walks every page of the segment, each first touch
+                # faulting (0.4-0.65 ms per MiB per process on the 2-vCPU VM), each copy into
+                # cold memory. The skipped bytes hold nothing, so they do not count as in use.
+                self._skip = (self._head, self._head + cap - off)
+                self._head, off, tail = self._skip[1], 0, self._skip[1]
             wrap = off + size > cap  # the end is too short: skip it, start over at 0
             need = cap - off + size if wrap else size
             if self._head + need - tail <= cap:
@@ -133,6 +146,16 @@ class ShmArena:
             off = 0
         self._head += size
         return off
+
+    def _freed(self) -> int:
+        """The reader's tail, or the end of the writer's last skip while the reader has not
+        freed past its start (the reader frees to span ends only, none of which lies inside)."""
+        tail, skip = self.tail, self._skip
+        if skip is not None:
+            if tail == skip[0]:
+                return skip[1]
+            self._skip = None
+        return tail
 
     def publish(self) -> int:
         """Makes this side's allocations visible; returns the span end a message carries."""
