@@ -8,7 +8,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import threading
 import time
 
 import pytest
