@@ -18,6 +18,7 @@ and exit-time unlinking fight a worker that may be killed); the parent creates a
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import re
@@ -33,6 +34,7 @@ _HEAD = 64     # own cache lines: the two sides write them from different proces
 _TAIL = 128
 _DATA = 192
 ALIGN = 64
+BACK_STEP = 1 << 20  # an arena's memory is reserved a MiB or more at a time (ShmArena._back)
 
 
 class ArenaFull(RuntimeError):
@@ -54,8 +56,14 @@ class ShmArena:
     def __init__(self, name: str, fd: int, size: int, owner: bool) -> None:
         self.name = name
         self.owner = owner
-        self.mm: Optional[mmap.mmap] = mmap.mmap(fd, size)
-        os.close(fd)
+        try:
+            self.mm: Optional[mmap.mmap] = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        # Kept open to back the data with memory before the writer first touches it (alloc).
+        self._fd: Optional[int] = fd
+        self._backed = 0  # data bytes from the start known backed (by this writer's reserve)
         self.capacity = size - _DATA
         self._head = 0  # the writer's private copy; published to the segment per message
         # (from, to): the writer skipped [from, to) to start over at 0 while the ring was empty
@@ -119,18 +127,18 @@ class ShmArena:
         deadline = None
         pause = 20e-6
         while True:
-            off, tail = self._head % cap, self._freed()
-            if off and self._head == tail:
+            head, tail = self._head, self._freed()
+            if head % cap and head == tail:
                 # Everything sent is freed: start over at 0. Request/reply traffic then keeps
                 # reusing the ring's front, whose pages are mapped and whose lines are likely
                 # cached; a ring that laps walks every page of the segment, each first touch
                 # faulting (0.4-0.65 ms per MiB per process on the 2-vCPU VM), each copy into
                 # cold memory. The skipped bytes hold nothing, so they do not count as in use.
-                self._skip = (self._head, self._head + cap - off)
-                self._head, off, tail = self._skip[1], 0, self._skip[1]
+                head = tail = head + cap - head % cap
+            off = head % cap
             wrap = off + size > cap  # the end is too short: skip it, start over at 0
             need = cap - off + size if wrap else size
-            if self._head + need - tail <= cap:
+            if head + need - tail <= cap:
                 break
             now = time.monotonic()
             if deadline is None:
@@ -141,11 +149,28 @@ class ShmArena:
                                 "other side is not consuming, or shm_bytes is too small")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-        if wrap:
-            self._head += cap - off
-            off = 0
-        self._head += size
-        return off
+        start = 0 if wrap else off
+        if start + size > self._backed:
+            self._back(start + size)  # may raise: nothing has changed yet
+        if head != self._head:
+            self._skip = (self._head, head)
+        self._head = head + (cap - off if wrap else 0) + size
+        return start
+
+    def _back(self, end: int) -> None:
+        """Memory behind the data up to ``end`` (in steps of BACK_STEP), reserved before the
+        bytes are written: a full /dev/shm then refuses the tensor here, where a first write
+        into a page it had no room for killed the writing process with SIGBUS -- a worker, or
+        the parent application itself."""
+        end = min(self.capacity, max(end, self._backed + BACK_STEP))
+        if self._fd is None:
+            raise ValueError(f"shared-memory arena '{self.name}' is closed")
+        try:
+            done = reserve(self._fd, _DATA + self._backed, end - self._backed)
+        except OSError as e:
+            raise ArenaFull(shm_full(f"arena '{self.name}'", end - self._backed, e)
+                            + " or lower shm_bytes") from None
+        self._backed = end if done else self.capacity
 
     def _freed(self) -> int:
         """The reader's tail, or the end of the writer's last skip while the reader has not
@@ -210,6 +235,9 @@ class ShmArena:
         self._pin = None
         unmap(self._words, self.mm)
         self._words, self.mm = None, None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def unlink(self) -> None:
         unlink_quietly(self.name)
@@ -236,6 +264,25 @@ def unmap(words: Optional[memoryview], mm: Optional[mmap.mmap]) -> None:
             mm.close()
         except BufferError:  # a view is still alive somewhere: the GC unmaps it later
             pass
+
+
+def reserve(fd: int, offset: int, length: int) -> bool:
+    """Backs ``length`` bytes of a segment at ``offset`` with memory now; False where the file
+    system cannot (each page then gets memory at its first write). Raises OSError (ENOSPC) when
+    /dev/shm has no room."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return False
+        raise
+    return True
+
+
+def shm_full(what: str, nbytes: int, e: OSError) -> str:
+    return (f"shared memory is full: {SHM_DIR} has no room for {nbytes} more bytes of {what} "
+            f"({e.strerror}); give it more (a container's default is 64 MiB: docker run "
+            "--shm-size=1g)")
 
 
 def create_segment(name: str, size: int) -> int:

@@ -28,7 +28,8 @@ import struct
 import time
 from typing import Callable, Optional, Sequence
 
-from mstar_rt.placement.arena import create_segment, open_segment, unlink_quietly, unmap
+from mstar_rt.placement.arena import (create_segment, open_segment, reserve, shm_full,
+                                      unlink_quietly, unmap)
 
 _MAGIC = 0x6D73_7461_726D_0001  # "mstarm", version 1
 _HEAD = 64
@@ -69,7 +70,16 @@ class Mailbox:
     @staticmethod
     def create(name: str, capacity: int) -> "Mailbox":
         capacity = max(4096, _round8(capacity))
-        box = Mailbox(name, create_segment(name, _DATA + capacity), _DATA + capacity)
+        fd = create_segment(name, _DATA + capacity)
+        try:  # all of it now: a write into a page /dev/shm has no room for is a SIGBUS
+            reserve(fd, 0, _DATA + capacity)
+        except OSError as e:
+            os.close(fd)
+            unlink_quietly(name)
+            raise MailboxError(shm_full(f"mailbox '{name}'", _DATA + capacity, e)
+                               + f"; each local worker needs {2 * (_DATA + capacity)} bytes "
+                               "of mailboxes") from None
+        box = Mailbox(name, fd, _DATA + capacity)
         struct.pack_into("<QQ", box.mm, 0, _MAGIC, capacity)
         return box
 
