@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import msgpack
@@ -199,6 +200,30 @@ def test_an_emptied_arena_starts_over_at_its_front_with_all_of_it_free(arena):
         arena.alloc(cap, timeout_s=0.1)
         arena.publish()
         arena.alloc(64, timeout_s=0.1)
+
+
+def test_a_message_larger_than_the_arena_is_refused_at_once(arena):
+    """The reader can free only what was published: a message whose own tensors overflow the
+    arena can never fit, so it fails at once naming shm_bytes, not after the back-pressure wait
+    (10 s in the runtime, with the worker's send lock held: every request to that worker
+    stalled)."""
+    cap = arena.capacity
+    arena.alloc(cap // 2, timeout_s=0.1)
+    arena.free_to(arena.publish())  # emptied, at cap / 2: the next message starts over
+    mark = arena.mark()
+    arena.alloc(cap // 2 + 64, timeout_s=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(ArenaFull, match="raise shm_bytes"):
+        arena.alloc(cap // 2, timeout_s=5.0)
+    assert time.monotonic() - t0 < 1.0
+    arena.rollback(mark)
+    # a message in flight that the reader will free: that one is waited for, as before
+    arena.alloc(cap // 2 + 64, timeout_s=0.1)
+    span = arena.publish()
+    threading.Timer(0.2, arena.free_to, (span,)).start()
+    t0 = time.monotonic()
+    arena.alloc(cap // 2 + 64, timeout_s=5.0)
+    assert 0.15 < time.monotonic() - t0 < 5.0
 
 
 def test_arena_counters_are_never_seen_half_written(arena):

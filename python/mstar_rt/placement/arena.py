@@ -69,6 +69,7 @@ class ShmArena:
         # (from, to): the writer skipped [from, to) to start over at 0 while the ring was empty
         # (see alloc); until the reader frees past ``from``, nothing there holds data.
         self._skip: Optional[tuple[int, int]] = None
+        self._published = 0  # the head this writer last published
         # The header as 64-bit words: one load or store each, never torn (see the module doc).
         self._words: Optional[memoryview] = memoryview(self.mm)[:_DATA].cast("Q")
         # The data's address, for the codec's one memmove per tensor (a torch or numpy copy
@@ -140,6 +141,16 @@ class ShmArena:
             need = cap - off + size if wrap else size
             if head + need - tail <= cap:
                 break
+            # The reader can free what was published, never the message being packed: if that
+            # alone leaves no room, waiting cannot help (and would hold the sender's lock). A
+            # message with nothing packed yet always fits once the ring empties (it starts over).
+            best = self._published
+            if self._skip is not None and self._skip[0] == best:
+                best = self._skip[1]
+            if head != best and head + need - best > cap:
+                raise ArenaFull(f"a message's tensors need more than the {cap}-byte "
+                                f"shared-memory arena '{self.name}' holds ({head - best + need}"
+                                " bytes with this one); raise shm_bytes")
             now = time.monotonic()
             if deadline is None:
                 deadline = now + timeout_s
@@ -184,7 +195,7 @@ class ShmArena:
 
     def publish(self) -> int:
         """Makes this side's allocations visible; returns the span end a message carries."""
-        self._words[_HEAD // 8] = self._head
+        self._words[_HEAD // 8] = self._published = self._head
         return self._head
 
     def take_frames(self) -> list:
