@@ -16,6 +16,7 @@ from mstar_rt import _core
 from mstar_rt.compiler import CompiledGraph, compile_graph
 from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.graph import GraphError, GraphNode
+from mstar_rt.lifetime import track
 from mstar_rt.model import (NO_DEADLINE, Model, NodeSubmodule, RequestContext, hears_stream_end,
                             node_engines, node_submodules)
 from mstar_rt.nodes import NodeRunner, NodeTable, overrides
@@ -242,8 +243,7 @@ class Runtime:
         # (walk, Part) -> (its sub-walks' keys, key -> child index)
         self._parts = {k: (keys, {x: i for i, x in enumerate(keys)})
                        for k, keys in g.parts.items()}
-        # Without a next_walk, run_batch also finishes the requests whose walk ended
-        # (requests_ended).
+        # Without a next_walk, run_batch also finishes requests whose walk ended.
         self.conductor.bind_nodes(self.runner, not self._has_next_walk)
         self._closed = False
         specs = {**model.engine_specs, **(engines or {})}
@@ -262,12 +262,11 @@ class Runtime:
                                    if overrides(e, "release", Engine)]
         self._cleaning_submodules = [s for s in self.nodes.unique_submodules()
                                      if request_cleanup and overrides(s, "cleanup", NodeSubmodule)]
-        self._workers = []
-        for engine in self.engines.values():
-            t = threading.Thread(target=engine.serve, name=f"mstar-engine-{engine.name}",
-                                 daemon=True)
+        self._workers = [threading.Thread(target=e.serve, name=f"mstar-engine-{e.name}",
+                                          daemon=True) for e in self.engines.values()]
+        for t in self._workers:
             t.start()
-            self._workers.append(t)
+        track(self)  # closed at exit if the caller does not (lifetime.py: why)
 
     # ---- requests ------------------------------------------------------------------------------
 

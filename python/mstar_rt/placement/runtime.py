@@ -8,13 +8,11 @@ RequestHandle, results and errors arrive the same way.
 
 from __future__ import annotations
 
-import atexit
 import os
 import secrets
 import shutil
 import tempfile
 import traceback
-import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import zmq
@@ -32,17 +30,6 @@ from mstar_rt.placement.remote import PlacedModel, RemoteEngine
 from mstar_rt.model import RequestContext, node_engines
 from mstar_rt.placement.segments import SEGMENT_ENGINE, SegmentPlan, find_segments, section_nodes
 from mstar_rt.runtime import Runtime, compile_model
-
-_LIVE: "weakref.WeakSet[PlacedRuntime]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:  # no orphan workers or shared memory, whatever the caller forgot
-    for rt in list(_LIVE):
-        try:
-            rt.close()
-        except Exception:
-            traceback.print_exc()
 
 
 def split_engines(model: Any, plan: Any, engines: Mapping[str, Engine]
@@ -218,7 +205,6 @@ class PlacedRuntime(Runtime):
                 self.conductor.set_submitter_takes(engine.engine_id, True)
             self._runtime_started = True
             self._hub.start(self._links)
-            _LIVE.add(self)
             for link in self._links.values():  # in parallel: each builds its model meanwhile
                 link.spawn()
             for link in self._links.values():
@@ -325,7 +311,6 @@ class PlacedRuntime(Runtime):
         if getattr(self, "_placement_closed", False):
             return
         self._placement_closed = True
-        _LIVE.discard(self)
         if self._runtime_started:
             super().close()
         self._closed = True

@@ -1,0 +1,45 @@
+"""Runtimes still open when the interpreter exits are closed first.
+
+An engine thread is a daemon blocked in the Conductor (C++, GIL released). When the interpreter
+finalizes with one still there, the thread is torn down as it takes the GIL back, inside a
+pybind11 scope that may not unwind: std::terminate, "terminate called without an active
+exception", and the process aborts (SIGABRT) -- a script that forgot ``close()``, or left by an
+exception, crashed on its way out. ``atexit`` hooks run before that, while threads still run."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import traceback
+import weakref
+from typing import Any
+
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def track(runtime: Any) -> None:
+    """Closes ``runtime`` at exit unless it is gone or closed by then."""
+    _LIVE.add(runtime)
+
+
+EXIT_WAIT_S = 10.0  # a node that never returns must not hold the exit forever
+
+
+@atexit.register
+def _close_all() -> None:
+    runtimes = list(_LIVE)
+    if runtimes:
+        closer = threading.Thread(target=_close, args=(runtimes,), name="mstar-exit", daemon=True)
+        closer.start()
+        closer.join(EXIT_WAIT_S)
+
+
+def _close(runtimes: list) -> None:
+    for runtime in runtimes:
+        try:
+            runtime.close()
+        except Exception:
+            traceback.print_exc()
+
+
+__all__ = ["track"]
