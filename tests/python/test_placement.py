@@ -111,6 +111,24 @@ def test_auto_restart_after_a_kill_during_decode(reference):
     assert our_segments(rt) == []
 
 
+def test_auto_restart_tries_again_when_the_new_worker_dies_as_it_starts(reference):
+    """A restarted worker killed while it still starts (before ready) is followed by another,
+    within max_restarts; the link used to stay down after one failed restart."""
+    with PlacedRuntime("placement_models:tiny_llama", LM_GROUPS, restart="auto", max_restarts=3,
+                       progress=False) as rt:
+        first = rt.workers[1]["pid"]
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: rt.workers[1]["pid"] not in (None, first)
+                          and rt.workers[1]["state"] == "starting", T)
+        second = rt.workers[1]["pid"]
+        os.kill(second, signal.SIGKILL)  # still importing: it has not reported ready
+        assert wait_until(lambda: rt.workers[1]["state"] == "up", T)
+        info = rt.workers[1]
+        assert info["pid"] not in (first, second) and info["restarts"] == 2
+        got = generate(rt, PROMPTS[:1])
+        assert got[0]["token"] == reference["lm"][0]["token"]
+
+
 def test_a_worker_that_cannot_build_the_model_fails_clearly_and_leaves_nothing():
     before, children = our_segments(), worker_children()
     with pytest.raises(WorkerStartError, match=r"rank 2 failed to start.*missing_dependency"):

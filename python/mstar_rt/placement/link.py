@@ -99,7 +99,6 @@ class WorkerLink:
             self._ready.clear()
             self._fatal = None
         # tensor bytes: in shared memory for a local process, in the messages for a Ray actor
-        # (which may be on another machine)
         base = f"{self._tag}_r{self.rank}_g{gen}"
         p2w, w2p = ((InlineArena(), InlineArena()) if not self._local
                     else arena_pair(base, self.shm_bytes))
@@ -289,17 +288,20 @@ class WorkerLink:
         if rt.restart_policy == "auto" and was == "up" and not restart:
             self._say(f"not restarting rank {self.rank}: it was restarted {self.restarts} times "
                       "(max_restarts)")
-        if restart:
+        while restart:  # a generation dying as it starts is followed by another, within max
             self.restarts += 1
             try:
                 self.spawn()
                 self.wait_ready()
+                break
             except Exception as e:  # keep the reason for whoever looks at the link
                 with self._lock:
-                    self.state = "down" if self.state != "closed" else "closed"
+                    restart = self.state != "closed" and self.restarts < self.rt.max_restarts
+                    self.state = "starting" if restart else "down" if self.state != "closed" \
+                        else "closed"
                     self.last_exit = f"restart failed: {e}"
                     self._cond.notify_all()
-                self._say(self.last_exit)
+                self._say(self.last_exit + ("; starting another" if restart else ""))
 
     # ---- sending ------------------------------------------------------------------------------
 
@@ -438,8 +440,7 @@ class WorkerLink:
                                     f"worker process rank {self.rank} sent a malformed reply: {e}")
 
     def _bad_reply(self, text: str) -> None:
-        self.error_replies += 1
-        self.last_error = text
+        self.error_replies, self.last_error = self.error_replies + 1, text
         self._say(f"malformed message from the worker: {text}")
 
     def _dispatch(self, kind: str, msg: dict) -> None:
@@ -468,8 +469,7 @@ class WorkerLink:
         elif kind == "stats":
             self._asks.answer(field(msg, "token", int), field(msg, "stats", dict))
         elif kind == "error":
-            self.error_replies += 1
-            self.last_error = field(msg, "message", str)
+            self.error_replies, self.last_error = self.error_replies + 1, field(msg, "message", str)
             self._say(self.last_error)
 
     def _take(self, ids: list[int]) -> set[int]:
