@@ -110,10 +110,10 @@ class RequestHandle:
         return self.context.id
 
     # -- called by the runtime --
-    def _emit(self, name: str, value: Any) -> None:
+    def _emit(self, name: str, value: Any, counted: bool = True) -> None:
         if self._keep:
             self._emitted.setdefault(name, []).append(value)
-        self._received += 1
+        self._received += counted  # only the Conductor's own EMITs, which _end waits for
         self._events.put((name, value))
 
     def _end(self, error: Optional[BaseException], timeline: bytes) -> None:
@@ -369,10 +369,10 @@ class Runtime:
         if emits:
             with self._delivered:
                 get = self.requests.by_id.get
-                for rid, name, value in emits:
+                for rid, name, value, *forwarded in emits:  # forwarded: a worker's, uncounted
                     handle = get(rid)
                     if handle is not None:
-                        handle._emit(name, value)
+                        handle._emit(name, value, not forwarded)
                 self._delivered.notify_all()
         late = {e[0]: e for e in expired}
         for rid, message in failed:

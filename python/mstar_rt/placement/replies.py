@@ -90,8 +90,8 @@ def deliver_emits(rt: "PlacedRuntime", msg: dict) -> None:
         if not (isinstance(e, list) and 3 <= len(e) <= 4 and type(e[0]) is int
                 and isinstance(e[1], str)):
             continue
-        if len(e) == 3:
-            emits.append(tuple(e))
+        if len(e) == 3:  # forwarded: not among the parent Conductor's EMITs that _end counts
+            emits.append((e[0], e[1], e[2], True))
             continue
         if emits:
             rt.report((emits, (), (), (), ()))
