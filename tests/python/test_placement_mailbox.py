@@ -182,6 +182,7 @@ def test_a_worker_that_corrupts_its_mailbox_is_killed_and_only_its_requests_fail
             slow.result(T)
         assert wait_until(lambda: rt.workers[1]["state"] == "down", timeout=T)
         assert rt.workers[1]["error_replies"] >= 1
+        assert not os.path.exists(f"/dev/shm/{name}")  # unlinked at once, not left to a sweep
         rt.restart_worker(1)
         assert rt.submit(pipeline_inputs(1)[0]).result(T)
 

@@ -54,13 +54,14 @@ class Inbox:
 
     def take_mail(self) -> tuple[list[list[bytes]], Optional[str]]:
         """The replies waiting in the mailbox, and why it cannot be read on if it is corrupt
-        (it is then closed)."""
+        (it is then closed and unlinked: ours, and nobody reads it again)."""
         with self.lock:
             if self.mail is None:
                 return [], None
             try:
                 return self.mail.take(), None
             except MailboxError as e:
+                self.mail.unlink()
                 self.mail.close()
                 self.mail = None
                 return [], str(e)
