@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Soak benchmark: proves that serving for a long time leaks nothing and does not drift.
 
-    python benchmarks/soak.py [--quick] [--only policy,speech,runtime,voice,deadlines]
+    python benchmarks/soak.py [--quick] [--only policy,speech,runtime,voice,deadlines,
+                              placement]
                               [--out benchmarks/results/soak.json]
 
 Sections (each a function in a soak_*.py module, run one after another):
@@ -16,6 +17,9 @@ Sections (each a function in a soak_*.py module, run one after another):
   * voice      a VoiceAgent session on the virtual audio devices, back-to-back turns
                (soak_voice.py).
   * deadlines  deadline scheduling under overload (soak_deadlines.py: run_deadlines).
+  * placement  a PlacedRuntime over two worker processes under chaos: random tensor sizes through
+               small arenas, cancels at random points, workers SIGKILLed every few seconds
+               (restart auto); every finished request checked exactly (soak_placement.py).
 Each section runs in a fresh interpreter (soak.py --section NAME), so its process figures start
 clean. Full run: 10 minutes per server section and of voice, 1-minute windows; --quick: 60 s and
 10-second windows (the drift figure is still last window's p99 over the first's; the JSON says the
@@ -55,7 +59,7 @@ use_source_tree()
 from soak_servers import SoakTimes  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "soak.json"
-SECTIONS = ("policy", "speech", "runtime", "voice", "deadlines")
+SECTIONS = ("policy", "speech", "runtime", "voice", "deadlines", "placement")
 FULL = dict(seconds=600.0, window_s=60.0, warmup_s=30.0, sample_s=5.0, runtime_requests=100_000,
             voice_s=600.0)
 QUICK = dict(seconds=60.0, window_s=10.0, warmup_s=30.0, sample_s=1.0,
@@ -69,6 +73,9 @@ TARGETS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "errors": ("0", lambda v: v == 0),
     "p99_drift_ratio": ("<= 1.5", lambda v: v <= 1.5),
     "voice_underruns": ("0", lambda v: v == 0),
+    "wrong_outputs": ("0", lambda v: v == 0),
+    "shm_files_left": ("0", lambda v: v == 0),
+    "workers_left": ("0", lambda v: v == 0),
 }
 # Reported, not judged here: soak_deadlines.py owns its target.
 RATIO_TARGETS: dict[str, tuple[str, Any]] = {"deadline_met_with_over_without": ("-", None)}
@@ -118,12 +125,17 @@ def section_deadlines(quick: bool, cfg: dict) -> dict:
             "details": {k: v for k, v in got.items() if k not in figures}}
 
 
+def section_placement(quick: bool, cfg: dict) -> dict:
+    from soak_placement import run_placement
+    return run_placement(quick, cfg["seconds"])
+
+
 def _is_ratio(name: str) -> bool:
     return "_over_" in name or "_vs_" in name
 
 
 RUNNERS = {"policy": section_policy, "speech": section_speech, "runtime": section_runtime,
-           "voice": section_voice, "deadlines": section_deadlines}
+           "voice": section_voice, "deadlines": section_deadlines, "placement": section_placement}
 
 
 def run_section(name: str, quick: bool, cfg: dict) -> dict:
@@ -182,6 +194,9 @@ def headline(sections: dict[str, dict]) -> tuple[dict, dict]:
                                                 + fig["voice"]["input_ring_frames_in_use"])
     if "runtime" in fig:
         figures["runtime_live_at_end"] = fig["runtime"]["live_at_end"]
+    if "placement" in fig:
+        for key in ("wrong_outputs", "shm_files_left", "workers_left"):
+            figures[key] = fig["placement"][key]
     figures["errors"] = (sum(int(f.get("errors", 0)) for f in fig.values())
                          + sum(1 for s in sections.values() if s.get("status") == "failed"))
     ratios: dict[str, Any] = {}

@@ -4,7 +4,18 @@ import pytest
 
 from mstar_rt import Runtime
 
+from leak_check import leftovers, shm_files
 from walk_models import close_within, engine_threads, open_all_gates
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind():
+    """Fails the module that leaves placement files in /dev/shm or placement workers running."""
+    before = shm_files()
+    yield
+    files, pids = leftovers(before)
+    assert not files and not pids, (
+        f"this module left behind /dev/shm files {sorted(files)} and worker pids {sorted(pids)}")
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ swept; node groups and placement configs that cannot work are refused; the publi
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,12 +21,12 @@ import torch
 import mstar_rt
 from mstar_rt.engines import SamplingParams, StatelessEngine
 from mstar_rt.placement import CodecError, ModelSpec, NodeGroup, PlacedRuntime, read_config
-from mstar_rt.placement.arena import ArenaFull, ShmArena, sweep_stale
+from mstar_rt.placement.arena import ArenaFull, ReaderGone, ShmArena, sweep_stale
 from mstar_rt.placement.codec import INLINE_BYTES, Decoder, Encoder
 from mstar_rt.placement.config import make_plan
 
 import placement_models as pm
-from placement_support import LM_GROUPS, same
+from placement_support import LM_GROUPS, T, pipeline_inputs, same
 
 
 # ---- values across the boundary (no processes) ---------------------------------------------------
@@ -168,6 +169,46 @@ def test_arena_wraps_around_and_reports_a_stuck_receiver(arena):
         arena.alloc(cap + 1, timeout_s=0.1)
     with pytest.raises(ValueError, match="outside"):
         arena.free_to(arena.published_head + 64)
+
+
+def test_a_full_arena_whose_reader_died_gives_up_at_once(arena):
+    arena.alloc(arena.capacity // 2, timeout_s=0.1)
+    arena.publish()
+    reader = {"alive": True}
+    timer = threading.Timer(0.05, reader.update, kwargs={"alive": False})
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(ReaderGone, match="died"):
+        arena.alloc(arena.capacity // 2 + 128, timeout_s=10.0, alive=lambda: reader["alive"])
+    assert time.monotonic() - t0 < 2.0  # not the 10 s meant for a slow reader
+    timer.join()
+
+
+def test_a_sender_waiting_on_a_full_arena_gives_up_when_its_worker_dies():
+    """A submit waiting for room in a stopped worker's arena held the link's send lock, which
+    the death handler needs: the worker's death was handled, and the submit returned, only when
+    the wait timed out 10 s later (a chaos soak: 4 requests in 31,804 took 11.2 s)."""
+    big = {"x": torch.ones((1 << 17) // pm.DIM_IN, pm.DIM_IN)}  # 512 KiB a request
+    with PlacedRuntime("placement_models:pipeline", [NodeGroup(["encoder"], rank=1)],
+                       progress=False, shm_bytes=1 << 20) as rt:
+        assert rt.submit(pipeline_inputs(1)[0]).result(T)
+        pid = rt.workers[1]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # it reads nothing more: the arena fills
+        handles: list = []
+        sender = threading.Thread(target=lambda: handles.extend(rt.submit(big) for _ in range(4)))
+        sender.start()
+        seen = -1
+        while seen != len(handles):  # until one waits for room (two fill the arena)
+            seen = len(handles)
+            time.sleep(0.5)
+        assert 1 <= seen < 4
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        sender.join(T)
+        assert time.monotonic() - t0 < 5.0
+        for h in handles:
+            with pytest.raises(mstar_rt.RequestFailed, match="worker process rank 1"):
+                h.result(T)
 
 
 def test_an_emptied_arena_starts_over_at_its_front_with_all_of_it_free(arena):

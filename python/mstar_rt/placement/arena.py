@@ -24,7 +24,7 @@ import os
 import re
 import struct
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -39,6 +39,10 @@ BACK_STEP = 1 << 20  # an arena's memory is reserved a MiB or more at a time (Sh
 
 class ArenaFull(RuntimeError):
     """The receiving side did not free space in time (it is stuck, or the arena is too small)."""
+
+
+class ReaderGone(ArenaFull):
+    """The arena was full and its reader died meanwhile: nothing will free space again."""
 
 
 def _round_up(n: int) -> int:
@@ -117,9 +121,12 @@ class ShmArena:
         if self._skip is not None and mark <= self._skip[0]:
             self._skip = None
 
-    def alloc(self, nbytes: int, timeout_s: float) -> int:
+    def alloc(self, nbytes: int, timeout_s: float,
+              alive: Optional[Callable[[], bool]] = None) -> int:
         """Offset (from the data start) of ``nbytes`` contiguous free bytes; waits up to
-        ``timeout_s`` for the receiver to free space, then raises :class:`ArenaFull`."""
+        ``timeout_s`` for the receiver to free space, then raises :class:`ArenaFull` --
+        :class:`ReaderGone` as soon as ``alive()`` says the receiver died (its death handler
+        may be waiting for the lock this sender holds)."""
         size = _round_up(nbytes)
         cap = self.capacity
         if size > cap:
@@ -151,6 +158,8 @@ class ShmArena:
                 raise ArenaFull(f"a message's tensors need more than the {cap}-byte "
                                 f"shared-memory arena '{self.name}' holds ({head - best + need}"
                                 " bytes with this one); raise shm_bytes")
+            if alive is not None and not alive():
+                raise ReaderGone(f"the reader of shared-memory arena '{self.name}' died")
             now = time.monotonic()
             if deadline is None:
                 deadline = now + timeout_s

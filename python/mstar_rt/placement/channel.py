@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 
 import zmq
 
-from mstar_rt.placement.arena import ArenaFull, ShmArena
+from mstar_rt.placement.arena import ArenaFull, ReaderGone, ShmArena
 from mstar_rt.placement.codec import CodecError, Encoder
 from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.protocol import PARENT_ID, TO_WORKER_HEADER, VERSION
@@ -93,7 +93,10 @@ class SendChannel:
         assert arena is not None and sock is not None and encoder is not None
         mark = arena.mark()
         try:
-            payload = encoder.pack(msg)
+            payload = encoder.pack(msg, alive)
+        except ReaderGone:
+            arena.rollback(mark)
+            return None  # its death reports the items
         except (CodecError, ArenaFull) as e:
             arena.rollback(mark)
             return f"cannot send its inputs to worker process rank {self.rank}: {e}"

@@ -104,12 +104,16 @@ class Encoder:
         # One message's tensors by identity: one that appears twice (a request's input, in its
         # inputs and in its first node's) crosses once; the receiver still makes two.
         self._memo: Optional[dict[int, tuple]] = None
+        self._alive: Optional[Callable[[], bool]] = None
 
-    def pack(self, message: Any) -> bytes:
+    def pack(self, message: Any, alive: Optional[Callable[[], bool]] = None) -> bytes:
+        """``alive``: whether the arena's reader lives; a full arena is waited on only while it
+        does (:class:`~mstar_rt.placement.arena.ReaderGone` then)."""
         top = self._memo is None
         if top:
             self._memo = {}
             self.exported = []
+            self._alive = alive
         try:
             return msgpack.packb(message, default=self._default, strict_types=True,
                                  use_bin_type=True)
@@ -121,7 +125,7 @@ class Encoder:
             raise CodecError(str(e)) from None
         finally:
             if top:
-                self._memo = None
+                self._memo, self._alive = None, None
 
     def _default(self, obj: Any) -> msgpack.ExtType:
         t = type(obj)
@@ -187,7 +191,7 @@ class Encoder:
     def _alloc(self, nbytes: int) -> int:
         if self.arena is None:
             raise CodecError("this message cannot carry tensors")
-        return self.arena.alloc(nbytes, self.timeout_s)
+        return self.arena.alloc(nbytes, self.timeout_s, self._alive)
 
     def _pack_torch(self, t: Any) -> msgpack.ExtType:
         dt = _TORCH_NAMES.get(t.dtype)
