@@ -133,6 +133,7 @@ class KVCacheEngine(Engine):
         self.cache: Optional[PagedKVCache] = None
         self.backend: Optional[AttentionBackend] = None
         self.steps = 0
+        self._cids: dict[int, int] = {}  # work item -> its cache id, read while it was live
         self.step_sizes: list[int] = []  # items per step (recent window) for tests and stats
 
     # ---- setup -------------------------------------------------------------------------------
@@ -218,6 +219,9 @@ class KVCacheEngine(Engine):
                     self._run_step(chosen)
                 else:
                     time.sleep(0.002)  # waiting for another request to end and free pages
+                if len(self._cids) > 2 * len(pending) + 64:  # those of items gone
+                    self._cids = {it.id: self._cids[it.id] for _n, it, _w in pending
+                                  if it.id in self._cids}
             except Exception as e:  # a bug here must not strand items: fail what was in hand
                 traceback.print_exc()
                 self._fail([item.id for _n, item, _w in pending],
@@ -247,6 +251,7 @@ class KVCacheEngine(Engine):
                                 f"{type(work).__name__}; a KV node must return a KVWork")
             if work.num_tokens < 1:
                 raise ValueError(f"a KVWork needs at least one new token (got {work.num_tokens})")
+            self._cids[item.id] = self._cache_id(item.request)
             return work
         except Exception as e:
             self._fail([item.id], f"{type(e).__name__}: {e}")
@@ -266,7 +271,7 @@ class KVCacheEngine(Engine):
         keys: set[tuple[int, str]] = set()
         tokens = 0
         for node, item, work in pending:
-            rid = self._cache_id(item.request)
+            rid = self._cid(item)
             if not self._live(item.request):  # ended while it waited: the item is done
                 self._fail([item.id], "request ended")
                 cache.release(rid)
@@ -304,7 +309,7 @@ class KVCacheEngine(Engine):
         # pages were taken: give them back now, before any K/V is written.
         for entry in [c for c in chosen if not self._live(c[1].request)]:
             chosen.remove(entry)
-            cache.release(self._cache_id(entry[1].request))
+            cache.release(self._cid(entry[1]))
             self._fail([entry[1].id], "request ended")
         if not chosen and waiting and self._stuck(waiting):
             node, item, work = waiting.pop()  # the youngest waiter gives way
@@ -312,11 +317,18 @@ class KVCacheEngine(Engine):
                 f"the KV cache is full ({cache.num_pages} pages of {cache.page_size} tokens) and "
                 "every request holding pages is waiting for more; raise num_pages, or lower "
                 "max_batch / the requests' reserve"))
-            cache.release(self._cache_id(item.request))
+            cache.release(self._cid(item))
         return chosen, waiting
 
     def _live(self, rid: int) -> bool:
         return self.host.requests.knows(rid)
+
+    def _cid(self, item: Any) -> int:
+        """The cache id of a work item's request, as it was when the item was prepared: once
+        the request is gone its context is (a borrowed cache id would read as its own id, and
+        its pages be missed)."""
+        cid = self._cids.get(item.id)
+        return cid if cid is not None else self._cache_id(item.request)
 
     def _cache_id(self, rid: int) -> int:
         """The id the cache keeps request ``rid``'s pages under (RequestContext.cache_id)."""
@@ -327,7 +339,7 @@ class KVCacheEngine(Engine):
 
     def _stuck(self, waiting: list) -> bool:
         """True when no request outside ``waiting`` holds pages, so none will free any."""
-        waiting_rids = {self._cache_id(item.request) for _n, item, _w in waiting}
+        waiting_rids = {self._cid(item) for _n, item, _w in waiting}
         return self.cache.holders() <= waiting_rids
 
     def _run_step(self, chosen: list) -> None:
@@ -362,7 +374,7 @@ class KVCacheEngine(Engine):
         stops = sub.check_stop(works, outputs) if entry.stops else None
         for _n, item, work, _s in group:
             if work.persist:
-                cache.commit(self._cache_id(item.request), work.label, work.num_tokens)
+                cache.commit(self._cid(item), work.label, work.num_tokens)
         return [(entry, outputs[i], stops[i] if stops is not None else ())
                 for i, entry in enumerate(group)]
 

@@ -89,6 +89,9 @@ class SegmentRunner:
         self._driver: Optional[int] = None          # the thread running a run inline
         self._pending = threading.local()           # the run that submit() is binding
         self._feeds: dict[tuple[int, int], _Run] = {}  # (segment, request) -> run fed by streams
+        # released request -> its runs still going; their stateful engines' state is freed
+        # when the last ends, not at the release (a step then may be taking pages)
+        self._free_after: dict[int, int] = {}
         self.segments = {first_id + i: s for i, s in enumerate(segments) if s.rank == rank}
         # streams leaving a segment: name -> whether its producer also EMITs it
         emitted = {(n.name, o.name) for n in model.nodes for o in n.outputs
@@ -288,7 +291,11 @@ class SegmentRunner:
         if run is None:
             return None
         with self._lock:
-            return self._runs.pop(id(run.context), None)
+            gone = self._runs.pop(id(run.context), None)
+            free = gone is not None and self._gone(gone)
+        if free:
+            self._free_state(run.request)
+        return gone
 
     def forward_emits(self, rt: Runtime, emits: list, ending: Sequence[int] = ()) -> None:
         """``ending``: the runs whose walk this same outcome ends; their outputs wait for the
@@ -316,6 +323,9 @@ class SegmentRunner:
             feed = run.feed if run is not None else None
             if feed is not None:  # the answer waits for the last window's item
                 feed.result = (error,)
+            free = run is not None and self._gone(run)
+        if free:  # no step of the request runs any more: its pages go
+            self._free_state(run.request)
         if feed is not None:  # its sources' items are let go
             self.runtimes[run.node].engines[STREAM_IN_ENGINE].release(handle.context.id)
         if run is not None:
@@ -348,10 +358,28 @@ class SegmentRunner:
                 r.released = True
             for key in [k for k in self._feeds if k[1] == rid]:
                 self._feeds.pop(key).released = True
+            if runs:  # a run's step may be taking pages now: freed when the last run ends
+                self._free_after[rid] = len(runs)
         for r in runs:
             handle = self.runtimes[r.node].requests.get(r.context.id)
             if handle is not None:
                 handle.cancel()
+        if not runs:
+            self._free_state(rid)
+
+    def _gone(self, run: _Run) -> bool:
+        """A run left (hold ``_lock``): whether it was a released request's last, whose state
+        is to be freed now."""
+        left = self._free_after.get(run.request) if run.released else None
+        if left is None:
+            return False
+        if left > 1:
+            self._free_after[run.request] = left - 1
+            return False
+        del self._free_after[run.request]
+        return True
+
+    def _free_state(self, rid: int) -> None:
         for engine in self.stateful:  # what its runs left for the next (K/V pages)
             engine.release(rid)
 

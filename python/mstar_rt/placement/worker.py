@@ -110,6 +110,11 @@ class Worker:
                                segments=segments, rank=self.rank)
         from mstar_rt.placement.kv_moves import WorkerMoves
 
+        # Items whose K/V arrived start from the K/V channel's thread: a release on the message
+        # loop must not pass between a start's request check and its run (whose pages would
+        # then never be freed), so the two take turns.
+        self._starting = threading.RLock()
+
         self.moves = WorkerMoves(self.host, self.rank, lambda ids, message: self.outbox.send(
             "failed", items=ids, message=message), self.run_items)
         engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.every_engine.items())
@@ -270,8 +275,9 @@ class Worker:
     def release(self, rids: list[int], from_parent: bool, kind: str) -> None:
         self.only_parent(from_parent, kind)
         for rid in rids:
-            self.host.release(rid)
-            self.moves.release(rid)
+            with self._starting:
+                self.host.release(rid)
+                self.moves.release(rid)
 
     def unexport(self, keys: list[int], from_parent: bool, kind: str) -> None:
         """The parent holds no handle of these exports any more: their bytes are free."""
@@ -368,6 +374,10 @@ class Worker:
     def run_items(self, node: int, walk: int, items: list, alone: bool = False) -> None:
         """Queues work items of a node or a segment of this worker (any thread; ``alone``: the
         message loop's, with nothing else waiting, where a short run may run inline)."""
+        with self._starting:  # a release after this finds the run; one before, no request
+            self._run_items(node, walk, items, alone)
+
+    def _run_items(self, node: int, walk: int, items: list, alone: bool) -> None:
         if node not in self.host.segments.segments:
             self.host.dispatch(node, walk, items, alone)
             return
