@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from mstar_rt.placement import NodeGroup, PlacedRuntime
 
 from bench_common import child_pythonpath
 from soak_proc import Sampler, snapshot, wait_until
-from soak_runtime import FATES, _Canceller
+from soak_runtime import FATES, _Canceller, meet_fate
 from soak_placement_model import MAX_STEPS, WORKER_NODES
 
 HERE = Path(__file__).resolve().parent
@@ -69,7 +69,8 @@ class WrongOutput(AssertionError):
 class _Killer:
     """SIGKILLs worker 1 or 2 every KILL_EVERY_S (0.5x-1.5x) until stopped."""
 
-    def __init__(self, rt: PlacedRuntime, seed: int) -> None:
+    def __init__(self, rt: PlacedRuntime, seed: int, ranks: Any = tuple(WORKER_NODES)) -> None:
+        self.ranks = sorted(ranks)
         self.rt, self.rng, self.kills = rt, random.Random(seed), 0
         self.times: list[tuple[float, int]] = []  # (perf_counter, rank) of each kill
         self._stop = threading.Event()
@@ -78,7 +79,7 @@ class _Killer:
 
     def _run(self) -> None:
         while not self._stop.wait(KILL_EVERY_S * self.rng.uniform(0.5, 1.5)):
-            rank = self.rng.choice(sorted(WORKER_NODES))
+            rank = self.rng.choice(self.ranks)
             info = self.rt.workers[rank]
             if info["state"] == "up" and info["pid"]:
                 try:
@@ -95,19 +96,8 @@ class _Killer:
 
 def _one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
     x, n, pause = _inputs(rng)
-    fate = rng.choices([f for f, _ in FATES], [w for _, w in FATES])[0]
     h = rt.submit({"x": x, "n": n, "pause": pause})
-    if fate == "cancel_queued":
-        h.cancel()
-    elif fate == "cancel_racing":
-        canceller.later(rng.uniform(0.0, 0.005), h)
-    elif fate == "cancel_mid_loop":
-        try:
-            for _name, _value in h:
-                h.cancel()
-                break
-        except (m.RequestCancelled, m.RequestFailed):
-            pass
+    fate = meet_fate(h, rng, canceller, 0.005)
     try:
         out = h.result(timeout=TIMEOUT_S)
     except m.RequestCancelled:
@@ -122,7 +112,8 @@ def _one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
     return "finished"
 
 
-def _drive(rt: PlacedRuntime, seconds: float, clients: int, seed: int, bar: Any
+def _drive(rt: PlacedRuntime, seconds: float, clients: int, seed: int, bar: Any,
+           one: Callable[[PlacedRuntime, random.Random, _Canceller], str] = _one,
            ) -> tuple[dict, list, list, list]:
     """Clients submit for ``seconds``; (outcome counts, errors, latencies of finished ones,
     (start, seconds, outcome) of each request slower than SLOW_S)."""
@@ -139,7 +130,7 @@ def _drive(rt: PlacedRuntime, seconds: float, clients: int, seed: int, bar: Any
         while time.monotonic() < end:
             t = time.perf_counter()
             try:
-                outcome = _one(rt, rng, canceller)
+                outcome = one(rt, rng, canceller)
             except BaseException as e:
                 with lock:
                     errors.append(e)
@@ -236,7 +227,7 @@ def run_placement(quick: bool, seconds: float) -> dict:
             "latency_max_ms": float(np.nanmax(lat) * 1e3),
             "requests_over_3s": len(slow),
             "wrong_outputs": sum(isinstance(e, WrongOutput) for e in errors),
-            "rss_growth_mb_per_min": sampler.rss_growth_mb_per_min(after=min(15.0, seconds / 4)),
+            "rss_growth_mb_per_min": sampler.rss_growth_mb_per_min(after=min(30.0, seconds / 2)),
             "rss_start_mb": start["rss_mb"], "rss_end_mb": end["rss_mb"],
             "fds_start": start["fds"], "fds_end": end["fds"],
             "leaked_fds": end["fds"] - start["fds"],

@@ -119,23 +119,30 @@ def _check(out: dict, x: int, n: int) -> None:
                              f"{out.get('total')}, expected {want} and [{2 * x + n}]")
 
 
-def _one(rt: m.Runtime, rng: random.Random, canceller: _Canceller) -> str:
-    """One request with a random fate; returns ``"finished"`` (meant to finish: its latency
-    counts), ``"finished_anyway"`` (a cancel came too late) or ``"cancelled"``."""
-    x, n = rng.randrange(1 << 20), rng.randint(1, MAX_STEPS)
+def meet_fate(h: Any, rng: random.Random, canceller: _Canceller, racing_s: float) -> str:
+    """Draws the request's fate (FATES) and does it to handle ``h``: cancels it at once, after
+    its first output, or from the canceller within ``racing_s`` -- or not at all."""
     fate = rng.choices([f for f, _ in FATES], [w for _, w in FATES])[0]
-    h = rt.submit({"x": x, "n": n})
     if fate == "cancel_queued":
         h.cancel()
     elif fate == "cancel_racing":
-        canceller.later(rng.uniform(0.0, 0.002), h)
+        canceller.later(rng.uniform(0.0, racing_s), h)
     elif fate == "cancel_mid_loop":
         try:
             for _name, _value in h:
                 h.cancel()
                 break
-        except m.RequestCancelled:
+        except (m.RequestCancelled, m.RequestFailed):
             pass
+    return fate
+
+
+def _one(rt: m.Runtime, rng: random.Random, canceller: _Canceller) -> str:
+    """One request with a random fate; returns ``"finished"`` (meant to finish: its latency
+    counts), ``"finished_anyway"`` (a cancel came too late) or ``"cancelled"``."""
+    x, n = rng.randrange(1 << 20), rng.randint(1, MAX_STEPS)
+    h = rt.submit({"x": x, "n": n})
+    fate = meet_fate(h, rng, canceller, 0.002)
     try:
         out = h.result(timeout=TIMEOUT_S)
     except m.RequestCancelled:

@@ -1,0 +1,181 @@
+"""The disaggregation soak section: a small random Llama with its prefill walk on worker 1 and
+its decode walk on worker 2 (each request's K/V moving between them, placement/kv_moves.py)
+under the placement section's chaos -- cancels at random points (many racing the walk change),
+workers SIGKILLed at random times (restart auto) -- with every finished request's greedy
+tokens checked against the same model in this process.
+
+Allowed outcomes: the reference's tokens; a cancel; RequestFailed naming a killed worker, or
+K/V that never arrived because their sender was killed. After the chaos: both workers up, 50
+clean requests, and on both workers no K/V page, queued item or request held."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+
+import mstar_rt as m
+from mstar_rt import Runtime
+from mstar_rt.engines import SamplingParams
+from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime
+
+from bench_common import ROOT, child_pythonpath
+from soak_placement import CLIENTS, TIMEOUT_S, WrongOutput, _drive, _Killer, _our_shm_files
+from soak_proc import Sampler, snapshot, wait_until
+from soak_runtime import _Canceller, meet_fate
+
+TESTS = str(ROOT / "tests" / "python")  # the tiny Llama of the placement tests (sharp logits:
+sys.path.insert(0, TESTS)                # greedy tokens never near a tie)
+MODEL = ModelSpec("placement_models:tiny_llama", {"emit_logits": False, "num_pages": 96})
+GROUPS = [NodeGroup(["prefill"], rank=1), NodeGroup(["decode"], rank=2)]
+CLEAN_AFTER = 50
+
+
+class _Reference:
+    """Greedy tokens of the same model in this process, one run per (prompt, max_tokens)."""
+
+    def __init__(self) -> None:
+        self.rt = Runtime(MODEL.build(MODEL.parent_kwargs))
+        self.cache: dict[tuple, list] = {}
+        self.lock = threading.Lock()
+
+    def tokens(self, prompt: list[int], n: int) -> list:
+        key = (tuple(prompt), n)
+        with self.lock:
+            got = self.cache.get(key)
+        if got is None:
+            got = self.rt.submit({"prompt": prompt, "params": _params(n)}).result(TIMEOUT_S)
+            got = got["token"]
+            with self.lock:
+                self.cache[key] = got
+        return got
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _request(rng: random.Random) -> tuple[list[int], int]:
+    return [rng.randrange(128) for _ in range(rng.randint(1, 20))], rng.randint(1, 24)
+
+
+def _killed(e: m.RequestFailed) -> bool:
+    text = str(e)
+    return "worker process rank" in text or "its K/V never arrived" in text \
+        or "its K/V cannot arrive" in text
+
+
+def run_disagg(quick: bool, seconds: float) -> dict:
+    try:
+        from tqdm import tqdm
+        tqdm.monitor_interval = 0
+    except ImportError:
+        tqdm = None
+    os.environ["PYTHONPATH"] = child_pythonpath(TESTS)
+    pid = os.getpid()
+    ref = _Reference()
+    from mstar_rt.distributed.group import open_store
+    open_store(2, 5.0)  # libuv's process-wide pipe pair opens with the first store, never closes
+    start = snapshot(pid)
+    rt = PlacedRuntime(MODEL, GROUPS, progress=False, restart="auto", max_restarts=1_000_000)
+
+    def one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
+        prompt, n = _request(rng)
+        h = rt.submit({"prompt": prompt, "params": _params(n)})
+        fate = meet_fate(h, rng, canceller, 0.02)  # 20 ms: a prefill and a K/V move
+        try:
+            out = h.result(timeout=TIMEOUT_S)
+        except m.RequestCancelled:
+            if fate == "finish":
+                raise
+            return "cancelled"
+        except m.RequestFailed as e:
+            if not _killed(e):
+                raise
+            return "failed_by_kill"
+        check(prompt, n, out)
+        return "finished"
+
+    def check(prompt: list[int], n: int, out: dict) -> None:
+        want = ref.tokens(prompt, n)
+        if out["token"] != want:
+            raise WrongOutput(f"prompt {prompt}, {n} tokens: {out['token']}, expected {want}")
+
+    errors: list[BaseException] = []
+    try:
+        _, warm_errors, _, _ = _drive(rt, 5.0, CLIENTS, 0, None, one)
+        errors += warm_errors
+        bar = tqdm(desc="disagg chaos", unit="req", leave=False, mininterval=2.0) if tqdm else None
+        killer = _Killer(rt, 2, ranks=(1, 2))
+        t0 = time.perf_counter()
+        try:
+            with Sampler(pid, 1.0, t0) as sampler:
+                counts, chaos_errors, latencies, slow = _drive(rt, seconds, CLIENTS, 1, bar, one)
+        finally:
+            killer.stop()
+            if bar is not None:
+                bar.close()
+        elapsed = time.perf_counter() - t0
+        errors += chaos_errors
+        recovered = wait_until(lambda: all(w["state"] == "up" for w in rt.workers.values()),
+                               60.0)
+        rng, clean = random.Random(9), 0
+        for _ in range(CLEAN_AFTER):
+            prompt, n = _request(rng)
+            try:
+                check(prompt, n, rt.submit({"prompt": prompt, "params": _params(n)})
+                      .result(timeout=TIMEOUT_S))
+                clean += 1
+            except BaseException as e:
+                errors.append(e)
+        held = {rank: _held(rt, rank) for rank in (1, 2)}
+    finally:
+        rt.close()
+        ref.rt.close()
+    time.sleep(0.5)
+    end = snapshot(pid)
+    pages = sum(h.get("kv_pages_in_use", 0) for h in held.values())
+    still = sum(h.get("live_requests", 0) + h.get("queued_items", 0) + h.get("kv_waiting", 0)
+                for h in held.values())
+    ok = recovered and clean == CLEAN_AFTER
+    return {
+        "clients": CLIENTS, "held_at_end": held, "shm_files_left": _our_shm_files(),
+        "kills_at_s": [(round(k - t0, 2), r) for k, r in killer.times],
+        "slow_requests": [(round(a - t0, 2), round(b, 2), c) for a, b, c in slow[:20]],
+        "errors_seen": [repr(e)[:300] for e in errors[:5]],
+        "figures": {
+            "seconds": elapsed, "requests": sum(counts.values()),
+            "requests_per_s": sum(counts.values()) / elapsed,
+            "finished": counts["finished"], "cancelled": counts["cancelled"],
+            "failed_by_kill": counts["failed_by_kill"], "kills": killer.kills,
+            "recovered": int(ok), "requests_over_3s": len(slow),
+            "latency_p50_ms": 1e3 * sorted(latencies)[len(latencies) // 2] if latencies else None,
+            "wrong_outputs": sum(isinstance(e, WrongOutput) for e in errors),
+            "kv_pages_in_use_at_end": pages, "requests_or_items_held_at_end": still,
+            "rss_start_mb": start["rss_mb"], "rss_end_mb": end["rss_mb"],
+            "rss_growth_mb_per_min": sampler.rss_growth_mb_per_min(after=min(30.0, seconds / 2)),
+            "fds_start": start["fds"], "fds_end": end["fds"],
+            "leaked_fds": end["fds"] - start["fds"],
+            "threads_start": start["threads"], "threads_end": end["threads"],
+            "leaked_threads": end["threads"] - start["threads"],
+            "shm_files_left": len(_our_shm_files()),
+            "errors": len(errors) + (0 if ok else 1) + (1 if pages or still else 0),
+        },
+    }
+
+
+def _held(rt: PlacedRuntime, rank: int) -> dict:
+    """Worker ``rank``'s stats once it holds nothing (a K/V receiver learns of an end last),
+    or after 10 s."""
+    stats: dict = {}
+
+    def empty() -> bool:
+        stats.update(rt.worker_stats(rank))
+        return not (stats["kv_pages_in_use"] or stats["live_requests"] or stats["queued_items"]
+                    or stats.get("kv_waiting", 0))
+
+    wait_until(empty, 10.0)
+    return {k: v for k, v in stats.items()
+            if k in ("kv_pages_in_use", "live_requests", "queued_items", "kv_waiting")}
