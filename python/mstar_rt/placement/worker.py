@@ -110,11 +110,8 @@ class Worker:
                                segments=segments, rank=self.rank)
         from mstar_rt.placement.kv_moves import WorkerMoves
 
-        # Items whose K/V arrived start from the K/V channel's thread: a release on the message
-        # loop must not pass between a start's request check and its run (whose pages would
-        # then never be freed), so the two take turns.
+        # starts (from any thread, see run_items) and releases of requests take turns
         self._starting = threading.RLock()
-
         self.moves = WorkerMoves(self.host, self.rank, lambda ids, message: self.outbox.send(
             "failed", items=ids, message=message), self.run_items)
         engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.every_engine.items())
@@ -374,15 +371,12 @@ class Worker:
     def run_items(self, node: int, walk: int, items: list, alone: bool = False) -> None:
         """Queues work items of a node or a segment of this worker (any thread; ``alone``: the
         message loop's, with nothing else waiting, where a short run may run inline)."""
-        with self._starting:  # a release after this finds the run; one before, no request
-            self._run_items(node, walk, items, alone)
-
-    def _run_items(self, node: int, walk: int, items: list, alone: bool) -> None:
-        if node not in self.host.segments.segments:
-            self.host.dispatch(node, walk, items, alone)
-            return
-        refused = self.host.segments.submit(
-            node, [(w.id, w.request, w.inputs, w.chunk) for w in items], alone)
+        with self._starting:  # else a release between check and run would leave its pages
+            if node not in self.host.segments.segments:
+                self.host.dispatch(node, walk, items, alone)
+                return
+            refused = self.host.segments.submit(
+                node, [(w.id, w.request, w.inputs, w.chunk) for w in items], alone)
         if refused:
             self.outbox.send("failed", items=refused, message="the request ended")
 
