@@ -16,14 +16,14 @@ import sys
 import threading
 import time
 
-import mstar_rt as m
 from mstar_rt import Runtime
 from mstar_rt.engines import SamplingParams
 from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime
 
 from bench_common import ROOT, child_pythonpath
-from soak_placement import CLIENTS, TIMEOUT_S, WrongOutput, _drive, _Killer, _our_shm_files
-from soak_proc import Sampler, snapshot, wait_until
+from soak_placement import (CLIENTS, TIMEOUT_S, Chaos, WrongOutput, _drive, _our_shm_files,
+                            settle)
+from soak_proc import snapshot, wait_until
 from soak_runtime import _Canceller, meet_fate
 
 TESTS = str(ROOT / "tests" / "python")  # the tiny Llama of the placement tests (sharp logits:
@@ -61,8 +61,7 @@ def _request(rng: random.Random) -> tuple[list[int], int]:
     return [rng.randrange(128) for _ in range(rng.randint(1, 20))], rng.randint(1, 24)
 
 
-def _killed(e: m.RequestFailed) -> bool:
-    text = str(e)
+def _killed(text: str) -> bool:
     return "worker process rank" in text or "its K/V never arrived" in text \
         or "its K/V cannot arrive" in text
 
@@ -84,17 +83,10 @@ def run_disagg(quick: bool, seconds: float) -> dict:
     def one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
         prompt, n = _request(rng)
         h = rt.submit({"prompt": prompt, "params": _params(n)})
-        fate = meet_fate(h, rng, canceller, 0.02)  # 20 ms: a prefill and a K/V move
-        try:
-            out = h.result(timeout=TIMEOUT_S)
-        except m.RequestCancelled:
-            if fate == "finish":
-                raise
-            return "cancelled"
-        except m.RequestFailed as e:
-            if not _killed(e):
-                raise
-            return "failed_by_kill"
+        # 20 ms: a prefill and a K/V move
+        out = settle(h, meet_fate(h, rng, canceller, 0.02), _killed)
+        if isinstance(out, str):
+            return out
         check(prompt, n, out)
         return "finished"
 
@@ -108,19 +100,11 @@ def run_disagg(quick: bool, seconds: float) -> dict:
         _, warm_errors, _, _ = _drive(rt, 5.0, CLIENTS, 0, None, one)
         errors += warm_errors
         bar = tqdm(desc="disagg chaos", unit="req", leave=False, mininterval=2.0) if tqdm else None
-        killer = _Killer(rt, 2, ranks=(1, 2))
-        t0 = time.perf_counter()
-        try:
-            with Sampler(pid, 1.0, t0) as sampler:
-                counts, chaos_errors, latencies, slow = _drive(rt, seconds, CLIENTS, 1, bar, one)
-        finally:
-            killer.stop()
-            if bar is not None:
-                bar.close()
-        elapsed = time.perf_counter() - t0
-        errors += chaos_errors
-        recovered = wait_until(lambda: all(w["state"] == "up" for w in rt.workers.values()),
-                               60.0)
+        chaos = Chaos(rt, seconds, bar, one, (1, 2), seed=2)
+        counts, latencies, slow, sampler, killer = (chaos.counts, chaos.latencies, chaos.slow,
+                                                    chaos.sampler, chaos.killer)
+        elapsed, t0, recovered = chaos.elapsed, chaos.t0, chaos.recovered
+        errors += chaos.errors
         rng, clean = random.Random(9), 0
         for _ in range(CLEAN_AFTER):
             prompt, n = _request(rng)

@@ -97,19 +97,26 @@ class _Killer:
 def _one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
     x, n, pause = _inputs(rng)
     h = rt.submit({"x": x, "n": n, "pause": pause})
-    fate = meet_fate(h, rng, canceller, 0.005)
+    out = settle(h, meet_fate(h, rng, canceller, 0.005), lambda e: "worker process rank" in e)
+    if isinstance(out, str):
+        return out
+    _check(out, x, n)
+    return "finished"
+
+
+def settle(h: Any, fate: str, by_kill: Callable[[str], bool]) -> "dict | str":
+    """The request's outputs, or ``"cancelled"`` / ``"failed_by_kill"`` (``by_kill`` says
+    whether a failure's text is a killed worker's); anything else raises."""
     try:
-        out = h.result(timeout=TIMEOUT_S)
+        return h.result(timeout=TIMEOUT_S)
     except m.RequestCancelled:
         if fate == "finish":
             raise
         return "cancelled"
     except m.RequestFailed as e:
-        if "worker process rank" not in str(e):
+        if not by_kill(str(e)):
             raise
         return "failed_by_kill"
-    _check(out, x, n)
-    return "finished"
 
 
 def _drive(rt: PlacedRuntime, seconds: float, clients: int, seed: int, bar: Any,
@@ -154,6 +161,27 @@ def _drive(rt: PlacedRuntime, seconds: float, clients: int, seed: int, bar: Any,
     return counts, errors, latencies, slow
 
 
+class Chaos:
+    """``seconds`` of CLIENTS driving ``one`` while a killer SIGKILLs ``ranks`` (then stops),
+    RSS sampled; afterwards it waits (60 s at most) until every worker is up again."""
+
+    def __init__(self, rt: PlacedRuntime, seconds: float, bar: Any, one: Callable,
+                 ranks: Any, seed: int) -> None:
+        self.killer = _Killer(rt, seed, ranks=ranks)
+        self.t0 = time.perf_counter()
+        try:
+            with Sampler(os.getpid(), 1.0, self.t0) as self.sampler:
+                self.counts, self.errors, self.latencies, self.slow = _drive(
+                    rt, seconds, CLIENTS, 1, bar, one)
+        finally:
+            self.killer.stop()
+            if bar is not None:
+                bar.close()
+        self.elapsed = time.perf_counter() - self.t0
+        self.recovered = wait_until(
+            lambda: all(w["state"] == "up" for w in rt.workers.values()), 60.0)
+
+
 def _our_shm_files() -> list[str]:
     prefix = f"mstar_{os.getpid()}_"
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
@@ -180,19 +208,11 @@ def run_placement(quick: bool, seconds: float) -> dict:
         errors += warm_errors
         pids_seen |= {w["pid"] for w in rt.workers.values()}
         bar = tqdm(desc="placement chaos", unit="req", leave=False, mininterval=2.0) if tqdm else None
-        killer = _Killer(rt, 1)
-        t0 = time.perf_counter()
-        try:
-            with Sampler(pid, 1.0, t0) as sampler:
-                counts, chaos_errors, latencies, slow = _drive(rt, seconds, CLIENTS, 1, bar)
-        finally:
-            killer.stop()
-            if bar is not None:
-                bar.close()
-        elapsed = time.perf_counter() - t0
-        errors += chaos_errors
-        recovered = wait_until(lambda: all(w["state"] == "up" for w in rt.workers.values()),
-                               60.0)
+        chaos = Chaos(rt, seconds, bar, _one, (1, 2), seed=1)
+        counts, latencies, slow, sampler, killer = (chaos.counts, chaos.latencies, chaos.slow,
+                                                    chaos.sampler, chaos.killer)
+        elapsed, t0, recovered = chaos.elapsed, chaos.t0, chaos.recovered
+        errors += chaos.errors
         clean, clean_errors, _ = _drive_count(rt, CLEAN_AFTER)
         errors += clean_errors
         zero = dict(requests=0, handles=0, stored=0, queued=0, inflight=0)
