@@ -82,7 +82,9 @@ class _Work:
 class Code2WavStreamNode(NodeSubmodule):
     """A stream consumer node: windows of codec frames in (``input_name``, a
     :class:`StreamChunk` whose items are int arrays of shape [G]), ``{output_name: float32
-    samples at 24 kHz}`` out per window (empty when the window held no new frame). Per request
+    samples at 24 kHz}`` out per window that completes samples (nothing for one that does not:
+    which windows those are depends on when the stream's end arrives, so an empty chunk would
+    make the same request's output differ run to run). Per request
     the state lives in ``request.state`` and is committed only when a decode succeeds, so a
     failed batch is retried from the same place; it is freed when the stream ends."""
 
@@ -134,7 +136,7 @@ class Code2WavStreamNode(NodeSubmodule):
         sample one-shot decoding gives is out already; only the state is freed."""
         stream = ctx.request.state.get(_STATE) or _Stream()
         ctx.request.state[_STATE] = _Stream(stream.frames, done=True)
-        return {self.output_name: np.zeros(0, np.float32)}
+        return {}
 
     def forward(self, batch: list[_Work]) -> list[Mapping[str, Any]]:
         audio = [np.zeros(0, np.float32) for _ in batch]
@@ -151,7 +153,7 @@ class Code2WavStreamNode(NodeSubmodule):
                 audio[i] = samples
         for work in batch:  # only now: a failed batch is retried from the same state
             work.commit()
-        return [{self.output_name: a} for a in audio]
+        return [{self.output_name: a} if len(a) else {} for a in audio]
 
     def cleanup(self, request: Any) -> None:
         request.state.pop(_STATE, None)
