@@ -2,7 +2,7 @@
 """Soak benchmark: proves that serving for a long time leaks nothing and does not drift.
 
     python benchmarks/soak.py [--quick] [--only policy,speech,runtime,voice,deadlines,
-                              placement,disagg]
+                              placement,disagg,omni]
                               [--out benchmarks/results/soak.json]
 
 Sections (each a function in a soak_*.py module, run one after another):
@@ -23,6 +23,9 @@ Sections (each a function in a soak_*.py module, run one after another):
   * disagg     the same chaos on a small Llama whose prefill and decode walks run on two
                workers (K/V moving between them); tokens checked against the model in-process,
                no page held at the end (soak_disagg.py).
+  * omni       the same chaos on a tiny Qwen3-Omni, thinker on one worker and talker, code
+               predictor and code2wav on the other; tokens and audio chunks checked against the
+               model in-process (soak_omni.py).
 Each section runs in a fresh interpreter (soak.py --section NAME), so its process figures start
 clean. Full run: 10 minutes per server section and of voice, 1-minute windows; --quick: 60 s and
 10-second windows (the drift figure is still last window's p99 over the first's; the JSON says the
@@ -62,7 +65,7 @@ use_source_tree()
 from soak_servers import SoakTimes  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "soak.json"
-SECTIONS = ("policy", "speech", "runtime", "voice", "deadlines", "placement", "disagg")
+SECTIONS = ("policy", "speech", "runtime", "voice", "deadlines", "placement", "disagg", "omni")
 FULL = dict(seconds=600.0, window_s=60.0, warmup_s=30.0, sample_s=5.0, runtime_requests=100_000,
             voice_s=600.0)
 QUICK = dict(seconds=60.0, window_s=10.0, warmup_s=30.0, sample_s=1.0,
@@ -138,13 +141,18 @@ def section_disagg(quick: bool, cfg: dict) -> dict:
     return run_disagg(quick, cfg["seconds"])
 
 
+def section_omni(quick: bool, cfg: dict) -> dict:
+    from soak_omni import run_omni
+    return run_omni(quick, cfg["seconds"])
+
+
 def _is_ratio(name: str) -> bool:
     return "_over_" in name or "_vs_" in name
 
 
 RUNNERS = {"policy": section_policy, "speech": section_speech, "runtime": section_runtime,
            "voice": section_voice, "deadlines": section_deadlines, "placement": section_placement,
-           "disagg": section_disagg}
+           "disagg": section_disagg, "omni": section_omni}
 
 
 def run_section(name: str, quick: bool, cfg: dict) -> dict:
@@ -204,7 +212,7 @@ def headline(sections: dict[str, dict]) -> tuple[dict, dict]:
     if "runtime" in fig:
         figures["runtime_live_at_end"] = fig["runtime"]["live_at_end"]
     for key in ("wrong_outputs", "shm_files_left", "workers_left"):
-        got = [f[key] for n, f in fig.items() if n in ("placement", "disagg") and key in f]
+        got = [f[key] for n, f in fig.items() if n in ("placement", "disagg", "omni") and key in f]
         if got:
             figures[key] = sum(got)
     figures["errors"] = (sum(int(f.get("errors", 0)) for f in fig.values())

@@ -1,0 +1,187 @@
+"""The omni soak section: a tiny random Qwen3-Omni split over two workers as a user would
+split it -- the thinker (text and audio encoders, its LM) on worker 1, the talker, code
+predictor and code2wav on worker 2 -- so every request's thinker stream crosses worker to
+worker into the talker's loop window by window (placement/stream_in.py), under the placement
+section's chaos: cancels at random points and workers SIGKILLed at random times (restart
+auto). Every finished request's tokens and audio chunks are checked against the same model in
+this process: the same tokens, the same chunks (count and length; samples within 1e-4).
+
+Allowed outcomes: the reference's outputs; a cancel; RequestFailed naming a killed worker.
+After the chaos: both workers up, CLEAN_AFTER clean requests, and on both workers no K/V page,
+queued item, request or segment run held."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from mstar_rt import Runtime
+from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime
+
+from bench_common import ROOT, child_pythonpath
+from soak_placement import (CLIENTS, TIMEOUT_S, Chaos, WrongOutput, _drive, _our_shm_files,
+                            settle)
+from soak_proc import snapshot, wait_until
+from soak_runtime import _Canceller, meet_fate
+
+TESTS = str(ROOT / "tests" / "python")  # the tiny Qwen3-Omni of the omni tests
+sys.path.insert(0, TESTS)
+CLEAN_AFTER = 30
+THINKER = ("text_", "thinker_", "audio_encoder")  # node name prefixes placed on worker 1
+
+
+class _Reference:
+    """Outputs of the same model in this process, one run per request."""
+
+    def __init__(self, model: object) -> None:
+        self.rt = Runtime(model)
+        self.cache: dict[tuple, dict] = {}
+        self.lock = threading.Lock()
+
+    def outputs(self, req: dict) -> dict:
+        key = _key(req)
+        with self.lock:
+            got = self.cache.get(key)
+        if got is None:
+            got = self.rt.submit(req).result(TIMEOUT_S)
+            with self.lock:
+                self.cache[key] = got
+        return got
+
+
+def _key(req: dict) -> tuple:
+    return (tuple(req["prompt"]), req["thinker_sampling"]["max_tokens"],
+            req["talker_sampling"]["max_tokens"], req["return_audio"])
+
+
+def _request(rng: random.Random) -> dict:
+    import omni_tiny as ot
+
+    words = [rng.randrange(1, 60) for _ in range(rng.randint(1, 5))]
+    return {"prompt": ot.chat_prompt(words), "speaker": "ethan", "audio_features": [],
+            "return_audio": rng.random() < 0.9,
+            "thinker_sampling": {"max_tokens": rng.randint(1, 12)},
+            "talker_sampling": {"temperature": 0.0, "max_tokens": rng.randint(4, 40)}}
+
+
+def _differs(out: dict, want: dict) -> str:
+    """What differs between two requests' outputs ('' when nothing does)."""
+    if out.get("token") != want.get("token"):
+        return f"tokens {out.get('token')}, expected {want.get('token')}"
+    got, ref = out.get("audio", []), want.get("audio", [])
+    if [len(a) for a in got] != [len(a) for a in ref]:
+        return f"audio chunks of {[len(a) for a in got]} samples, expected {[len(a) for a in ref]}"
+    worst = max((float(np.abs(a - b).max()) for a, b in zip(got, ref) if len(a)), default=0.0)
+    return f"audio differs by {worst:.2e}" if worst > 1e-4 else ""
+
+
+def _killed(text: str) -> bool:
+    return "worker process rank" in text
+
+
+def run_omni(quick: bool, seconds: float) -> dict:
+    try:
+        from tqdm import tqdm
+        tqdm.monitor_interval = 0
+    except ImportError:
+        tqdm = None
+    from omni_support import tiny_qwen3_omni
+
+    os.environ["PYTHONPATH"] = child_pythonpath(TESTS)
+    pid = os.getpid()
+    directory = tempfile.mkdtemp(prefix="mstar_soak_omni_")
+    model = tiny_qwen3_omni(directory)
+    ref = _Reference(model)
+    nodes = [n.name for n in model.nodes]
+    thinker = [n for n in nodes if n.startswith(THINKER)]
+    groups = [NodeGroup(thinker, rank=1), NodeGroup([n for n in nodes if n not in thinker],
+                                                    rank=2)]
+    spec = ModelSpec("placement_models:tiny_omni", {"directory": directory})
+    start = snapshot(pid)
+    rt = PlacedRuntime(spec, groups, progress=False, restart="auto", max_restarts=1_000_000)
+
+    def one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
+        req = _request(rng)
+        h = rt.submit(req)
+        out = settle(h, meet_fate(h, rng, canceller, 0.05), _killed)  # 50 ms: a few tokens
+        if isinstance(out, str):
+            return out
+        check(req, out)
+        return "finished"
+
+    def check(req: dict, out: dict) -> None:
+        wrong = _differs(out, ref.outputs(req))
+        if wrong:
+            raise WrongOutput(f"{_key(req)}: {wrong}")
+
+    errors: list[BaseException] = []
+    try:
+        _, warm_errors, _, _ = _drive(rt, 5.0, CLIENTS, 0, None, one)
+        errors += warm_errors
+        bar = tqdm(desc="omni chaos", unit="req", leave=False, mininterval=2.0) if tqdm else None
+        chaos = Chaos(rt, seconds, bar, one, (1, 2), seed=3)
+        counts, latencies, slow, sampler, killer = (chaos.counts, chaos.latencies, chaos.slow,
+                                                    chaos.sampler, chaos.killer)
+        errors += chaos.errors
+        rng, clean = random.Random(11), 0
+        for _ in range(CLEAN_AFTER):
+            req = _request(rng)
+            try:
+                check(req, rt.submit(req).result(timeout=TIMEOUT_S))
+                clean += 1
+            except BaseException as e:
+                errors.append(e)
+        held = {rank: _held(rt, rank) for rank in (1, 2)}
+    finally:
+        rt.close()
+        ref.rt.close()
+    time.sleep(0.5)
+    end = snapshot(pid)
+    pages = sum(h.get("kv_pages_in_use", 0) for h in held.values())
+    still = sum(v for h in held.values() for k, v in h.items() if k != "kv_pages_in_use")
+    ok = chaos.recovered and clean == CLEAN_AFTER
+    t0 = chaos.t0
+    return {
+        "clients": CLIENTS, "held_at_end": held, "shm_files_left": _our_shm_files(),
+        "kills_at_s": [(round(k - t0, 2), r) for k, r in killer.times],
+        "slow_requests": [(round(a - t0, 2), round(b, 2), c) for a, b, c in slow[:20]],
+        "errors_seen": [repr(e)[:300] for e in errors[:5]],
+        "figures": {
+            "seconds": chaos.elapsed, "requests": sum(counts.values()),
+            "requests_per_s": sum(counts.values()) / chaos.elapsed,
+            "finished": counts["finished"], "cancelled": counts["cancelled"],
+            "failed_by_kill": counts["failed_by_kill"], "kills": killer.kills,
+            "recovered": int(ok), "requests_over_3s": len(slow),
+            "latency_p50_ms": 1e3 * sorted(latencies)[len(latencies) // 2] if latencies else None,
+            "wrong_outputs": sum(isinstance(e, WrongOutput) for e in errors),
+            "kv_pages_in_use_at_end": pages, "requests_or_items_held_at_end": still,
+            "rss_start_mb": start["rss_mb"], "rss_end_mb": end["rss_mb"],
+            "rss_growth_mb_per_min": sampler.rss_growth_mb_per_min(after=min(30.0, seconds / 2)),
+            "fds_start": start["fds"], "fds_end": end["fds"],
+            "leaked_fds": end["fds"] - start["fds"],
+            "threads_start": start["threads"], "threads_end": end["threads"],
+            "leaked_threads": end["threads"] - start["threads"],
+            "shm_files_left": len(_our_shm_files()),
+            "errors": len(errors) + (0 if ok else 1) + (1 if pages or still else 0),
+        },
+    }
+
+
+def _held(rt: PlacedRuntime, rank: int) -> dict:
+    """Worker ``rank``'s held pages, requests, items and segment runs once it holds none, or
+    after 10 s."""
+    keys = ("kv_pages_in_use", "live_requests", "queued_items", "segment_runs")
+    stats: dict = {}
+
+    def empty() -> bool:
+        stats.update(rt.worker_stats(rank))
+        return not any(stats.get(k, 0) for k in keys)
+
+    wait_until(empty, 10.0)
+    return {k: stats.get(k, 0) for k in keys}
