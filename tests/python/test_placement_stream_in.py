@@ -265,3 +265,35 @@ def test_many_requests_at_once_some_failing_some_cancelled_equal_one_process():
                 assert result(h) == want[i], (i, reqs[i])
         for rank in (1, 2):
             idle(rt, rank)
+
+
+def test_a_source_item_taken_before_its_run_is_registered_waits_for_it():
+    """Runtime.submit queues a run's first items before it registers the run (under the
+    registry's lock). The stream-in engine's thread taking the source item in between must
+    wait for the registration, not read the run as gone and end its stream empty (the talker
+    of a split Qwen3-Omni then spoke nothing, and the request finished without audio)."""
+    import threading
+    from types import SimpleNamespace
+
+    from mstar_rt.placement.stream_in import StreamInEngine
+    from mstar_rt.registry import RequestRegistry
+
+    completed: list = []
+    batches = [(5, 0, [SimpleNamespace(request=7, id=70)])]
+    queue = SimpleNamespace(
+        next_batch=lambda engine, n, timeout: batches.pop() if batches else None,
+        complete=lambda node, ids, outs: [(node, i) for i in ids])
+    host = SimpleNamespace(queue=queue, requests=RequestRegistry(), report=completed.extend,
+                           closed=False, poll_s=0.01)
+    engine = StreamInEngine()
+    engine.host = host  # type: ignore[assignment]
+    with host.requests.lock:  # submit: the item is queued, the run not registered yet
+        taker = threading.Thread(target=engine._take, args=(0.0,))
+        taker.start()
+        time.sleep(0.05)
+        assert not completed  # without the wait, the item completed here: its stream ended
+        host.requests.add(7, SimpleNamespace(context=RequestContext(7, {})))
+    taker.join(T)
+    assert not completed  # held: its stream is open
+    engine.end(7, 5)  # the last window came
+    assert completed == [(5, 70)]
