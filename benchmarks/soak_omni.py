@@ -25,14 +25,14 @@ from mstar_rt import Runtime
 from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime
 
 from bench_common import ROOT, child_pythonpath
-from soak_placement import (CLIENTS, TIMEOUT_S, Chaos, WrongOutput, _drive, _our_shm_files,
-                            settle)
-from soak_proc import snapshot, wait_until
+from soak_placement import CLIENTS, TIMEOUT_S, Chaos, WrongOutput, _drive, held_on, settle
+from soak_proc import snapshot
 from soak_runtime import _Canceller, meet_fate
 
 TESTS = str(ROOT / "tests" / "python")  # the tiny Qwen3-Omni of the omni tests
 sys.path.insert(0, TESTS)
 CLEAN_AFTER = 30
+HELD = ("kv_pages_in_use", "live_requests", "queued_items", "segment_runs")  # 0 at the end
 THINKER = ("text_", "thinker_", "audio_encoder")  # node name prefixes placed on worker 1
 
 
@@ -126,8 +126,6 @@ def run_omni(quick: bool, seconds: float) -> dict:
         errors += warm_errors
         bar = tqdm(desc="omni chaos", unit="req", leave=False, mininterval=2.0) if tqdm else None
         chaos = Chaos(rt, seconds, bar, one, (1, 2), seed=3)
-        counts, latencies, slow, sampler, killer = (chaos.counts, chaos.latencies, chaos.slow,
-                                                    chaos.sampler, chaos.killer)
         errors += chaos.errors
         rng, clean = random.Random(11), 0
         for _ in range(CLEAN_AFTER):
@@ -137,51 +135,9 @@ def run_omni(quick: bool, seconds: float) -> dict:
                 clean += 1
             except BaseException as e:
                 errors.append(e)
-        held = {rank: _held(rt, rank) for rank in (1, 2)}
+        held = {rank: held_on(rt, rank, HELD) for rank in (1, 2)}
     finally:
         rt.close()
         ref.rt.close()
     time.sleep(0.5)
-    end = snapshot(pid)
-    pages = sum(h.get("kv_pages_in_use", 0) for h in held.values())
-    still = sum(v for h in held.values() for k, v in h.items() if k != "kv_pages_in_use")
-    ok = chaos.recovered and clean == CLEAN_AFTER
-    t0 = chaos.t0
-    return {
-        "clients": CLIENTS, "held_at_end": held, "shm_files_left": _our_shm_files(),
-        "kills_at_s": [(round(k - t0, 2), r) for k, r in killer.times],
-        "slow_requests": [(round(a - t0, 2), round(b, 2), c) for a, b, c in slow[:20]],
-        "errors_seen": [repr(e)[:300] for e in errors[:5]],
-        "figures": {
-            "seconds": chaos.elapsed, "requests": sum(counts.values()),
-            "requests_per_s": sum(counts.values()) / chaos.elapsed,
-            "finished": counts["finished"], "cancelled": counts["cancelled"],
-            "failed_by_kill": counts["failed_by_kill"], "kills": killer.kills,
-            "recovered": int(ok), "requests_over_3s": len(slow),
-            "latency_p50_ms": 1e3 * sorted(latencies)[len(latencies) // 2] if latencies else None,
-            "wrong_outputs": sum(isinstance(e, WrongOutput) for e in errors),
-            "kv_pages_in_use_at_end": pages, "requests_or_items_held_at_end": still,
-            "rss_start_mb": start["rss_mb"], "rss_end_mb": end["rss_mb"],
-            "rss_growth_mb_per_min": sampler.rss_growth_mb_per_min(after=min(30.0, seconds / 2)),
-            "fds_start": start["fds"], "fds_end": end["fds"],
-            "leaked_fds": end["fds"] - start["fds"],
-            "threads_start": start["threads"], "threads_end": end["threads"],
-            "leaked_threads": end["threads"] - start["threads"],
-            "shm_files_left": len(_our_shm_files()),
-            "errors": len(errors) + (0 if ok else 1) + (1 if pages or still else 0),
-        },
-    }
-
-
-def _held(rt: PlacedRuntime, rank: int) -> dict:
-    """Worker ``rank``'s held pages, requests, items and segment runs once it holds none, or
-    after 10 s."""
-    keys = ("kv_pages_in_use", "live_requests", "queued_items", "segment_runs")
-    stats: dict = {}
-
-    def empty() -> bool:
-        stats.update(rt.worker_stats(rank))
-        return not any(stats.get(k, 0) for k in keys)
-
-    wait_until(empty, 10.0)
-    return {k: stats.get(k, 0) for k in keys}
+    return chaos.result(errors, clean == CLEAN_AFTER, held, start, snapshot(pid))

@@ -181,6 +181,54 @@ class Chaos:
         self.recovered = wait_until(
             lambda: all(w["state"] == "up" for w in rt.workers.values()), 60.0)
 
+    def result(self, errors: list, clean_ok: bool, held: dict, start: dict, end: dict) -> dict:
+        """A model section's result (soak_disagg.py, soak_omni.py): ``errors`` over the whole
+        section, whether its clean requests all passed, what each worker still ``held``
+        (held_on) and the process snapshots around it."""
+        counts, latencies, t0 = self.counts, self.latencies, self.t0
+        pages = sum(h.get("kv_pages_in_use", 0) for h in held.values())
+        still = sum(v for h in held.values() for k, v in h.items() if k != "kv_pages_in_use")
+        ok = self.recovered and clean_ok
+        return {
+            "clients": CLIENTS, "held_at_end": held, "shm_files_left": _our_shm_files(),
+            "kills_at_s": [(round(k - t0, 2), r) for k, r in self.killer.times],
+            "slow_requests": [(round(a - t0, 2), round(b, 2), c) for a, b, c in self.slow[:20]],
+            "errors_seen": [repr(e)[:300] for e in errors[:5]],
+            "figures": {
+                "seconds": self.elapsed, "requests": sum(counts.values()),
+                "requests_per_s": sum(counts.values()) / self.elapsed,
+                "finished": counts["finished"], "cancelled": counts["cancelled"],
+                "failed_by_kill": counts["failed_by_kill"], "kills": self.killer.kills,
+                "recovered": int(ok), "requests_over_3s": len(self.slow),
+                "latency_p50_ms": (1e3 * sorted(latencies)[len(latencies) // 2] if latencies
+                                   else None),
+                "wrong_outputs": sum(isinstance(e, WrongOutput) for e in errors),
+                "kv_pages_in_use_at_end": pages, "requests_or_items_held_at_end": still,
+                "rss_start_mb": start["rss_mb"], "rss_end_mb": end["rss_mb"],
+                "rss_growth_mb_per_min": self.sampler.rss_growth_mb_per_min(
+                    after=min(30.0, self.elapsed / 2)),
+                "fds_start": start["fds"], "fds_end": end["fds"],
+                "leaked_fds": end["fds"] - start["fds"],
+                "threads_start": start["threads"], "threads_end": end["threads"],
+                "leaked_threads": end["threads"] - start["threads"],
+                "shm_files_left": len(_our_shm_files()),
+                "errors": len(errors) + (0 if ok else 1) + (1 if pages or still else 0),
+            },
+        }
+
+
+def held_on(rt: PlacedRuntime, rank: int, keys: tuple[str, ...]) -> dict:
+    """Worker ``rank``'s ``keys`` of its stats once all are 0 (a K/V receiver learns of an end
+    last), or after 10 s."""
+    stats: dict = {}
+
+    def empty() -> bool:
+        stats.update(rt.worker_stats(rank))
+        return not any(stats.get(k, 0) for k in keys)
+
+    wait_until(empty, 10.0)
+    return {k: stats.get(k, 0) for k in keys}
+
 
 def _our_shm_files() -> list[str]:
     prefix = f"mstar_{os.getpid()}_"
