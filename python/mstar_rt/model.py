@@ -195,6 +195,12 @@ class Model:
         """Raises ValueError (naming what to fix) for inputs the model cannot serve; called by
         ``submit`` before the request starts, so bad input never reaches an engine."""
 
+    def health(self) -> Optional[str]:
+        """None while the model can serve; else why it cannot, naming what to do (a
+        tensor-parallel group that lost a rank must be loaded again). ``Runtime.health`` and a
+        server's ``/health`` report it, so an orchestrator can replace what will not recover."""
+        return None
+
     def initial_walk(self, request: RequestContext) -> str:
         """The first walk of a request (default: the first walk declared)."""
         return next(iter(self.walks))

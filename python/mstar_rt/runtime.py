@@ -171,22 +171,19 @@ class RequestHandle:
         timeline = self._timeline if self.done else self._runtime.conductor.timeline(self.id)
         if isinstance(timeline, bytes):
             timeline = list(struct.iter_unpack(_TIMELINE_RECORD, timeline))
-        names = self._runtime.node_names
-        walks = self._runtime.walk_names
+        names, walks = self._runtime.node_names, self._runtime.walk_names
         return [dict(node=names[n], walk=walks[w], iteration=it, batch_size=b,
                      queued=q / 1e9, started=s / 1e9, finished=f / 1e9)
                 for n, w, it, b, q, s, f in timeline]
 
     def chrome_trace(self) -> dict:
         """The timeline as Chrome trace JSON (open it in Perfetto or chrome://tracing)."""
-        events = []
-        for rec in self.stats():
-            events.append(dict(name=rec["node"], cat=rec["walk"], ph="X", pid=self.id,
-                               tid=self._runtime.engine_of(rec["node"]),
-                               ts=rec["started"] * 1e6,
-                               dur=(rec["finished"] - rec["started"]) * 1e6,
-                               args=dict(iteration=rec["iteration"], batch_size=rec["batch_size"],
-                                         queued_us=(rec["started"] - rec["queued"]) * 1e6)))
+        events = [dict(name=rec["node"], cat=rec["walk"], ph="X", pid=self.id,
+                       tid=self._runtime.engine_of(rec["node"]), ts=rec["started"] * 1e6,
+                       dur=(rec["finished"] - rec["started"]) * 1e6,
+                       args=dict(iteration=rec["iteration"], batch_size=rec["batch_size"],
+                                 queued_us=(rec["started"] - rec["queued"]) * 1e6))
+                  for rec in self.stats()]
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def save_chrome_trace(self, path: str) -> None:
@@ -484,6 +481,10 @@ class Runtime:
         self.conductor.shutdown()
         for t in self._workers:
             t.join()
+
+    def health(self) -> Optional[str]:
+        """None while the runtime can serve; else why not (closed, or :meth:`Model.health`)."""
+        return "the runtime is closed" if self._closed else self.model.health()
 
     def __enter__(self) -> "Runtime":
         return self

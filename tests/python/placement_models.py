@@ -10,6 +10,7 @@ to SNAC).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -109,7 +110,8 @@ class Pipeline(Model):
     inputs = ("x", "steps", "delay", "pause", "mode")
     input_defaults = {"steps": 3, "delay": 0.0, "pause": 0.0, "mode": "full"}
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, sick_file: Optional[str] = None) -> None:
+        self.sick_file = sick_file
         g = torch.Generator().manual_seed(seed)
         loop_out = ["h", GraphEdge(EMIT, "h"), StreamingGraphEdge("collect", "tok", Fixed(2))]
         self.nodes = [
@@ -135,12 +137,20 @@ class Pipeline(Model):
     def initial_walk(self, request: Any) -> str:
         return request.inputs["mode"]
 
+    def health(self) -> Optional[str]:
+        """What ``sick_file`` says once a test wrote it (as a lost tensor-parallel rank would)."""
+        if self.sick_file and os.path.exists(self.sick_file):
+            with open(self.sick_file) as f:
+                return f.read()
+        return None
 
-def pipeline(seed: int = 0, fail: bool = False) -> Pipeline:
-    """``fail``: raise as a missing dependency would (given to one worker by the start test)."""
+
+def pipeline(seed: int = 0, fail: bool = False, sick_file: Optional[str] = None) -> Pipeline:
+    """``fail``: raise as a missing dependency would (given to one worker by the start test);
+    ``sick_file``: :meth:`Pipeline.health` says what it holds."""
     if fail:
         raise ImportError("No module named 'missing_dependency' (simulated by the test)")
-    return Pipeline(seed)
+    return Pipeline(seed, sick_file)
 
 
 def _random_llama(seed: int) -> LlamaForCausalLM:

@@ -21,9 +21,9 @@ from mstar_rt.engines import SamplingParams
 from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime, WorkerStartError
 
 import placement_models as pm
-from placement_support import (LM_GROUPS, PROMPTS, T, alive, generate, idle, our_segments,
-                               pipeline_inputs, reference_outputs, same, start_placed_walk,
-                               worker_children)
+from placement_support import (LM_GROUPS, PIPELINE_GROUPS, PROMPTS, T, alive, generate, idle,
+                               our_segments, pipeline_inputs, reference_outputs, same,
+                               start_placed_walk, worker_children)
 from walk_models import settled, wait_until
 
 
@@ -41,6 +41,7 @@ def placed_walk():
 # ---- faults --------------------------------------------------------------------------------------
 
 def test_killed_worker_fails_its_requests_within_a_second_and_restarts(placed_walk, reference):
+    assert placed_walk.health() is None
     inp = pipeline_inputs(1)[0]
     # one request past rank 1 (its context still lives there), now pausing in rank 2's loop
     passed = placed_walk.submit({**inp, "pause": 0.5, "steps": 4})
@@ -71,15 +72,29 @@ def test_killed_worker_fails_its_requests_within_a_second_and_restarts(placed_wa
         placed_walk.submit(inp).result(T)
     assert time.monotonic() - t0 < 1.0
     assert placed_walk.workers[1]["state"] == "down"
+    health = placed_walk.health()  # no restart coming: a server answers /health with 503
+    assert health is not None and "rank 1 is down" in health and "SIGKILL" in health, health
+    assert "restart_worker(1)" in health
 
     placed_walk.restart_worker(1)
-    assert placed_walk.workers[1]["state"] == "up"
+    assert placed_walk.workers[1]["state"] == "up" and placed_walk.health() is None
     assert placed_walk.workers[1]["pid"] != old_pid and not alive(old_pid)
     assert same(placed_walk.submit(inp).result(T), reference["walk"][0])
     assert settled(placed_walk)["requests"] == 0
     live = sorted(n for w in placed_walk.workers.values() for n in w["shm"])
     assert our_segments(placed_walk) == live  # two per live worker; the dead one's are gone
     assert [n for n in live if "_r1_g1_" in n] and not [n for n in live if "_r1_g0_" in n]
+
+
+def test_a_workers_model_that_cannot_serve_makes_the_runtime_unhealthy(tmp_path):
+    """Model.health of a worker's model (a tensor-parallel group there that lost a rank)
+    reaches PlacedRuntime.health through the worker's stats, naming the rank."""
+    sick = tmp_path / "sick"
+    with PlacedRuntime("placement_models:pipeline", PIPELINE_GROUPS, progress=False,
+                       model_kwargs={"sick_file": str(sick)}) as rt:
+        assert rt.health() is None
+        sick.write_text("the group lost rank 1; load it again")
+        assert rt.health() == "worker process rank 1: the group lost rank 1; load it again"
 
 
 def test_auto_restart_after_a_kill_during_decode(reference):

@@ -146,6 +146,21 @@ def test_metrics_count_speech_requests_time_to_first_audio_and_real_time_factor(
 
 # ---- generate ----------------------------------------------------------------------------------
 
+def test_health_is_503_with_the_reason_while_the_model_cannot_serve(counter, monkeypatch):
+    """Model.health (a tensor-parallel rank or a placed worker lost for good) reaches /health,
+    so a load balancer or orchestrator can replace the server; it needs no key."""
+    ok = httpx.get(counter.url + "/health")
+    assert ok.status_code == 200 and ok.json()["status"] == "ok" and "reason" not in ok.json()
+    monkeypatch.setattr(counter.model, "health", lambda: "rank 1 was lost; load it again")
+    sick = httpx.get(counter.url + "/health")
+    assert sick.status_code == 503
+    assert sick.json() | {"admitted": 0} == {"status": "unavailable", "model": "counter",
+                                              "admitted": 0, "max_concurrent_requests": 2,
+                                              "reason": "rank 1 was lost; load it again"}
+    monkeypatch.undo()
+    assert httpx.get(counter.url + "/health").status_code == 200
+
+
 def test_generate_streams_one_ndjson_line_per_output_with_arrays_as_base64(counter):
     with MstarClient(counter.url) as c:
         out = list(c.generate({"n": 3}))

@@ -39,7 +39,7 @@ def robot():
     model = build_model(config)
     with serving(model, name=config.model.name, policy=config.policy, api_key=KEY,
                  max_concurrent_requests=8) as s:
-        s.net = model.net
+        s.net, s.model = model.net, model
         yield s
 
 
@@ -49,7 +49,7 @@ def vision():
     config = load_config(ROOT / "examples" / "serve" / "vision_policy.yaml")
     model = build_model(config)
     with serving(model, name=config.model.name, policy=config.policy) as s:
-        s.net = model.net
+        s.net, s.model = model.net, model
         yield s
 
 
@@ -246,6 +246,14 @@ def test_missing_or_wrong_api_key_is_refused_on_the_handshake(robot, key):
         WebsocketClientPolicy("127.0.0.1", robot.port, api_key=key)
     assert httpx.get(robot.url + "/healthz").status_code == 200  # health needs no key
     assert _client(robot).infer({"observation/state": _state(2)})["actions"].shape == (20, 2)
+
+
+def test_healthz_is_503_with_the_reason_while_the_model_cannot_serve(robot, monkeypatch):
+    monkeypatch.setattr(robot.model, "health", lambda: "a rank was lost; load it again")
+    got = httpx.get(robot.url + "/healthz")
+    assert got.status_code == 503 and got.text == "a rank was lost; load it again\n"
+    monkeypatch.undo()
+    assert httpx.get(robot.url + "/healthz").text == "OK\n"
 
 
 def test_above_max_concurrent_requests_a_policy_call_gets_an_error_frame(robot):

@@ -334,3 +334,17 @@ def test_replica_options_from_the_ray_section():
                                          "resources": {"slot": 1.0}}
     fixed = deployment_options(config, config.ray.with_replicas(3))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+
+
+def test_a_replica_whose_model_cannot_serve_fails_ray_serves_health_check():
+    """Ray Serve calls check_health on each replica every health_check_period_s; one that
+    raises is replaced. It raises Runtime.health's reason (a tensor-parallel rank lost)."""
+    from mstar_rt.serve.ray_serve import MstarReplica
+
+    replica = MstarReplica.__new__(MstarReplica)  # no model: only the probe is under test
+    replica.mstar_runtime = SimpleNamespace(health=lambda: None)
+    replica.check_health()
+    replica.mstar_runtime = SimpleNamespace(health=lambda: "rank 1 lost; load it again")
+    with pytest.raises(RuntimeError, match="rank 1 lost; load it again"):
+        replica.check_health()
+    replica.mstar_runtime = None  # __del__ then has nothing to close

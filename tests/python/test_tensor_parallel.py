@@ -209,6 +209,7 @@ def test_node_group_tp_size_serves_it_and_a_killed_follower_fails_requests_clear
         long = [rt.submit(greedy(p, 100)) for p in make_prompts(BASE["vocab_size"], (3, 9),
                                                                 seed=4)]
         assert wait_until(lambda: all(len(h.stats()) >= 4 for h in long), T)
+        assert rt.health() is None
         os.kill(pids[0], signal.SIGKILL)
         t0 = time.monotonic()
         for h in long:
@@ -218,6 +219,8 @@ def test_node_group_tp_size_serves_it_and_a_killed_follower_fails_requests_clear
         with pytest.raises(RequestFailed, match="load it again"):  # later ones fail at once
             rt.submit(greedy(prompt, 8)).result(timeout=T)
         assert time.monotonic() - t0 < 15, "the failure took as long as a collective timeout"
+        health = rt.health()  # what /health and Ray Serve's check_health report
+        assert health is not None and "rank 1" in health and "load it again" in health, health
         engine = rt.engines["lm"]
         assert wait_until(lambda: engine.cache.free_pages == engine.cache.num_pages, T)
         assert len(want) == 8

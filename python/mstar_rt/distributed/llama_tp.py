@@ -200,6 +200,17 @@ class TensorParallelLlama(nn.Module):
         if gone:
             raise self.break_group("")
 
+    def health(self) -> Optional[str]:
+        """None while every rank can step; else why not (no side effect: the group is marked
+        broken by the next step)."""
+        if self.closed:
+            return f"the tensor-parallel Llama of {self.path} is closed; load it again"
+        gone = [f.status() for f in self.followers if f.proc.poll() is not None]
+        if self.broken is None and gone:
+            return (f"the tensor-parallel group of {self.path} (tp_size {self.tp_size}) lost "
+                    f"a rank [{'; '.join(gone)}]; close this model and load it again")
+        return self.broken
+
     def break_group(self, cause: str) -> RuntimeError:
         """Marks the group broken (every later step fails at once), stops the followers and
         returns the error that says what happened."""

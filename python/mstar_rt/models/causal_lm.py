@@ -298,6 +298,10 @@ class CausalLM(Model):
                 close()
             raise
 
+    def health(self) -> Optional[str]:
+        health = getattr(self.module, "health", None)  # a tensor-parallel module's
+        return health() if health is not None else None
+
     def close(self) -> None:
         """Stops the follower processes of a tensor-parallel module (nothing otherwise)."""
         close = getattr(self.module, "close", None)

@@ -288,6 +288,24 @@ class PlacedRuntime(Runtime):
         (``p2w_bytes_in_use``, ``w2p_bytes_in_use``), ``bad_messages``, ``pid``."""
         return self._link(rank).stats(timeout)
 
+    def health(self) -> Optional[str]:
+        """:meth:`Runtime.health`, and the workers': one down with no restart coming, or whose
+        model cannot serve (:meth:`Model.health`, asked in its stats), is named."""
+        own = super().health()
+        if own is not None:
+            return own
+        for rank, info in self.workers.items():
+            if info["state"] == "down":
+                return (f"worker process rank {rank} is down ({info['last_exit']}); restart it "
+                        f"with restart_worker({rank})")
+            try:
+                said = self.worker_stats(rank).get("health") if info["state"] == "up" else None
+            except Exception:  # it died as it was asked: the next look sees how
+                continue
+            if said:
+                return f"worker process rank {rank}: {said}"
+        return None
+
     @property
     def workers(self) -> dict[int, dict]:
         """Per worker rank: nodes, device, state (up / starting / down), pid, endpoint, shared

@@ -37,10 +37,9 @@ class ApiError(Exception):
                                                                        param, code)
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "param": self.param, "code": self.code}},
-                            status_code=self.status, headers=headers)
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param":
+                                       self.param, "code": self.code}}, status_code=self.status,
+                            headers={"Retry-After": "1"} if self.status in (429, 503) else None)
 
 
 def key_error(headers: Mapping[str, str], api_key: Optional[str]) -> Optional[str]:
@@ -147,19 +146,21 @@ def create_app(deployment: Deployment) -> FastAPI:
     if d.api_key is not None:
         app.add_middleware(_KeyCheck, api_key=d.api_key, state=state)
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": d.name, "admitted": state.bridge.admission.in_flight,
-                "max_concurrent_requests": d.max_concurrent_requests}
+    @app.get("/health", responses={503: {"description": "the model cannot serve (`reason`)"}})
+    async def health() -> Any:
+        reason = await state.bridge.health()  # e.g. a tensor-parallel rank or a worker lost
+        body = {"status": "ok" if reason is None else "unavailable", "model": d.name,
+                "admitted": state.bridge.admission.in_flight, "max_concurrent_requests":
+                d.max_concurrent_requests} | ({} if reason is None else {"reason": reason})
+        return JSONResponse(body, 200 if reason is None else 503)
 
     keyed = (401,) if d.api_key is not None else ()
 
     @app.get("/v1/models", responses=error_responses(*keyed))
     async def models() -> dict:
         info = {"id": d.name, "object": "model", "created": d.created, "owned_by": "mstar_rt",
-                "capabilities": d.capabilities, "inputs": list(d.inputs)}
-        if d.speech is not None:
-            info["voices"] = list(d.speech.voices or ())
+                "capabilities": d.capabilities, "inputs": list(d.inputs)} | (
+                    {"voices": list(d.speech.voices or ())} if d.speech is not None else {})
         return {"object": "list", "data": [info]}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(*keyed))

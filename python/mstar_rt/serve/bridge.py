@@ -73,6 +73,12 @@ class Bridge:
         """``fn(*args)`` on a worker thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def health(self) -> Optional[str]:
+        """Why the runtime cannot serve (its ``health()``; a placed one asks its workers), or
+        None: what ``/health`` and ``/healthz`` answer 503 with."""
+        health = getattr(self.runtime, "health", None)
+        return None if health is None else await self.call(health)
+
     async def submit(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
                      priority: int = 0, fail_late: bool = False) -> Any:
         """Submits on a worker thread; bad inputs raise the runtime's ValueError / TypeError, a

@@ -299,7 +299,9 @@ def add_policy_routes(app: Any, state: Any) -> None:
 
     @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> PlainTextResponse:
-        return PlainTextResponse("OK\n")
+        reason = await bridge.health()
+        return PlainTextResponse("OK\n" if reason is None else f"{reason}\n",
+                                 200 if reason is None else 503)
 
     @app.websocket("/")
     async def policy(ws: WebSocket) -> None:

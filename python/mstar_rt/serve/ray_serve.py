@@ -70,6 +70,13 @@ class MstarReplica:
         self.mstar_app = create_app(self.mstar_deployment)
         return _ReplicaHeader(self.mstar_app, self.where()["replica"])
 
+    def check_health(self) -> None:
+        """Ray Serve's probe: a replica whose model cannot serve (``Runtime.health``: a
+        tensor-parallel rank or a placed worker lost for good) raises, and Ray replaces it."""
+        reason = self.mstar_runtime.health()
+        if reason is not None:
+            raise RuntimeError(reason)
+
     def where(self) -> dict[str, Any]:
         """Which replica this is, and where it runs (its Ray node, process and actor)."""
         ctx = ray.get_runtime_context()
