@@ -273,3 +273,25 @@ def test_tp_size_key_reaches_the_factory_or_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"args.tp_size is 4 .* give it once"):
         load_config({"model": {**spec, "kwargs": {"tp_size": 4}},
                      "node_groups": [{"nodes": ["lm"], "tp_size": 2}]})
+
+
+def test_a_placed_group_that_lost_a_rank_is_replaced_by_a_restart(checkpoint):
+    """A tensor-parallel group on a placement worker cannot take a rank back; its worker's
+    heartbeat says so (Model.health) and the parent kills it, so restart="auto" brings up a
+    new worker with a whole group that serves the same tokens."""
+    from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime
+    from placement_support import worker_children
+
+    spec = ModelSpec("placement_models:checkpoint_lm", {"path": str(checkpoint)})
+    prompt = make_prompts(BASE["vocab_size"], (6,), seed=9)[0]
+    with PlacedRuntime(spec, [NodeGroup(["prefill", "decode"], rank=1, tp_size=2)],
+                       restart="auto", progress=False) as rt:
+        want = rt.submit(greedy(prompt, 8)).result(T)["token"]
+        (follower,) = worker_children(rt.workers[1]["pid"], b"mstar_rt")
+        os.kill(follower, signal.SIGKILL)
+        assert wait_until(lambda: rt.workers[1]["restarts"] == 1
+                          and rt.workers[1]["state"] == "up", T)
+        last = rt.workers[1]["last_exit"]
+        assert "could not serve" in last and "rank 1" in last and "load it again" in last, last
+        assert rt.submit(greedy(prompt, 8)).result(T)["token"] == want and len(want) == 8
+        assert rt.health() is None

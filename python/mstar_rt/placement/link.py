@@ -130,7 +130,7 @@ class WorkerLink:
                    if self._local else "tcp", parent_pid=os.getpid() if self._local else None)
         self.worker = worker = self._launcher.start(cfg)
         if self.progress:
-            self._say(f"started ({f'pid {worker.pid}' if self._local else 'its Ray actor'}) "
+            say(self.rank, f"started ({f'pid {worker.pid}' if self._local else 'its Ray actor'}) "
                       f"for nodes {self.plan.nodes}")
         monitor = threading.Thread(target=self._monitor, args=(worker, gen), daemon=True,
                                    name=f"mstar-worker{self.rank}-monitor")
@@ -238,9 +238,6 @@ class WorkerLink:
             except OSError:
                 pass
 
-    def _say(self, text: str) -> None:
-        say(self.rank, text)
-
     # ---- death ---------------------------------------------------------------------------------
 
     def _monitor(self, worker: "WorkerProcess | RayWorker", gen: int) -> None:
@@ -250,14 +247,15 @@ class WorkerLink:
         except Exception:
             traceback.print_exc()
 
-    def _on_hang(self, gen: int, why: str) -> None:
-        """The watchdog says generation `gen` hangs: kill it; its death does the rest."""
+    def _on_hang(self, gen: int, why: str, stacks: bool = True) -> None:
+        """The watchdog says generation `gen` hangs, or its heartbeat that its model cannot
+        serve (Model.health): kill it; its death (a restart, with restart="auto") does the rest."""
         with self._lock:
             if gen != self.gen or self.state != "up" or self.worker is None:
                 return
             self._hang, worker = (gen, why), self.worker
-        self._say(f"pid {worker.pid} {why}; killing it (its thread stacks follow)")
-        worker.kill(stacks=True)
+        say(self.rank, f"pid {worker.pid} {why}; killing it" + " (its thread stacks follow)" * stacks)
+        worker.kill(stacks=stacks)
 
     def _on_exit(self, proc: "WorkerProcess | RayWorker", gen: int, how: str) -> None:
         with self._lock:
@@ -283,10 +281,10 @@ class WorkerLink:
         fail_for_death(rt, f"worker process rank {self.rank} (pid {proc.pid}) {how}", fix,
                        inflight, known)
         if self.progress and was == "up":
-            self._say(f"pid {proc.pid} {how}")
+            say(self.rank, f"pid {proc.pid} {how}")
         self._disconnect(gen)
         if rt.restart_policy == "auto" and was == "up" and not restart:
-            self._say(f"not restarting rank {self.rank}: it was restarted {self.restarts} times "
+            say(self.rank, f"not restarting rank {self.rank}: restarted {self.restarts} times "
                       "(max_restarts)")
         while restart:  # a generation dying as it starts is followed by another, within max
             self.restarts += 1
@@ -301,7 +299,7 @@ class WorkerLink:
                         else "closed"
                     self.last_exit = f"restart failed: {e}"
                     self._cond.notify_all()
-                self._say(self.last_exit + ("; starting another" if restart else ""))
+                say(self.rank, self.last_exit + ("; starting another" if restart else ""))
 
     # ---- sending ------------------------------------------------------------------------------
 
@@ -441,7 +439,7 @@ class WorkerLink:
 
     def _bad_reply(self, text: str) -> None:
         self.error_replies, self.last_error = self.error_replies + 1, text
-        self._say(f"malformed message from the worker: {text}")
+        say(self.rank, f"malformed message from the worker: {text}")
 
     def _dispatch(self, kind: str, msg: dict) -> None:
         if kind == "done":
@@ -464,13 +462,15 @@ class WorkerLink:
         elif kind == "heartbeat":
             if self._watchdog is not None:
                 self._watchdog.beat(field(msg, "busy", list))
+            if field(msg, "health", str, optional=True):  # e.g. a tensor-parallel rank lost
+                self._on_hang(self.gen, f"could not serve ({msg['health']})", stacks=False)
         elif kind == "fatal":
             self._fatal = field(msg, "message", str)
         elif kind == "stats":
             self._asks.answer(field(msg, "token", int), field(msg, "stats", dict))
         elif kind == "error":
             self.error_replies, self.last_error = self.error_replies + 1, field(msg, "message", str)
-            self._say(self.last_error)
+            say(self.rank, self.last_error)
 
     def _take(self, ids: list[int]) -> set[int]:
         with self._lock:

@@ -126,12 +126,12 @@ class Worker:
         threading.Thread(target=self.heartbeat, daemon=True, name="mstar-heartbeat").start()
 
     def heartbeat(self) -> None:
-        """Tells the parent, every heartbeat_s, that this process answers and what its engines
-        run (placement/watchdog.py); ends with the process."""
+        """Tells the parent, every heartbeat_s, that this process answers, what its engines run
+        (placement/watchdog.py) and its model's health (one that cannot serve is replaced)."""
         period = float(self.cfg.get("heartbeat_s", 1.0))
         while not self.stopping.wait(period):
             try:
-                self.outbox.send("heartbeat", busy=self.host.busy())
+                self.outbox.send("heartbeat", busy=self.host.busy(), health=self.host.model.health())
             except Exception:  # the socket closed under us at shutdown
                 return
 
