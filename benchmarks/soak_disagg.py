@@ -14,14 +14,13 @@ import os
 import random
 import sys
 import threading
-import time
 
 from mstar_rt import Runtime
 from mstar_rt.engines import SamplingParams
 from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime
 
 from bench_common import ROOT, child_pythonpath
-from soak_placement import CLIENTS, TIMEOUT_S, Chaos, WrongOutput, _drive, held_on, settle
+from soak_placement import TIMEOUT_S, WrongOutput, model_section, settle
 from soak_proc import snapshot
 from soak_runtime import _Canceller, meet_fate
 
@@ -67,17 +66,11 @@ def _killed(text: str) -> bool:
 
 
 def run_disagg(quick: bool, seconds: float) -> dict:
-    try:
-        from tqdm import tqdm
-        tqdm.monitor_interval = 0
-    except ImportError:
-        tqdm = None
     os.environ["PYTHONPATH"] = child_pythonpath(TESTS)
-    pid = os.getpid()
     ref = _Reference()
     from mstar_rt.distributed.group import open_store
     open_store(2, 5.0)  # libuv's process-wide pipe pair opens with the first store, never closes
-    start = snapshot(pid)
+    start = snapshot(os.getpid())
     rt = PlacedRuntime(MODEL, GROUPS, progress=False, restart="auto", max_restarts=1_000_000)
 
     def one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
@@ -95,25 +88,10 @@ def run_disagg(quick: bool, seconds: float) -> dict:
         if out["token"] != want:
             raise WrongOutput(f"prompt {prompt}, {n} tokens: {out['token']}, expected {want}")
 
-    errors: list[BaseException] = []
-    try:
-        _, warm_errors, _, _ = _drive(rt, 5.0, CLIENTS, 0, None, one)
-        errors += warm_errors
-        bar = tqdm(desc="disagg chaos", unit="req", leave=False, mininterval=2.0) if tqdm else None
-        chaos = Chaos(rt, seconds, bar, one, (1, 2), seed=2)
-        errors += chaos.errors
-        rng, clean = random.Random(9), 0
-        for _ in range(CLEAN_AFTER):
-            prompt, n = _request(rng)
-            try:
-                check(prompt, n, rt.submit({"prompt": prompt, "params": _params(n)})
-                      .result(timeout=TIMEOUT_S))
-                clean += 1
-            except BaseException as e:
-                errors.append(e)
-        held = {rank: held_on(rt, rank, HELD) for rank in (1, 2)}
-    finally:
-        rt.close()
-        ref.rt.close()
-    time.sleep(0.5)
-    return chaos.result(errors, clean == CLEAN_AFTER, held, start, snapshot(pid))
+    def clean(prompt: list[int], n: int) -> None:
+        check(prompt, n, rt.submit({"prompt": prompt, "params": _params(n)})
+              .result(timeout=TIMEOUT_S))
+
+    rng = random.Random(9)
+    cleans = [lambda r=_request(rng): clean(*r) for _ in range(CLEAN_AFTER)]
+    return model_section(rt, "disagg", seconds, 2, one, cleans, HELD, start, ref.rt.close)

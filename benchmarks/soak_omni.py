@@ -17,7 +17,6 @@ import random
 import sys
 import tempfile
 import threading
-import time
 
 import numpy as np
 
@@ -25,7 +24,7 @@ from mstar_rt import Runtime
 from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime
 
 from bench_common import ROOT, child_pythonpath
-from soak_placement import CLIENTS, TIMEOUT_S, Chaos, WrongOutput, _drive, held_on, settle
+from soak_placement import TIMEOUT_S, WrongOutput, model_section, settle
 from soak_proc import snapshot
 from soak_runtime import _Canceller, meet_fate
 
@@ -86,15 +85,9 @@ def _killed(text: str) -> bool:
 
 
 def run_omni(quick: bool, seconds: float) -> dict:
-    try:
-        from tqdm import tqdm
-        tqdm.monitor_interval = 0
-    except ImportError:
-        tqdm = None
     from omni_support import tiny_qwen3_omni
 
     os.environ["PYTHONPATH"] = child_pythonpath(TESTS)
-    pid = os.getpid()
     directory = tempfile.mkdtemp(prefix="mstar_soak_omni_")
     model = tiny_qwen3_omni(directory)
     ref = _Reference(model)
@@ -103,7 +96,7 @@ def run_omni(quick: bool, seconds: float) -> dict:
     groups = [NodeGroup(thinker, rank=1), NodeGroup([n for n in nodes if n not in thinker],
                                                     rank=2)]
     spec = ModelSpec("placement_models:tiny_omni", {"directory": directory})
-    start = snapshot(pid)
+    start = snapshot(os.getpid())
     rt = PlacedRuntime(spec, groups, progress=False, restart="auto", max_restarts=1_000_000)
 
     def one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
@@ -120,24 +113,7 @@ def run_omni(quick: bool, seconds: float) -> dict:
         if wrong:
             raise WrongOutput(f"{_key(req)}: {wrong}")
 
-    errors: list[BaseException] = []
-    try:
-        _, warm_errors, _, _ = _drive(rt, 5.0, CLIENTS, 0, None, one)
-        errors += warm_errors
-        bar = tqdm(desc="omni chaos", unit="req", leave=False, mininterval=2.0) if tqdm else None
-        chaos = Chaos(rt, seconds, bar, one, (1, 2), seed=3)
-        errors += chaos.errors
-        rng, clean = random.Random(11), 0
-        for _ in range(CLEAN_AFTER):
-            req = _request(rng)
-            try:
-                check(req, rt.submit(req).result(timeout=TIMEOUT_S))
-                clean += 1
-            except BaseException as e:
-                errors.append(e)
-        held = {rank: held_on(rt, rank, HELD) for rank in (1, 2)}
-    finally:
-        rt.close()
-        ref.rt.close()
-    time.sleep(0.5)
-    return chaos.result(errors, clean == CLEAN_AFTER, held, start, snapshot(pid))
+    rng = random.Random(11)
+    cleans = [lambda req=_request(rng): check(req, rt.submit(req).result(timeout=TIMEOUT_S))
+              for _ in range(CLEAN_AFTER)]
+    return model_section(rt, "omni", seconds, 3, one, cleans, HELD, start, ref.rt.close)

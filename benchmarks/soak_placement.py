@@ -217,6 +217,40 @@ class Chaos:
         }
 
 
+def model_section(rt: PlacedRuntime, name: str, seconds: float, seed: int, one: Callable,
+                  clean: list[Callable[[], None]], held_keys: tuple[str, ...], start: dict,
+                  close: Callable[[], None]) -> dict:
+    """A model section's run (soak_disagg.py, soak_omni.py) once ``rt`` is up: 5 s of warm-up,
+    ``seconds`` of chaos on ranks 1 and 2, then each of ``clean`` (a request checked, raising
+    if wrong), what the workers hold (``held_keys``, 0 wanted), and its result once ``rt`` and
+    the reference (``close``) are closed."""
+    try:
+        from tqdm import tqdm
+        tqdm.monitor_interval = 0  # no monitor thread: it would count as a leaked thread
+    except ImportError:
+        tqdm = None
+    errors: list[BaseException] = []
+    try:
+        errors += _drive(rt, 5.0, CLIENTS, 0, None, one)[1]
+        bar = tqdm(desc=f"{name} chaos", unit="req", leave=False, mininterval=2.0) if tqdm \
+            else None
+        chaos = Chaos(rt, seconds, bar, one, (1, 2), seed=seed)
+        errors += chaos.errors
+        passed = 0
+        for request in clean:
+            try:
+                request()
+                passed += 1
+            except BaseException as e:
+                errors.append(e)
+        held = {rank: held_on(rt, rank, held_keys) for rank in (1, 2)}
+    finally:
+        rt.close()
+        close()
+    time.sleep(0.5)
+    return chaos.result(errors, passed == len(clean), held, start, snapshot(os.getpid()))
+
+
 def held_on(rt: PlacedRuntime, rank: int, keys: tuple[str, ...]) -> dict:
     """Worker ``rank``'s ``keys`` of its stats once all are 0 (a K/V receiver learns of an end
     last), or after 10 s."""
