@@ -88,13 +88,17 @@ def test_killed_worker_fails_its_requests_within_a_second_and_restarts(placed_wa
 
 def test_a_workers_model_that_cannot_serve_makes_the_runtime_unhealthy(tmp_path):
     """Model.health of a worker's model (a tensor-parallel group there that lost a rank)
-    reaches PlacedRuntime.health through the worker's stats, naming the rank."""
+    comes in the worker's heartbeat; the parent kills it, and with no restart coming
+    PlacedRuntime.health names the rank and the reason."""
     sick = tmp_path / "sick"
     with PlacedRuntime("placement_models:pipeline", PIPELINE_GROUPS, progress=False,
                        model_kwargs={"sick_file": str(sick)}) as rt:
         assert rt.health() is None
         sick.write_text("the group lost rank 1; load it again")
-        assert rt.health() == "worker process rank 1: the group lost rank 1; load it again"
+        assert wait_until(lambda: rt.workers[1]["state"] == "down", T)
+        health = rt.health()
+        assert health is not None and "rank 1 is down" in health, health
+        assert "could not serve (the group lost rank 1; load it again)" in health, health
 
 
 def test_auto_restart_after_a_kill_during_decode(reference):

@@ -300,7 +300,7 @@ class WorkerHost:
                                 steps=getattr(engine, "steps", 0),
                                 largest_step=max(getattr(engine, "step_sizes", ()), default=0))
         return dict(live_requests=len(self.requests), queued_items=self.conductor.queued,
-                    batches=self.conductor.batches, kv=kv, health=self.model.health(),
+                    batches=self.conductor.batches, kv=kv,
                     kv_pages_in_use=sum(v["pages_in_use"] for v in kv.values()),
                     **self.segments.stats())
 

@@ -289,8 +289,9 @@ class PlacedRuntime(Runtime):
         return self._link(rank).stats(timeout)
 
     def health(self) -> Optional[str]:
-        """:meth:`Runtime.health`, and the workers': one down with no restart coming, or whose
-        model cannot serve (:meth:`Model.health`, asked in its stats), is named."""
+        """:meth:`Runtime.health`, or a worker down with no restart coming. (A worker whose
+        model cannot serve, :meth:`Model.health`, says so in its heartbeat and is killed: it is
+        then down, or restarting with ``restart="auto"``.)"""
         own = super().health()
         if own is not None:
             return own
@@ -298,12 +299,6 @@ class PlacedRuntime(Runtime):
             if info["state"] == "down":
                 return (f"worker process rank {rank} is down ({info['last_exit']}); restart it "
                         f"with restart_worker({rank})")
-            try:
-                said = self.worker_stats(rank).get("health") if info["state"] == "up" else None
-            except Exception:  # it died as it was asked: the next look sees how
-                continue
-            if said:
-                return f"worker process rank {rank}: {said}"
         return None
 
     @property
