@@ -131,12 +131,14 @@ def idle(rt: PlacedRuntime, rank: int) -> dict:
 
 def kill_mid_run(rt: PlacedRuntime, rank: int, handle) -> None:
     """Kills worker ``rank`` once ``handle``'s segment run is in it: the request fails within
-    5 s, naming the signal, and the rank restarts."""
+    5 s, naming the segment's nodes (not its stand-in) and the signal, and the rank restarts."""
     assert wait_until(lambda: rt.worker_stats(rank)["segment_runs"] == 1, T)
     t0 = time.monotonic()
     os.kill(rt.workers[rank]["pid"], signal.SIGKILL)
-    with pytest.raises(RequestFailed, match="killed by signal 9"):
+    with pytest.raises(RequestFailed, match="killed by signal 9") as failed:
         handle.result(T)
+    assert f"(run together on worker rank {rank})" in str(failed.value)
+    assert "segment:" not in str(failed.value)
     assert time.monotonic() - t0 < 5
     rt.restart_worker(rank)
 

@@ -9,6 +9,7 @@ RequestHandle, results and errors arrive the same way.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -30,6 +31,8 @@ from mstar_rt.placement.remote import PlacedModel, RemoteEngine
 from mstar_rt.model import RequestContext, node_engines
 from mstar_rt.placement.segments import SEGMENT_ENGINE, SegmentPlan, find_segments, section_nodes
 from mstar_rt.runtime import Runtime, compile_model
+
+_STAND_IN = re.compile(r"node 'segment:[^']*'")  # how a failure names a segment's stand-in
 
 
 def split_engines(model: Any, plan: Any, engines: Mapping[str, Engine]
@@ -159,9 +162,13 @@ class PlacedRuntime(Runtime):
         self.direct_names = direct
         seg_plan = self._segment_plan(plan) if segments else None
         self.segments_enabled = seg_plan is not None
-        # a deadline that stops a stand-in before it starts names the node it would have run
-        self._first_node = {s.name: section_nodes(s.section, True)[0]
-                            for s in (seg_plan.segments if seg_plan is not None else ())}
+        # a deadline that stops a stand-in before it starts names the node it would have run;
+        # a failure of the whole stand-in (its worker died) names the nodes it runs
+        segs = seg_plan.segments if seg_plan is not None else ()
+        self._first_node = {s.name: section_nodes(s.section, True)[0] for s in segs}
+        self._segment_label = {  # keyed as _STAND_IN matches it
+            f"node '{s.name}'": "nodes " + ", ".join(f"'{n}'" for n in s.nodes)
+            + f" (run together on worker rank {s.rank})" for s in segs}
         sweep_stale()
         try:
             self._workdir = tempfile.mkdtemp(prefix=f"mstar-placement-{os.getpid()}-")
@@ -236,7 +243,16 @@ class PlacedRuntime(Runtime):
                        if rid in late else m) for rid, m in outcome[2]]
             expired = [(x[0], first.get(x[1], x[1]), *x[2:]) for x in expired]
             outcome = (outcome[0], outcome[1], failed, expired, outcome[4])
+        if outcome[2] and self._segment_label:
+            outcome = (outcome[0], outcome[1], [(rid, self._named(m)) for rid, m in outcome[2]],
+                       *outcome[3:])
         super().report(outcome)
+
+    def _named(self, message: str) -> str:
+        """``message`` with each segment stand-in's name replaced by the nodes it runs."""
+        if "node 'segment:" not in message:
+            return message
+        return _STAND_IN.sub(lambda m: self._segment_label.get(m.group(0), m.group(0)), message)
 
     # ---- requests ------------------------------------------------------------------------------
 
