@@ -1,12 +1,15 @@
 """The openpi policy websocket: the real openpi_client WebsocketClientPolicy gets correctly shaped
 actions (the robot demo's policy; a camera policy with raw and JPEG images); concurrent clients
 are batched and never wait on each other's trouble; malformed messages get an error frame and
-the connection keeps working; the API key is checked on the handshake. Also the benchmark's
---quick smoke run."""
+the connection keeps working; the API key is checked on the handshake; a placed policy whose
+worker is killed fails only the observations that worker held. Also the benchmark's --quick
+smoke run."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +27,7 @@ from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from mstar_rt.serve.config import build_model, load_config
-from test_serve_support import serving, settled
+from test_serve_support import serving, settled, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 # openpi_client connects without a context manager, which websockets >= 14 warns about
@@ -294,6 +297,63 @@ def test_policy_placed_across_two_processes_serves_the_same_actions(tmp_path):
                 np.testing.assert_allclose(actions, model.net.act(state), rtol=1e-5, atol=1e-6)
         finally:
             client._ws.close()
+        assert settled(s)["requests"] == 0
+
+
+def test_a_placed_policy_whose_worker_is_killed_fails_only_the_observations_it_held(tmp_path):
+    """The camera policy split over two worker processes (restart: auto), four robots sending
+    without pause, and the expert's worker SIGKILLed mid-traffic: an observation either gets
+    the right actions or an error frame naming the dead worker and the nodes it ran (never the
+    internal stand-in's name), each connection keeps serving, and /health is ok again once
+    the worker is back."""
+    from mstar_rt.serve.config import build_runtime
+
+    raw = yaml.safe_load((ROOT / "examples" / "serve" / "vision_policy.yaml").read_text())
+    raw["node_groups"] = [{"nodes": ["encode"], "rank": 1, "process": True},
+                          {"nodes": ["denoise", "finish"], "rank": 2, "process": True}]
+    raw["placement"] = {"restart": "auto"}
+    config = load_config(raw, base_dir=str(ROOT / "examples" / "serve"))
+    model = build_model(config)
+    obs = [{"observation/image": _image(k), "observation/state": _state(k)} for k in range(4)]
+    want = [model.net.act(o["observation/image"], o["observation/state"]) for o in obs]
+    with serving(model, runtime=build_runtime(config, model), name="placed",
+                 policy=config.policy) as s:
+        pid = s.rt.workers[2]["pid"]
+        stop, sent, errors, wrong = threading.Event(), [0] * 4, [], []
+
+        def robot(k: int) -> None:
+            client = WebsocketClientPolicy("127.0.0.1", s.port)
+            try:
+                while not stop.is_set():
+                    try:
+                        actions = client.infer(obs[k])["actions"]
+                    except RuntimeError as e:  # openpi_client raises on an error frame
+                        errors.append(str(e))
+                        continue
+                    sent[k] += 1
+                    if np.abs(actions - want[k]).max() > 1e-4:
+                        wrong.append(k)
+            finally:
+                client._ws.close()
+
+        robots = [threading.Thread(target=robot, args=(k,)) for k in range(4)]
+        for t in robots:
+            t.start()
+        wait_until(lambda: min(sent) >= 5, "every robot to be served")
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: s.rt.workers[2]["state"] == "up" and s.rt.workers[2]["pid"] != pid,
+                   "the worker to be restarted")
+        after = list(sent)
+        wait_until(lambda: all(n >= a + 5 for n, a in zip(sent, after)),
+                   "every robot to be served again on its connection")
+        stop.set()
+        for t in robots:
+            t.join(30)
+        assert not wrong
+        for e in errors:
+            assert "worker process rank 2" in e and "killed by signal 9" in e, e
+            assert "segment:" not in e and "'denoise'" in e, e
+        assert httpx.get(s.url + "/health").status_code == 200
         assert settled(s)["requests"] == 0
 
 
