@@ -216,10 +216,11 @@ def text_llama(seed: int = 0) -> TextLM:
     return TextLM(seed)
 
 
-def checkpoint_lm(path: str, tp_size: int = 1) -> CausalLM:
+def checkpoint_lm(path: str, tp_size: int = 1, tp_restart: str = "auto") -> CausalLM:
     """A Llama checkpoint directory as a CausalLM (``tp_size`` > 1: tensor-parallel, the
     followers started beside the process that builds it)."""
-    return CausalLM.from_pretrained(path, tp_size=tp_size, progress=False, emit_logits=True)
+    return CausalLM.from_pretrained(path, tp_size=tp_size, tp_restart=tp_restart,
+                                    progress=False, emit_logits=True)
 
 
 def lerobot_policy(family: str = "pi0"):

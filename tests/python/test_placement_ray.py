@@ -137,7 +137,7 @@ def _llama_at_tp1(tmp_path) -> tuple[list, list]:
     """A tiny Llama checkpoint saved at ``tmp_path``, three greedy requests, and what the
     in-process Runtime at tp_size 1 answers them."""
     from llama_ref import BASE, greedy, make_prompts, run_all
-    from test_tensor_parallel import save_llama
+    from tp_support import save_llama
 
     save_llama(tmp_path)
     prompts = make_prompts(BASE["vocab_size"], (5, 9, 3), seed=7)
@@ -181,8 +181,11 @@ def test_one_models_tensor_parallel_ranks_on_two_nodes_equal_tp1(cluster, tmp_pa
     """``tp_resources`` puts the follower in a Ray actor of its own on the second node while the
     driver's actor sits on the head node (the group meets at the driver's node address): tokens
     equal and float32 logits within 1e-4 of tp_size 1 in process; the follower holds a slot of
-    the second node while it runs. Killed, it fails the next request naming its rank and node;
-    close frees every slot."""
+    the second node while it runs. Killed mid-request, it fails that request naming its rank
+    and node, and the group is rebuilt with a new follower actor there (restart auto) that
+    answers the next requests as before; close frees every slot."""
+    from llama_ref import greedy
+
     reqs, want = _llama_at_tp1(tmp_path)
     before = _slots()
     rt = PlacedRuntime.from_config({
@@ -199,15 +202,22 @@ def test_one_models_tensor_parallel_ranks_on_two_nodes_equal_tp1(cluster, tmp_pa
         assert _slots() == {"head_slot": before["head_slot"] - 1,
                             "node2_slot": before["node2_slot"] - 1}
         _equal_to_tp1(rt, reqs, want)
+        long = iter(rt.submit(greedy(reqs[0]["prompt"], 100, ignore_eos=True)))
+        next(long), next(long)
         os.kill(next(iter(follower)), signal.SIGKILL)
         with pytest.raises(RequestFailed, match=rf"rank 1 \(pid \d+ on {NODE2_IP}\)"):
-            rt.submit(reqs[0]).result(T)
+            list(long)
+        _equal_to_tp1(rt, reqs, want)
+        again = worker_children(None, b"FollowerActor")
+        assert len(again) == 1 and again != follower
+        follower |= again
+        assert _slots()["node2_slot"] == before["node2_slot"] - 1
     finally:
         _closed_cleanly(rt, [actor, *follower], before)
 
 
 def test_a_follower_no_node_can_hold_fails_at_once_and_leaves_no_actor(cluster, tmp_path):
-    from test_tensor_parallel import save_llama
+    from tp_support import save_llama
 
     save_llama(tmp_path)
     before = _slots()

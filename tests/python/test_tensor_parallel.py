@@ -2,9 +2,11 @@
 checkpoint at tp_size 1: greedy tokens equal and float32 logits within 1e-4 through the KV
 engine (concurrent requests of different lengths, small pages, decode steps), pages copied on
 write reaching the follower, splits that cannot work refused before any process starts, the
-``tp_size`` key of a node group, a follower killed mid-generation failing the requests with a
-clear error while the Runtime stays up, a hung follower given up after the collective timeout,
-and no follower outliving its driver (closed or killed). NCCL on CUDA is the same code with another backend and has never run here.
+``tp_size`` key of a node group, a follower killed mid-generation failing its requests with a
+clear error and the group rebuilt for the next ones, a hung follower given up after the
+collective timeout, and no follower outliving its driver (closed or killed). What a rebuilt
+group refuses is in test_tensor_parallel_restart.py. NCCL on CUDA is the same code with
+another backend and has never run here.
 """
 
 from __future__ import annotations
@@ -21,19 +23,14 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import transformers  # noqa: E402
-
 from mstar_rt import RequestFailed  # noqa: E402
 from mstar_rt.distributed.llama_tp import TensorParallelLlama, load_llama_tp  # noqa: E402
-from mstar_rt.engines.attention_base import SeqStep  # noqa: E402
-from mstar_rt.engines.kv_engine import KVStep  # noqa: E402
-from mstar_rt.engines.paged_kv import PagedKVCache  # noqa: E402
-from mstar_rt.engines.torch_backend import TorchAttention  # noqa: E402
 from mstar_rt.models.causal_lm import CausalLM  # noqa: E402
 from mstar_rt.models.llama import load_llama  # noqa: E402
 
 from child_env import child_env  # noqa: E402
 from llama_ref import BASE, greedy, make_lm, make_prompts, run_all  # noqa: E402
+from tp_support import alive, children, follower_pids, run_steps, save_llama  # noqa: E402
 from walk_models import close_within, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
@@ -41,42 +38,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 TOL = 1e-4
 T = 60.0
 HANG_S = 5.0  # the shared group's collective timeout: how long a hung follower is waited for
-# Biases everywhere: the row-parallel biases must be added once, not once per rank.
-TINY = dict(attention_bias=True, mlp_bias=True)
-
-
-def save_llama(path, seed: int = 0, **overrides) -> None:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{**BASE, **TINY, **overrides})
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def children() -> list[int]:
-    """Live processes whose parent is this one."""
-    me, out = str(os.getpid()), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, IndexError):
-                continue
-            if fields[1] == me and fields[0] != "Z":
-                out.append(int(entry))
-    return out
-
-
-def follower_pids(module: TensorParallelLlama) -> list[int]:
-    return [f.proc.pid for f in module.followers]
 
 
 @pytest.fixture(scope="module")
@@ -122,28 +83,6 @@ def test_tp2_equals_tp1_on_concurrent_requests_through_the_kv_engine(checkpoint,
     assert len({tuple(r["token"]) for r in results["tp2"]}) > 1  # the prompts mattered
 
 
-@torch.inference_mode()
-def run_steps(module, script: list) -> list[torch.Tensor]:
-    """Runs ``script`` on a fresh cache of ``module``'s layout: each entry is a fork
-    ``("fork", src, dst)`` or a step ``[(label, token ids), ...]`` (every label persists);
-    returns each step's hidden states."""
-    cache = PagedKVCache(module.kv_layout(), page_size=4, num_pages=32)
-    backend, out = TorchAttention(cache), []
-    for entry in script:
-        if entry[0] == "fork":
-            cache.fork(0, entry[1], entry[2])
-            continue
-        steps = []
-        for label, ids in entry:
-            seq = cache.admit(0, label, len(ids))
-            steps.append(SeqStep(seq.length, len(ids), list(seq.pages)))
-        ids = torch.tensor([t for _label, toks in entry for t in toks])
-        out.append(module(ids, KVStep(backend, steps)))
-        for label, toks in entry:
-            cache.commit(0, label, len(toks))
-    return out
-
-
 def test_pages_copied_on_write_reach_the_follower(checkpoint, tp2):
     """A fork shares main's half-filled last page; the branch's first write copies it on the
     driver, and the follower must copy its share too or the branch reads zeros there."""
@@ -174,24 +113,29 @@ def test_splits_that_do_not_divide_are_refused_before_any_process_starts(checkpo
         CausalLM(tp2, cuda_graphs=True)
 
 
-def test_a_hung_follower_fails_the_step_after_the_timeout_and_is_stopped(tp2):
-    """Runs last of the tests that share ``tp2``: it ends that group."""
+def test_a_hung_follower_fails_the_step_after_the_timeout_and_is_stopped(checkpoint, tp2):
+    """Runs last of the tests that share ``tp2``: its group is rebuilt after the hang."""
     pid = follower_pids(tp2)[0]
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"tensor-parallel group .* failed: .*[Tt]imed out.*"
-                                           rf"\[rank 1 \(pid {pid}\) is running\]"):
+                                           rf"\[rank 1 \(pid {pid}\) is running\]; the next "
+                                           "step restarts it"):
         run_steps(tp2, [[("main", [1, 2, 3])]])
     took = time.monotonic() - t0
     assert HANG_S - 1 < took < HANG_S + 10, f"gave up after {took:.1f} s"
     assert wait_until(lambda: not alive(pid), 10), "the hung follower was not stopped"
-    with pytest.raises(RuntimeError, match="load it again"):
-        run_steps(tp2, [[("main", [1])]])
+    script = [[("main", [5, 9, 2, 7, 11])], [("main", [4])]]
+    got, want = run_steps(tp2, script), run_steps(load_llama(checkpoint, progress=False), script)
+    assert tp2.restarts == 1 and follower_pids(tp2)[0] != pid
+    assert max((a - b).abs().max().item() for a, b in zip(got, want)) < TOL
 
 
 # ---- the config key, and a follower that dies ----------------------------------------------------
 
-def test_node_group_tp_size_serves_it_and_a_killed_follower_fails_requests_clearly(checkpoint):
+def test_node_group_tp_size_serves_it_and_a_killed_follower_fails_only_its_requests(checkpoint):
+    """A follower SIGKILLed mid-generation fails the requests it was serving, naming the rank;
+    the next step rebuilds the group (restart auto, the default) and serves the same tokens."""
     from mstar_rt.serve.config import build_model, build_runtime, load_config
 
     before = set(children())
@@ -216,19 +160,20 @@ def test_node_group_tp_size_serves_it_and_a_killed_follower_fails_requests_clear
             with pytest.raises(RequestFailed, match=r"tensor-parallel group .* failed.*rank 1 "
                                                     rf"\(pid {pids[0]}\) exited with code -9"):
                 h.result(timeout=T)
-        with pytest.raises(RequestFailed, match="load it again"):  # later ones fail at once
-            rt.submit(greedy(prompt, 8)).result(timeout=T)
         assert time.monotonic() - t0 < 15, "the failure took as long as a collective timeout"
-        health = rt.health()  # what /health and Ray Serve's check_health report
-        assert health is not None and "rank 1" in health and "load it again" in health, health
+        assert rt.submit(greedy(prompt, 8)).result(timeout=T)["token"] == want
+        assert model.module.restarts == 1 and follower_pids(model.module)[0] != pids[0]
+        assert rt.health() is None  # what /health and Ray Serve's check_health report
         engine = rt.engines["lm"]
         assert wait_until(lambda: engine.cache.free_pages == engine.cache.num_pages, T)
         assert len(want) == 8
+        new = follower_pids(model.module)
         close_within(rt)
         assert not alive(pids[0])
     finally:
         model.close()
-    assert set(children()) <= before, "a follower outlived close()"
+    assert not any(alive(p) for p in new) and set(children()) <= before, \
+        "a follower outlived close()"
 
 
 def test_followers_exit_when_their_driver_is_killed(checkpoint, tmp_path):
@@ -276,13 +221,14 @@ def test_tp_size_key_reaches_the_factory_or_is_refused_with_the_fix():
 
 
 def test_a_placed_group_that_lost_a_rank_is_replaced_by_a_restart(checkpoint):
-    """A tensor-parallel group on a placement worker cannot take a rank back; its worker's
-    heartbeat says so (Model.health) and the parent kills it, so restart="auto" brings up a
-    new worker with a whole group that serves the same tokens."""
+    """A tensor-parallel group with tp_restart="manual" on a placement worker cannot take a
+    rank back; its worker's heartbeat says so (Model.health) and the parent kills it, so
+    restart="auto" brings up a new worker with a whole group that serves the same tokens."""
     from mstar_rt.placement import ModelSpec, NodeGroup, PlacedRuntime
     from placement_support import worker_children
 
-    spec = ModelSpec("placement_models:checkpoint_lm", {"path": str(checkpoint)})
+    spec = ModelSpec("placement_models:checkpoint_lm", {"path": str(checkpoint),
+                                                        "tp_restart": "manual"})
     prompt = make_prompts(BASE["vocab_size"], (6,), seed=9)[0]
     with PlacedRuntime(spec, [NodeGroup(["prefill", "decode"], rank=1, tp_size=2)],
                        restart="auto", progress=False) as rt:

@@ -10,9 +10,13 @@ step, the driver sends the followers the step's block tables (and any page copie
 broadcasts the token ids, and runs its own share; the all-reduces inside meet the followers'.
 Logits are computed on the driver alone (the LM head is replicated), so sampling stays there.
 
-A follower that dies or fails breaks the group: the step in flight raises, and so does every
-later one, with a message naming the rank and what it said; the requests fail, the Runtime
-stays up. Followers exit when the driver is closed, collected or dies.
+A follower that dies or fails breaks the group: the step in flight raises with a message naming
+the rank and what it said, and its requests fail; the Runtime stays up. With ``restart="auto"``
+(the default) the next step first rebuilds the group (new followers, a new process group; rank
+0's weights and cache stay), and a request whose K/V was built before that fails alone when it
+next reads it (distributed/kv_loss.py); with ``"manual"``, or after ``max_restarts`` rebuilds,
+every later step fails until the model is loaded again. Followers exit when the driver is
+closed, collected or dies.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -33,7 +37,8 @@ from torch import nn
 from mstar_rt.distributed import follower as fl
 from mstar_rt.distributed.child import spawn_child
 from mstar_rt.distributed.group import TPGroup, open_store
-from mstar_rt.distributed.launch import ray_followers
+from mstar_rt.distributed.kv_loss import LostPages
+from mstar_rt.distributed.launch import RayFollowers, ray_followers
 from mstar_rt.distributed.llama_shards import checked_config, load_llama_shard
 from mstar_rt.distributed.split import TensorSplit
 from mstar_rt.engines.kv_engine import KVStep
@@ -114,19 +119,79 @@ def await_all(followers: list[Follower], want: str, deadline: float, what: str) 
                                f"{names}; raise start_timeout_s")
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """What starting (or restarting) a group's followers takes."""
+
+    path: str
+    size: int
+    dtype: str
+    device: str
+    timeout_s: float
+    start_timeout_s: float
+    threads: Optional[int]
+    remote: Optional[RayFollowers]  # followers as Ray actors (distributed/launch.py), or None
+
+
+class GroupRef:
+    """The group rank 0's collectives go through, so a rebuild swaps it under the loaded shard."""
+
+    def __init__(self) -> None:
+        self.group: Optional[TPGroup] = None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None
+        return self.group.all_reduce(t)
+
+
+def start_group(spec: GroupSpec, load: Optional[Callable[[TPGroup], nn.Module]] = None
+                ) -> tuple[list[Follower], TPGroup, Optional[nn.Module]]:
+    """Starts ranks 1.. and joins them with this process as rank 0 in a fresh process group;
+    ``load(group)`` builds rank 0's shard meanwhile (the followers load theirs in parallel).
+    Raises, having stopped what it started, when a follower fails or is late."""
+    store = open_store(spec.size, spec.start_timeout_s)
+    key = f"{os.getpid()}-{next(_groups)}"
+    settings = dict(size=spec.size, port=store.port, key=key, path=spec.path, dtype=spec.dtype,
+                    timeout_s=spec.timeout_s, threads=spec.threads)
+    followers: list[Follower] = []
+    remote, index = spec.remote, torch.device(spec.device).index or 0
+    try:
+        if remote is not None:  # each on its own node: the first device there
+            followers = remote.spawn(spec.size, {**settings, "device": spec.device},
+                                     spec.start_timeout_s)
+        for rank in range(1, spec.size if remote is None else 0):
+            where = (f"cuda:{index + rank}" if torch.device(spec.device).type == "cuda"
+                     else spec.device)
+            followers.append(spawn_follower(rank, {**settings, "device": where}))
+        deadline = time.monotonic() + spec.start_timeout_s
+        await_all(followers, fl.JOINING, deadline, "starting")
+        group = TPGroup(store, key, 0, spec.size, spec.device, spec.timeout_s)
+        shard = load(group) if load is not None else None
+        await_all(followers, fl.READY, deadline, "loading its share of the weights")
+    except BaseException:
+        stop_followers(followers, wait_s=1.0)
+        raise
+    return followers, group, shard
+
+
 class TensorParallelLlama(nn.Module):
     """Rank 0 of a tensor-parallel Llama and the handle on its followers (see the module doc).
     Build it with :func:`load_llama_tp`; :meth:`close` stops the followers (so does garbage
     collection or the end of this process)."""
 
-    def __init__(self, shard: nn.Module, group: TPGroup, followers: list[Follower],
-                 path: str) -> None:
+    def __init__(self, shard: nn.Module, ref: GroupRef, followers: list[Follower],
+                 spec: GroupSpec, restart: str = "auto", max_restarts: int = 3) -> None:
         super().__init__()
+        if restart not in ("auto", "manual"):
+            raise ValueError(f"restart must be 'auto' or 'manual', not {restart!r}")
         self.shard = shard
         self.config: LlamaConfig = shard.config
-        self.tp_size = group.size
-        self.group, self.followers, self.path = group, followers, path
-        self.broken: Optional[str] = None
+        self.tp_size = spec.size
+        self.ref, self.followers, self.spec, self.path = ref, followers, spec, spec.path
+        self.restart, self.max_restarts, self.restarts = restart, max_restarts, 0
+        self.broken: Optional[str] = None  # what broke the group (why() adds what comes next)
+        self.loss: Optional[str] = None  # what the last rebuild replaced
+        self.lost: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> LostPages
         self.closed = False
         self.lock = threading.Lock()
         # The driver's caches the followers mirror (by number), and those collected since the
@@ -135,6 +200,11 @@ class TensorParallelLlama(nn.Module):
         self.dropped: list[int] = []
         self.cache_numbers = itertools.count()
         self.finalizer = weakref.finalize(self, stop_followers, followers)
+
+    @property
+    def group(self) -> TPGroup:
+        assert self.ref.group is not None
+        return self.ref.group
 
     @property
     def model(self) -> nn.Module:
@@ -157,6 +227,7 @@ class TensorParallelLlama(nn.Module):
         assert x is not None
         with self.lock:
             self.check_usable()
+            self.check_kept(step)  # before the cache is mirrored: a refused step sends nothing
             cache_id, geometry = self.follow_cache(step)  # a wrong step breaks nothing yet
             try:
                 cache = step.backend.cache
@@ -190,29 +261,82 @@ class TensorParallelLlama(nn.Module):
         cache.copy_log = []
         return number, (cache.page_size, cache.num_pages, backend.name)
 
+    def check_kept(self, step: KVStep) -> None:
+        """Refuses a step that would read K/V built before the last rebuild (the followers'
+        share of it is gone); else notes the pages it makes whole again."""
+        cache = getattr(step.backend, "cache", None)
+        lost: Optional[LostPages] = self.lost.get(cache) if cache is not None else None
+        if not lost:
+            return
+        lost.follow_copies(cache.copy_log or [])
+        if lost.reader(step.steps) is not None:
+            raise RuntimeError(f"this request's K/V was built before the tensor-parallel group "
+                               f"of {self.path} was restarted ({self.loss}); the new followers "
+                               "do not hold their share of it: submit the request again")
+        lost.written(step.steps)
+
     def check_usable(self) -> None:
+        """Raises when no step can run; rebuilds a broken group first when allowed."""
         if self.closed:
             raise RuntimeError(f"the tensor-parallel Llama of {self.path} is closed; load it "
                                "again")
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
-        gone = [f for f in self.followers if f.proc.poll() is not None]
-        if gone:
-            raise self.break_group("")
+        if self.broken is None and any(f.proc.poll() is not None for f in self.followers):
+            self.break_group("")
+        if self.broken is None:
+            return
+        if not self.may_restart():
+            raise RuntimeError(self.why())
+        self.rebuild()
+
+    def may_restart(self) -> bool:
+        return self.restart == "auto" and self.restarts < self.max_restarts
+
+    def rebuild(self) -> None:
+        """A new group in place of the broken one: fresh followers and process group; rank 0
+        keeps its weights, and every page its caches hold now is lost to the followers."""
+        cause, self.restarts = self.broken, self.restarts + 1
+        try:
+            followers, group, _ = start_group(self.spec)
+        except Exception as e:
+            self.broken = (f"{cause}; restart {self.restarts} of {self.max_restarts} failed: "
+                           f"{type(e).__name__}: {e}")
+            raise RuntimeError(self.why()) from None
+        self.ref.group = group
+        self.followers[:] = followers  # the finalizer's list
+        self.lost = weakref.WeakKeyDictionary(
+            {c: LostPages(c.pages_in_use(), c.page_size) for c in self.cache_ids})
+        self.cache_ids = weakref.WeakKeyDictionary()  # the new followers mirror no cache yet
+        del self.dropped[:]
+        self.loss, self.broken = cause, None
 
     def health(self) -> Optional[str]:
-        """None while every rank can step; else why not (no side effect: the group is marked
-        broken by the next step)."""
+        """None while every rank can step, or while a lost rank will be restarted by the next
+        step; else why not (no side effect: the group is marked broken by the next step)."""
         if self.closed:
             return f"the tensor-parallel Llama of {self.path} is closed; load it again"
         gone = [f.status() for f in self.followers if f.proc.poll() is not None]
-        if self.broken is None and gone:
+        if (self.broken is None and not gone) or self.may_restart():
+            return None
+        if self.broken is None:
             return (f"the tensor-parallel group of {self.path} (tp_size {self.tp_size}) lost "
-                    f"a rank [{'; '.join(gone)}]; close this model and load it again")
-        return self.broken
+                    f"a rank [{'; '.join(gone)}]; {self.remedy()}")
+        return self.why()
+
+    def why(self) -> str:
+        """What broke the group, and what comes next."""
+        return f"{self.broken}; {self.remedy()}"
+
+    def remedy(self) -> str:
+        if self.may_restart():
+            return "the next step restarts it"
+        if self.restart == "manual":
+            return ("a group with restart='manual' cannot take a rank back: close this model "
+                    "and load it again")
+        return (f"it was restarted {self.restarts} times (max_restarts {self.max_restarts}): "
+                "close this model and load it again")
 
     def break_group(self, cause: str) -> RuntimeError:
-        """Marks the group broken (every later step fails at once), stops the followers and
+        """Marks the group broken (no step runs until it is rebuilt), stops the followers and
         returns the error that says what happened."""
         for f in self.followers:  # a killed rank's socket closes before it can be reaped
             try:
@@ -221,10 +345,9 @@ class TensorParallelLlama(nn.Module):
                 pass
         states = "; ".join(f.status() for f in self.followers)
         self.broken = (f"the tensor-parallel group of {self.path} (tp_size {self.tp_size}) "
-                       f"failed{': ' + cause if cause else ''} [{states}]; a group cannot "
-                       "recover from a lost rank: close this model and load it again")
+                       f"failed{': ' + cause if cause else ''} [{states}]")
         stop_followers(self.followers, wait_s=1.0)
-        return RuntimeError(self.broken)
+        return RuntimeError(self.why())
 
     def close(self) -> None:
         """Stops the followers (waits for a step in flight); later steps raise."""
@@ -242,37 +365,30 @@ class TensorParallelLlama(nn.Module):
 def load_llama_tp(path: Union[str, os.PathLike], tp_size: int,
                   dtype: Optional[torch.dtype] = None, device: str = "cpu",
                   timeout_s: float = 60.0, start_timeout_s: float = 300.0,
-                  num_threads: Optional[int] = None) -> TensorParallelLlama:
+                  num_threads: Optional[int] = None, restart: str = "auto",
+                  max_restarts: int = 3) -> TensorParallelLlama:
     """Loads the HF Llama checkpoint at ``path`` split over ``tp_size`` ranks: this process is
     rank 0 (on ``device``), ranks 1.. are follower processes (on ``cuda:N+rank`` when
     ``device`` is ``cuda:N``; gloo on CPU, NCCL on CUDA). ``timeout_s`` bounds each collective
     (a rank that stopped answering), ``start_timeout_s`` the followers' start. ``num_threads``:
-    torch threads in each follower (default: 1 on a CPU with at most 4 cores, else torch's)."""
+    torch threads in each follower (default: 1 on a CPU with at most 4 cores, else torch's).
+    ``restart``: ``"auto"`` rebuilds a group that lost a rank at its next step (at most
+    ``max_restarts`` times), ``"manual"`` leaves it failing until loaded again."""
     path = os.fspath(path)
     config = checked_config(path, tp_size)  # refuse before starting anything
+    if restart not in ("auto", "manual"):
+        raise ValueError(f"restart must be 'auto' or 'manual', not {restart!r}")
     dtype = checkpoint_dtype(config, path, dtype)
     if num_threads is None and torch.device(device).type == "cpu":
         num_threads = 1 if (os.cpu_count() or 1) <= 4 else None
-    index = torch.device(device).index or 0
-    store = open_store(tp_size, start_timeout_s)
-    key = f"{os.getpid()}-{next(_groups)}"
-    settings = dict(size=tp_size, port=store.port, key=key, path=os.path.abspath(path),
-                    dtype=str(dtype).removeprefix("torch."), timeout_s=timeout_s,
-                    threads=num_threads)
-    followers: list[Follower] = []
-    remote = ray_followers()  # each follower a Ray actor where it asks (distributed/launch.py)
-    try:
-        if remote is not None:  # each on its own node: the first device there
-            followers = remote.spawn(tp_size, {**settings, "device": device}, start_timeout_s)
-        for rank in range(1, tp_size if remote is None else 0):
-            where = f"cuda:{index + rank}" if torch.device(device).type == "cuda" else device
-            followers.append(spawn_follower(rank, {**settings, "device": where}))
-        deadline = time.monotonic() + start_timeout_s
-        await_all(followers, fl.JOINING, deadline, "starting")
-        group = TPGroup(store, key, 0, tp_size, device, timeout_s)
-        shard = load_llama_shard(path, TensorSplit(0, tp_size, group.all_reduce), dtype, device)
-        await_all(followers, fl.READY, deadline, "loading its share of the weights")
-    except BaseException:
-        stop_followers(followers, wait_s=1.0)
-        raise
-    return TensorParallelLlama(shard, group, followers, path)
+    spec = GroupSpec(os.path.abspath(path), tp_size, str(dtype).removeprefix("torch."), device,
+                     timeout_s, start_timeout_s, num_threads, ray_followers())
+    ref = GroupRef()
+
+    def load(group: TPGroup) -> nn.Module:
+        ref.group = group
+        return load_llama_shard(path, TensorSplit(0, tp_size, ref.all_reduce), dtype, device)
+
+    followers, _group, shard = start_group(spec, load)
+    assert shard is not None
+    return TensorParallelLlama(shard, ref, followers, spec, restart, max_restarts)

@@ -112,6 +112,11 @@ class PagedKVCache:
         with self._lock:
             return {r for (r, _label), s in self._seqs.items() if s.pages}
 
+    def pages_in_use(self) -> set[int]:
+        """The pages some sequence holds."""
+        with self._lock:
+            return {p for p, refs in enumerate(self._refs) if refs}
+
     def _outstanding(self, exclude: Optional[Sequence] = None) -> int:
         """Pages promised to sequences' reservations but not yet taken."""
         total = 0

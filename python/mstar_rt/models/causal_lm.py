@@ -278,14 +278,16 @@ class CausalLM(Model):
     @staticmethod
     def from_pretrained(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
                         device: str = "cpu", progress: bool = True, tp_size: int = 1,
-                        **kwargs: Any) -> "CausalLM":
+                        tp_restart: str = "auto", **kwargs: Any) -> "CausalLM":
         """Loads a Llama-architecture HF checkpoint directory and serves it. ``tp_size`` > 1
         splits it over that many processes (:func:`~mstar_rt.distributed.llama_tp.load_llama_tp`;
-        docs/tensor_parallel.md); :meth:`close` then stops them."""
+        docs/tensor_parallel.md; ``tp_restart``: its ``restart``); :meth:`close` then stops
+        them."""
         if tp_size != 1:
             from mstar_rt.distributed.llama_tp import load_llama_tp
 
-            module: torch.nn.Module = load_llama_tp(path, tp_size, dtype=dtype, device=device)
+            module: torch.nn.Module = load_llama_tp(path, tp_size, dtype=dtype, device=device,
+                                                    restart=tp_restart)
         else:
             from mstar_rt.models.llama import load_llama
 
