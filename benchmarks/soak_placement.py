@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -163,11 +163,13 @@ def _drive(rt: PlacedRuntime, seconds: float, clients: int, seed: int, bar: Any,
 
 class Chaos:
     """``seconds`` of CLIENTS driving ``one`` while a killer SIGKILLs ``ranks`` (then stops),
-    RSS sampled; afterwards it waits (60 s at most) until every worker is up again."""
+    RSS sampled; afterwards it waits (60 s at most) until every worker is up again. ``killer``
+    and ``up`` replace the worker killer and that wait's test (soak_tp.py kills a follower)."""
 
-    def __init__(self, rt: PlacedRuntime, seconds: float, bar: Any, one: Callable,
-                 ranks: Any, seed: int) -> None:
-        self.killer = _Killer(rt, seed, ranks=ranks)
+    def __init__(self, rt: Any, seconds: float, bar: Any, one: Callable,
+                 ranks: Any, seed: int, killer: Any = None,
+                 up: Optional[Callable[[], bool]] = None) -> None:
+        self.killer = killer if killer is not None else _Killer(rt, seed, ranks=ranks)
         self.t0 = time.perf_counter()
         try:
             with Sampler(os.getpid(), 1.0, self.t0) as self.sampler:
@@ -179,7 +181,7 @@ class Chaos:
                 bar.close()
         self.elapsed = time.perf_counter() - self.t0
         self.recovered = wait_until(
-            lambda: all(w["state"] == "up" for w in rt.workers.values()), 60.0)
+            up or (lambda: all(w["state"] == "up" for w in rt.workers.values())), 60.0)
 
     def result(self, errors: list, clean_ok: bool, held: dict, start: dict, end: dict) -> dict:
         """A model section's result (soak_disagg.py, soak_omni.py): ``errors`` over the whole

@@ -154,3 +154,35 @@ def test_a_rebuild_that_cannot_start_says_why_and_the_next_step_tries_again(chec
         assert (got - run_steps(one, [[("main", PROMPT)]])[0]).abs().max().item() < TOL
     finally:
         m.close()
+
+
+def _torch_distributed_threads() -> int:
+    """This process's threads that a process group or its store runs (gloo's loops, the
+    store's libuv loop)."""
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sum(n.startswith(("gloo", "pt_gloo", "pt_tcpstore")) for n in names)
+
+
+def test_close_lets_the_process_group_go_with_its_threads(checkpoint):
+    """A closed model (kept referenced, as a server's config may keep it) holds no process
+    group: the threads a group runs end with close, and a rebuild replaces them rather than
+    adding to them."""
+    before = _torch_distributed_threads()
+    m = load_llama_tp(checkpoint, 2)
+    try:
+        cache = PagedKVCache(m.kv_layout(), page_size=4, num_pages=32)
+        step(m, cache, [("main", PROMPT)])
+        running = _torch_distributed_threads()
+        assert running > before
+        kill_follower(m)
+        step(m, cache, [("fresh", PROMPT)])  # rebuilt
+        assert wait_until(lambda: _torch_distributed_threads() == running, 10)
+    finally:
+        m.close()
+    assert wait_until(lambda: _torch_distributed_threads() == before, 10)

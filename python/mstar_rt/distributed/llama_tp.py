@@ -350,10 +350,12 @@ class TensorParallelLlama(nn.Module):
         return RuntimeError(self.why())
 
     def close(self) -> None:
-        """Stops the followers (waits for a step in flight); later steps raise."""
+        """Stops the followers (waits for a step in flight) and lets the process group go (its
+        threads and sockets end with it, not with this object); later steps raise."""
         with self.lock:
             self.closed = True
             self.finalizer()
+            self.ref.group = None
 
     def __enter__(self) -> "TensorParallelLlama":
         return self
