@@ -132,6 +132,40 @@ def test_missing_or_wrong_api_key_is_401_on_every_endpoint_but_health(speech, he
         assert httpx.get(speech.url + "/v1/models", headers=good).status_code == 200
 
 
+def test_speech_failing_mid_stream_breaks_the_stream_visibly_and_frees_everything(monkeypatch):
+    """Raw audio has no error frame: a request that fails after its first audio must end its
+    HTTP stream broken (no terminating chunk), so a client cannot take a truncated answer for a
+    whole one; the server counts it failed and holds nothing."""
+    model = SentenceTTS("espeak", voices=["en-us"])
+    node = model.submodules["speak"]
+    speak = node.forward
+
+    def forward(batch):  # the second sentence of a text naming "boom" fails
+        for sentences, i, _tts in batch:
+            if i == 1 and "boom" in sentences[0]:
+                raise RuntimeError("the voice failed on purpose")
+        return speak(batch)
+
+    monkeypatch.setattr(node, "forward", forward)
+    with serving(model, name="espeak") as s:
+        for fmt in ("pcm", "wav"):
+            got = bytearray()
+            with pytest.raises(httpx.RemoteProtocolError):
+                with httpx.stream("POST", s.url + "/v1/audio/speech", timeout=30,
+                                  json={"model": "espeak", "input": "A boom. Then more.",
+                                        "response_format": fmt}) as r:
+                    assert r.status_code == 200
+                    for chunk in r.iter_bytes():
+                        got += chunk
+            assert len(got) > 2400, f"{fmt}: the first sentence's audio never came"
+        with pytest.raises(ServeError, match="the speech stream broke off"):
+            list(MstarClient(s.url).speech("A boom. Then more.", response_format="pcm"))
+        assert len(b"".join(MstarClient(s.url).speech("Fine. All of it."))) > 4800
+        assert settled(s)["requests"] == 0
+        text = httpx.get(s.url + "/metrics").text
+        assert 'mstar_requests_total{endpoint="/v1/audio/speech",status="failed"} 3' in text
+
+
 def test_metrics_count_speech_requests_time_to_first_audio_and_real_time_factor(speech):
     _speak(speech, "pcm")
     with MstarClient(speech.url, api_key=KEY) as c:
