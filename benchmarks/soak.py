@@ -2,7 +2,7 @@
 """Soak benchmark: proves that serving for a long time leaks nothing and does not drift.
 
     python benchmarks/soak.py [--quick] [--only policy,speech,runtime,voice,deadlines,
-                              placement,disagg,omni,tp]
+                              placement,disagg,omni,tp,served]
                               [--out benchmarks/results/soak.json]
 
 Sections (each a function in a soak_*.py module, run one after another):
@@ -29,6 +29,10 @@ Sections (each a function in a soak_*.py module, run one after another):
   * tp         a small Llama at tp_size 2 in this process (a follower process) under cancels and
                the follower SIGKILLed every few seconds, the group rebuilding itself; tokens
                checked against tp_size 1, no page held at the end (soak_tp.py).
+  * served     `mstar-rt serve` with its nodes in worker processes, a worker SIGKILLed every few
+               seconds: the camera policy over two workers on the openpi websocket, then the
+               Orpheus-style TTS with LM and codec on two workers on /v1/audio/speech; answers
+               checked against the same server's before the chaos (soak_served.py).
 Each section runs in a fresh interpreter (soak.py --section NAME), so its process figures start
 clean. Full run: 10 minutes per server section and of voice, 1-minute windows; --quick: 60 s and
 10-second windows (the drift figure is still last window's p99 over the first's; the JSON says the
@@ -69,7 +73,7 @@ from soak_servers import SoakTimes  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "soak.json"
 SECTIONS = ("policy", "speech", "runtime", "voice", "deadlines", "placement", "disagg", "omni",
-            "tp")
+            "tp", "served")
 FULL = dict(seconds=600.0, window_s=60.0, warmup_s=30.0, sample_s=5.0, runtime_requests=100_000,
             voice_s=600.0)
 QUICK = dict(seconds=60.0, window_s=10.0, warmup_s=30.0, sample_s=1.0,
@@ -155,13 +159,19 @@ def section_tp(quick: bool, cfg: dict) -> dict:
     return run_tp(quick, cfg["seconds"])
 
 
+def section_served(quick: bool, cfg: dict) -> dict:
+    from soak_served import run_served
+    return run_served(quick, cfg["seconds"])
+
+
 def _is_ratio(name: str) -> bool:
     return "_over_" in name or "_vs_" in name
 
 
 RUNNERS = {"policy": section_policy, "speech": section_speech, "runtime": section_runtime,
            "voice": section_voice, "deadlines": section_deadlines, "placement": section_placement,
-           "disagg": section_disagg, "omni": section_omni, "tp": section_tp}
+           "disagg": section_disagg, "omni": section_omni, "tp": section_tp,
+           "served": section_served}
 
 
 def run_section(name: str, quick: bool, cfg: dict) -> dict:
@@ -221,7 +231,7 @@ def headline(sections: dict[str, dict]) -> tuple[dict, dict]:
     if "runtime" in fig:
         figures["runtime_live_at_end"] = fig["runtime"]["live_at_end"]
     for key in ("wrong_outputs", "shm_files_left", "workers_left"):
-        got = [f[key] for n, f in fig.items() if n in ("placement", "disagg", "omni", "tp")
+        got = [f[key] for n, f in fig.items() if n in ("placement", "disagg", "omni", "tp", "served")
                and key in f]
         if got:
             figures[key] = sum(got)

@@ -182,8 +182,6 @@ class TensorParallelLlama(nn.Module):
     def __init__(self, shard: nn.Module, ref: GroupRef, followers: list[Follower],
                  spec: GroupSpec, restart: str = "auto", max_restarts: int = 3) -> None:
         super().__init__()
-        if restart not in ("auto", "manual"):
-            raise ValueError(f"restart must be 'auto' or 'manual', not {restart!r}")
         self.shard = shard
         self.config: LlamaConfig = shard.config
         self.tp_size = spec.size
