@@ -14,6 +14,7 @@ import os
 import random
 import sys
 import threading
+from typing import Any, Callable
 
 from mstar_rt import Runtime
 from mstar_rt.engines import SamplingParams
@@ -32,11 +33,11 @@ CLEAN_AFTER = 50
 HELD = ("kv_pages_in_use", "live_requests", "queued_items", "kv_waiting")  # 0 at the end
 
 
-class _Reference:
-    """Greedy tokens of the same model in this process, one run per (prompt, max_tokens)."""
+class GreedyReference:
+    """Greedy tokens of an LM in this process, one run per (prompt, max_tokens)."""
 
-    def __init__(self) -> None:
-        self.rt = Runtime(MODEL.build(MODEL.parent_kwargs))
+    def __init__(self, model: object) -> None:
+        self.rt = Runtime(model)
         self.cache: dict[tuple, list] = {}
         self.lock = threading.Lock()
 
@@ -50,6 +51,26 @@ class _Reference:
             with self.lock:
                 self.cache[key] = got
         return got
+
+    def check(self, prompt: list[int], n: int, out: dict) -> None:
+        want = self.tokens(prompt, n)
+        if out["token"] != want:
+            raise WrongOutput(f"prompt {prompt}, {n} tokens: {out['token']}, expected {want}")
+
+
+def greedy_one(ref: GreedyReference, killed: Callable[[str], bool], racing_s: float,
+               request: Callable[[random.Random], tuple[list[int], int]]) -> Callable:
+    """A chaos client's one request (soak_placement's _drive): a greedy request with a random
+    fate (cancels up to ``racing_s`` after submit), its tokens checked if it finishes."""
+    def one(rt: Any, rng: random.Random, canceller: _Canceller) -> str:
+        prompt, n = request(rng)
+        h = rt.submit({"prompt": prompt, "params": _params(n)})
+        out = settle(h, meet_fate(h, rng, canceller, racing_s), killed)
+        if isinstance(out, str):
+            return out
+        ref.check(prompt, n, out)
+        return "finished"
+    return one
 
 
 def _params(n: int) -> SamplingParams:
@@ -67,30 +88,16 @@ def _killed(text: str) -> bool:
 
 def run_disagg(quick: bool, seconds: float) -> dict:
     os.environ["PYTHONPATH"] = child_pythonpath(TESTS)
-    ref = _Reference()
+    ref = GreedyReference(MODEL.build(MODEL.parent_kwargs))
     from mstar_rt.distributed.group import open_store
     open_store(2, 5.0)  # libuv's process-wide pipe pair opens with the first store, never closes
     start = snapshot(os.getpid())
     rt = PlacedRuntime(MODEL, GROUPS, progress=False, restart="auto", max_restarts=1_000_000)
-
-    def one(rt: PlacedRuntime, rng: random.Random, canceller: _Canceller) -> str:
-        prompt, n = _request(rng)
-        h = rt.submit({"prompt": prompt, "params": _params(n)})
-        # 20 ms: a prefill and a K/V move
-        out = settle(h, meet_fate(h, rng, canceller, 0.02), _killed)
-        if isinstance(out, str):
-            return out
-        check(prompt, n, out)
-        return "finished"
-
-    def check(prompt: list[int], n: int, out: dict) -> None:
-        want = ref.tokens(prompt, n)
-        if out["token"] != want:
-            raise WrongOutput(f"prompt {prompt}, {n} tokens: {out['token']}, expected {want}")
+    one = greedy_one(ref, _killed, 0.02, _request)  # 20 ms: a prefill and a K/V move
 
     def clean(prompt: list[int], n: int) -> None:
-        check(prompt, n, rt.submit({"prompt": prompt, "params": _params(n)})
-              .result(timeout=TIMEOUT_S))
+        ref.check(prompt, n, rt.submit({"prompt": prompt, "params": _params(n)})
+                  .result(timeout=TIMEOUT_S))
 
     rng = random.Random(9)
     cleans = [lambda r=_request(rng): clean(*r) for _ in range(CLEAN_AFTER)]

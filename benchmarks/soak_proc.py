@@ -225,6 +225,14 @@ class ServedModel:
                 out[key] = float(value)
         return out
 
+    def idle(self) -> bool:
+        """Whether the server holds no request and admits none (a scrape that fails: not yet)."""
+        try:
+            m = self.metrics()
+        except Exception:  # noqa: BLE001  (a scrape that times out under load)
+            return False
+        return m.get("mstar_live_requests", 1) == 0 and m.get("mstar_admitted_requests", 1) == 0
+
     def tracebacks(self) -> int:
         return sum(line.startswith("Traceback") for line in self.stderr_tail)
 

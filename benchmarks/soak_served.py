@@ -202,13 +202,7 @@ def _chaos(server: ServedModel, clients: int, seconds: float, warmup_s: float,
 
     _clients(clients, warmup_s, one)
 
-    def idle() -> bool:
-        try:
-            m = server.metrics()
-        except Exception:  # noqa: BLE001  (a scrape that times out: not idle yet)
-            return False
-        return m.get("mstar_live_requests", 1) == 0 and m.get("mstar_admitted_requests", 1) == 0
-
+    idle = server.idle
     for c in list(conns.values()):
         c._ws.close()
     conns.clear()

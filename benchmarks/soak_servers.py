@@ -95,13 +95,7 @@ def _soak(server: ServedModel, label: str, clients: int, times: SoakTimes,
     warm_errors = _run_clients(clients, lambda k, running, errs: body(k, running, errs, scratch,
                                                                        time.perf_counter()),
                                times.warmup_s)
-    def idle() -> bool:
-        try:
-            m = server.metrics()
-        except Exception:  # noqa: BLE001  (a scrape that times out: not idle yet)
-            return False
-        return m.get("mstar_live_requests", 1) == 0 and m.get("mstar_admitted_requests", 1) == 0
-
+    idle = server.idle
     wait_until(idle, SETTLE_S)
     time.sleep(0.5)  # closed connections' last frames
     start = snapshot(server.pid)

@@ -22,14 +22,12 @@ from typing import Any
 
 from mstar_rt import Runtime
 from mstar_rt.distributed.llama_tp import TensorParallelLlama, load_llama_tp
-from mstar_rt.engines import SamplingParams
 from mstar_rt.models.llama import load_llama
 
 from bench_common import ROOT
-from soak_placement import (CLIENTS, KILL_EVERY_S, TIMEOUT_S, Chaos, WrongOutput, _drive,
-                            settle)
+from soak_disagg import GreedyReference, _params, greedy_one
+from soak_placement import CLIENTS, KILL_EVERY_S, TIMEOUT_S, Chaos, _drive
 from soak_proc import snapshot
-from soak_runtime import _Canceller, meet_fate
 
 sys.path.insert(0, str(ROOT / "tests" / "python"))  # the tensor-parallel tests' tiny Llama
 CLEAN_AFTER = 50
@@ -62,10 +60,6 @@ class _FollowerKiller:
         self._thread.join()
 
 
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
-
-
 def _request(rng: random.Random) -> tuple[list[int], int]:
     return [rng.randrange(1, 128) for _ in range(rng.randint(1, 24))], rng.randint(1, 40)
 
@@ -85,32 +79,14 @@ def run_tp(quick: bool, seconds: float) -> dict:
         tqdm = None
     directory = tempfile.mkdtemp(prefix="mstar_soak_tp_")
     save_llama(directory)
-    ref = Runtime(make_lm(load_llama(directory, progress=False), page_size=4, num_pages=PAGES,
-                          emit_logits=False))
-    cache: dict[tuple, list] = {}
+    ref = GreedyReference(make_lm(load_llama(directory, progress=False), page_size=4,
+                                  num_pages=PAGES, emit_logits=False))
     from mstar_rt.distributed.group import open_store
     open_store(2, 5.0)  # libuv's process-wide pipe pair opens with the first store, never closes
     start = snapshot(os.getpid())
     module = load_llama_tp(directory, 2, max_restarts=1_000_000)
     rt = Runtime(make_lm(module, page_size=4, num_pages=PAGES, emit_logits=False))
-
-    def check(prompt: list[int], n: int, out: dict) -> None:
-        key = (tuple(prompt), n)
-        if key not in cache:
-            cache[key] = ref.submit({"prompt": prompt, "params": _params(n)}) \
-                .result(TIMEOUT_S)["token"]
-        if out["token"] != cache[key]:
-            raise WrongOutput(f"prompt {prompt}, {n} tokens: {out['token']}, expected "
-                              f"{cache[key]}")
-
-    def one(rt: Runtime, rng: random.Random, canceller: _Canceller) -> str:
-        prompt, n = _request(rng)
-        h = rt.submit({"prompt": prompt, "params": _params(n)})
-        out = settle(h, meet_fate(h, rng, canceller, 0.02), _killed)
-        if isinstance(out, str):
-            return out
-        check(prompt, n, out)
-        return "finished"
+    one = greedy_one(ref, _killed, 0.02, _request)
 
     def serving() -> bool:  # a request steps the group, which rebuilds it if it must
         try:
@@ -132,8 +108,8 @@ def run_tp(quick: bool, seconds: float) -> dict:
         for _ in range(CLEAN_AFTER):
             prompt, n = _request(rng)
             try:
-                check(prompt, n, rt.submit({"prompt": prompt, "params": _params(n)})
-                      .result(timeout=TIMEOUT_S))
+                ref.check(prompt, n, rt.submit({"prompt": prompt, "params": _params(n)})
+                          .result(timeout=TIMEOUT_S))
                 passed += 1
             except BaseException as e:
                 errors.append(e)
@@ -146,7 +122,7 @@ def run_tp(quick: bool, seconds: float) -> dict:
     finally:
         rt.close()
         module.close()
-        ref.close()
+        ref.rt.close()
     time.sleep(0.5)
     result = chaos.result(errors, passed == CLEAN_AFTER, held, start, snapshot(os.getpid()))
     result["figures"]["group_restarts"] = module.restarts

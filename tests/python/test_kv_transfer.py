@@ -32,6 +32,7 @@ from mstar_rt.models.causal_lm import CausalLM
 
 from child_env import child_env
 from kv_models import gather, tiny_llama
+from tp_support import alive, children
 from walk_models import close_within, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
@@ -272,29 +273,6 @@ def test_decode_stops_when_its_prefill_process_is_killed(tmp_path):
 
 # ---- two processes ---------------------------------------------------------------------------
 
-def children() -> set[int]:
-    """Live processes whose parent is this one."""
-    me, out = str(os.getpid()), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if fields[1] == me and fields[0] != "Z":
-                out.add(int(entry))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] not in "ZX"
-    except OSError:
-        return False
-
-
 def start(decode_pages: int = 12) -> DisaggregatedLM:
     return DisaggregatedLM(f"{__name__}:build_lm", {"emit_logits": True},
                            prefill_engine={"page_size": 4, "num_pages": 64},
@@ -303,7 +281,7 @@ def start(decode_pages: int = 12) -> DisaggregatedLM:
 
 
 def test_two_processes_equal_the_colocated_lm_and_free_pages_on_both_sides(colocated):
-    before = children()
+    before = set(children())
     lm = start()
     try:
         handles = [lm.submit(inputs(*r)) for r in REQUESTS]
@@ -330,11 +308,11 @@ def test_two_processes_equal_the_colocated_lm_and_free_pages_on_both_sides(coloc
         assert stats["received"] == lm.prefill_stats()["sent"] == 7  # not the max_tokens=1 one
     finally:
         lm.close()
-    assert not alive(lm.proc.pid) and children() <= before
+    assert not alive(lm.proc.pid) and set(children()) <= before
 
 
 def test_a_killed_decode_process_fails_its_requests_clearly_and_nothing_is_left():
-    before = children()
+    before = set(children())
     lm = start(decode_pages=64)
     try:
         long = [lm.submit(inputs([3, 4, 5][: i + 1], SamplingParams(max_tokens=100,
@@ -356,4 +334,4 @@ def test_a_killed_decode_process_fails_its_requests_clearly_and_nothing_is_left(
         assert lm.prefill_stats()["free_pages"] == 64
     finally:
         close_within(lm, 20)
-    assert children() <= before
+    assert set(children()) <= before

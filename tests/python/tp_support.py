@@ -1,12 +1,12 @@
 """What the tensor-parallel tests share: a tiny Llama checkpoint with biases everywhere, process
-checks through /proc, and a script of KV steps run straight on a module."""
+checks through /proc (the disaggregation tests use them too), and a script of KV steps run
+straight on a module."""
 
 from __future__ import annotations
 
 import os
 
 import torch
-import transformers
 
 from mstar_rt.distributed.llama_tp import TensorParallelLlama
 from mstar_rt.engines.attention_base import SeqStep
@@ -21,6 +21,8 @@ TINY = dict(attention_bias=True, mlp_bias=True)
 
 
 def save_llama(path, seed: int = 0, **overrides) -> None:
+    import transformers
+
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(**{**BASE, **TINY, **overrides})
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
