@@ -273,11 +273,11 @@ def test_decode_stops_when_its_prefill_process_is_killed(tmp_path):
 
 # ---- two processes ---------------------------------------------------------------------------
 
-def start(decode_pages: int = 12) -> DisaggregatedLM:
+def start(decode_pages: int = 12, **options) -> DisaggregatedLM:
     return DisaggregatedLM(f"{__name__}:build_lm", {"emit_logits": True},
                            prefill_engine={"page_size": 4, "num_pages": 64},
                            decode_engine={"page_size": 8, "num_pages": decode_pages},
-                           timeout_s=20.0, start_timeout_s=T, import_path=[HERE])
+                           timeout_s=20.0, start_timeout_s=T, import_path=[HERE], **options)
 
 
 def test_two_processes_equal_the_colocated_lm_and_free_pages_on_both_sides(colocated):
@@ -311,27 +311,56 @@ def test_two_processes_equal_the_colocated_lm_and_free_pages_on_both_sides(coloc
     assert not alive(lm.proc.pid) and set(children()) <= before
 
 
-def test_a_killed_decode_process_fails_its_requests_clearly_and_nothing_is_left():
+def _kill_decode_mid_run(lm: DisaggregatedLM) -> tuple[list, int]:
+    """Three requests decoding, then the decode process SIGKILLed: (their handles, its pid)."""
+    long = [lm.submit(inputs([3, 4, 5][: i + 1], SamplingParams(max_tokens=100,
+                                                                ignore_eos=True)))
+            for i in range(3)]
+    assert wait_until(lambda: all(len(h.outputs.get("token", ())) >= 3 or h.done
+                                  for h in long), T)
+    assert not any(h.done for h in long)
+    pid = lm.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    return long, pid
+
+
+def test_a_killed_decode_process_fails_its_requests_and_a_new_one_serves_the_next(colocated):
     before = set(children())
     lm = start(decode_pages=64)
     try:
-        long = [lm.submit(inputs([3, 4, 5][: i + 1], SamplingParams(max_tokens=100,
-                                                                    ignore_eos=True)))
-                for i in range(3)]
-        assert wait_until(lambda: all(len(h.outputs.get("token", ())) >= 3 or h.done
-                                      for h in long), T)
-        assert not any(h.done for h in long)
-        pid = lm.proc.pid
-        os.kill(pid, signal.SIGKILL)
+        long, pid = _kill_decode_mid_run(lm)
         t0 = time.monotonic()
         for h in long:
             with pytest.raises(RequestFailed, match=rf"decode process .* failed.*\[pid {pid} "
-                                                    r"exited with code -9\].*start it again"):
+                                                    r"exited with code -9\]; a new decode "
+                                                    "process is starting"):
                 h.result(timeout=T)
         assert time.monotonic() - t0 < 10, "the failure waited for a timeout"
-        with pytest.raises(RequestFailed, match="start it again"):
-            lm.submit(inputs([1, 2], SamplingParams(max_tokens=4))).result(timeout=T)
+        streamed = list(lm.submit(inputs(*REQUESTS[0])))
+        assert [v for n, v in streamed if n == "token"] == colocated[0]["token"]
+        assert lm.restarts == 1 and lm.proc.pid != pid and not alive(pid)
         assert lm.prefill_stats()["free_pages"] == 64
+        assert wait_until(lambda: lm.decode_stats()["free_pages"] == 64, T)
     finally:
         close_within(lm, 20)
     assert set(children()) <= before
+
+
+def test_with_restart_manual_a_killed_decode_process_fails_every_later_request():
+    before = set(children())
+    lm = start(decode_pages=64, restart="manual")
+    try:
+        long, pid = _kill_decode_mid_run(lm)
+        for h in long:
+            with pytest.raises(RequestFailed, match=rf"\[pid {pid} exited with code -9\]; "
+                                                    "close this DisaggregatedLM and start it "
+                                                    "again"):
+                h.result(timeout=T)
+        with pytest.raises(RequestFailed, match="start it again"):
+            lm.submit(inputs([1, 2], SamplingParams(max_tokens=4))).result(timeout=T)
+        assert lm.restarts == 0 and lm.prefill_stats()["free_pages"] == 64
+    finally:
+        close_within(lm, 20)
+    assert set(children()) <= before
+    with pytest.raises(ValueError, match="restart must be 'auto' or 'manual'"):
+        start(restart="sometimes")

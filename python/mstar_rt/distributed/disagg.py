@@ -15,8 +15,11 @@ socket pair. :meth:`DisaggregatedLM.submit` returns a :class:`DisaggHandle` that
         for name, value in lm.submit({"prompt": [1, 2, 3], "params": {"max_tokens": 32}}):
             ...
 
-A decode process that dies fails the requests it holds (and every later one) at once, naming
-its pid and exit code; a transfer that stops answering is given up after ``timeout_s``.
+A decode process that dies fails the requests it holds at once, naming its pid and exit code;
+a transfer that stops answering is given up after ``timeout_s``. With ``restart="auto"`` (the
+default) a new decode process starts at once (at most ``max_restarts`` times) and the requests
+past their prefill that it did not hold yet are sent to it; with ``"manual"`` every later
+request fails too, until the DisaggregatedLM is started again.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import subprocess
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from mstar_rt.distributed import disagg_worker as dw
 from mstar_rt.distributed.child import spawn_child
@@ -38,6 +41,7 @@ from mstar_rt.distributed.kv_transfer import KVChannel
 from mstar_rt.runtime import RequestCancelled, RequestFailed, RequestHandle, Runtime
 
 _links = itertools.count()
+_RESTART = object()  # on the outbox: start a new decode process before the next handoff
 
 
 class DisaggHandle:
@@ -121,14 +125,18 @@ class DisaggregatedLM:
     bounds one transfer, ``start_timeout_s`` the decode process's start; ``num_threads``:
     torch threads in the decode process (default: 1 on a CPU with at most 4 cores);
     ``import_path``: directories the decode process imports from (before its PYTHONPATH), for
-    the factory."""
+    the factory; ``restart``: ``"auto"`` replaces a decode process that died (at most
+    ``max_restarts`` times), ``"manual"`` does not."""
 
     def __init__(self, factory: str, kwargs: Optional[Mapping[str, Any]] = None,
                  prefill_engine: Optional[Mapping[str, Any]] = None,
                  decode_engine: Optional[Mapping[str, Any]] = None,
                  devices: tuple[str, str] = ("cpu", "cpu"), timeout_s: float = 60.0,
                  start_timeout_s: float = 120.0, num_threads: Optional[int] = None,
-                 import_path: Sequence[str] = ()) -> None:
+                 import_path: Sequence[str] = (), restart: str = "auto",
+                 max_restarts: int = 3) -> None:
+        if restart not in ("auto", "manual"):
+            raise ValueError(f"restart must be 'auto' or 'manual', not {restart!r}")
         kwargs = dict(kwargs or {})
         if num_threads is None and (os.cpu_count() or 1) <= 4:
             num_threads = 1
@@ -143,30 +151,83 @@ class DisaggregatedLM:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stats_replies: queue.SimpleQueue = queue.SimpleQueue()
         self.worker_said = ""
-        store = open_store(2, start_timeout_s)
-        key = f"{os.getpid()}-{next(_links)}"
-        settings = dict(port=store.port, key=key, device=devices[1], timeout_s=timeout_s,
-                        factory=factory, kwargs=kwargs, engine=dict(decode_engine or {}),
-                        threads=num_threads)
-        self.proc, self.conn = spawn_decode_process(settings, import_path)
+        self.restart, self.max_restarts, self.restarts = restart, max_restarts, 0
+        self.generation = 0  # of the decode process: a dead one's receiver breaks no newer one
+        self.settings = dict(device=devices[1], timeout_s=timeout_s, factory=factory,
+                             kwargs=kwargs, engine=dict(decode_engine or {}),
+                             threads=num_threads)
+        self.import_path, self.devices = import_path, devices
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+
+        built: list = []  # the prefill LM, built while the decode process builds its own
+        self.open_link(lambda: built.append(dw.build_lm(factory, kwargs,
+                                                        dict(prefill_engine or {}))))
         try:
-            deadline = time.monotonic() + start_timeout_s
-            self.await_message(dw.JOINING, deadline, "joining the KV channel")
-            self.channel = KVChannel(store, key, 0, devices[0], timeout_s)
-            lm = dw.build_lm(factory, kwargs, dict(prefill_engine or {}))
-            self.await_message(dw.READY, deadline, "building the LM")
-            self.side = PrefillSide(lm, export_device=devices[0])
+            self.side = PrefillSide(built[0], export_device=devices[0])
             self.runtime = PrefillRuntime(self.side, self)
         except BaseException:
             self.stop_process(wait_s=1.0)
             raise
-        self.store = store  # serves the decode process's client until both are gone
         self.sender = threading.Thread(target=self.send_handoffs, daemon=True,
                                        name="mstar-disagg-send")
-        self.receiver = threading.Thread(target=self.receive, daemon=True,
-                                         name="mstar-disagg-receive")
         self.sender.start()
+
+    def open_link(self, meanwhile: Optional[Callable[[], None]] = None) -> None:
+        """Starts a decode process and joins its KV channel (``meanwhile`` runs while it
+        builds its LM); raises, having stopped it, when it fails or is late."""
+        store = open_store(2, self.start_timeout_s)
+        key = f"{os.getpid()}-{next(_links)}"
+        proc, conn = spawn_decode_process({**self.settings, "port": store.port, "key": key},
+                                          self.import_path)
+        with self.send_lock:
+            self.proc, self.conn, self.worker_said = proc, conn, ""
+        try:
+            deadline = time.monotonic() + self.start_timeout_s
+            self.await_message(dw.JOINING, deadline, "joining the KV channel")
+            channel = KVChannel(store, key, 0, self.devices[0], self.timeout_s)
+            if meanwhile is not None:
+                meanwhile()
+            self.await_message(dw.READY, deadline, "building the LM")
+        except BaseException:
+            self.stop_process(wait_s=1.0)
+            raise
+        self.store = store  # serves the decode process's client until both are gone
+        self.channel = channel
+        self.generation += 1
+        self.receiver = threading.Thread(target=self.receive, args=(conn, proc, self.generation),
+                                         daemon=True, name="mstar-disagg-receive")
         self.receiver.start()
+
+    def may_restart(self) -> bool:
+        return self.restart == "auto" and self.restarts < self.max_restarts and not self.closed
+
+    def why(self) -> str:
+        """What broke the link to the decode process, and what comes next."""
+        if self.may_restart():
+            then = "a new decode process is starting"
+        elif self.restart == "manual":
+            then = "close this DisaggregatedLM and start it again"
+        else:
+            then = (f"it was restarted {self.restarts} times (max_restarts "
+                    f"{self.max_restarts}): close this DisaggregatedLM and start it again")
+        return f"{self.broken}; {then}"
+
+    def restart_link(self) -> None:
+        """A new decode process in place of the dead one (on the sender's thread, so the
+        handoffs wait for it)."""
+        if self.broken is None or not self.may_restart():
+            return
+        self.restarts += 1
+        cause = self.broken
+        try:
+            self.open_link()
+        except Exception as e:
+            with self.lock:
+                self.broken = (f"{cause}; restart {self.restarts} of {self.max_restarts} "
+                               f"failed: {type(e).__name__}: {e}")
+            return
+        with self.lock:
+            self.broken = None
 
     @staticmethod
     def from_pretrained(path: Union[str, os.PathLike], **kwargs: Any) -> "DisaggregatedLM":
@@ -175,7 +236,7 @@ class DisaggregatedLM:
         to ``CausalLM.from_pretrained`` (JSON data: ``emit_logits``, ``max_batch``...)."""
         own = {k: kwargs.pop(k) for k in ("prefill_engine", "decode_engine", "devices",
                                           "timeout_s", "start_timeout_s", "num_threads",
-                                          "import_path")
+                                          "import_path", "restart", "max_restarts")
                if k in kwargs}
         return DisaggregatedLM("mstar_rt.models.causal_lm:CausalLM.from_pretrained",
                                {"path": os.path.abspath(os.fspath(path)), "progress": False,
@@ -217,8 +278,8 @@ class DisaggregatedLM:
         handoff = prefill.context.state.get("handoff")
         if handoff is None:  # done after prefill: nothing to decode
             handle.finish(None)
-        elif self.broken is not None:
-            handle.finish(RequestFailed(self.broken))
+        elif self.broken is not None and not self.may_restart():
+            handle.finish(RequestFailed(self.why()))
         else:
             self.outbox.put((handle, handoff))
 
@@ -246,11 +307,16 @@ class DisaggregatedLM:
             item = self.outbox.get()
             if item is None:
                 return
+            if item is _RESTART:
+                self.restart_link()
+                continue
             handle, handoff = item
             if handle.done:
                 continue  # cancelled while it waited
             if self.broken is not None:
-                handle.finish(RequestFailed(self.broken))
+                self.restart_link()
+            if self.broken is not None:
+                handle.finish(RequestFailed(self.why()))
                 continue
             try:
                 with self.send_lock:
@@ -261,10 +327,11 @@ class DisaggregatedLM:
                 self.break_link(f"sending request {handle.key}'s KV failed: "
                                 f"{type(e).__name__}: {e}")
 
-    def receive(self) -> None:
+    def receive(self, conn: Connection, proc: Any, generation: int) -> None:
+        """Outputs and ends of one decode process's requests, until its connection closes."""
         while True:
             try:
-                msg = dw.get(self.conn)
+                msg = dw.get(conn)
             except (EOFError, OSError):
                 break
             kind = msg[0]
@@ -276,18 +343,19 @@ class DisaggregatedLM:
                 handle = self.handles.get(msg[1])
                 if handle is not None:
                     handle.finish(None if msg[2] is None else RequestFailed(
-                        f"decode of request {msg[1]} in process {self.proc.pid} failed: "
+                        f"decode of request {msg[1]} in process {proc.pid} failed: "
                         f"{msg[2]}"))
             elif kind == dw.STATS:
                 self.stats_replies.put(msg[1])
             elif kind == dw.ERROR:
                 self.worker_said = f" after raising {msg[1]}"
-        if not self.closed:
+        if not self.closed and generation == self.generation:
             self.break_link("")
 
     def break_link(self, cause: str) -> None:
-        """The decode process or the channel failed: every request past prefill fails now,
-        later ones after their prefill."""
+        """The decode process or the channel failed: the requests it held fail now. With a
+        restart coming the others wait for the new process; else every request past prefill
+        fails now, later ones after their prefill."""
         with self.lock:
             if self.broken is None:
                 try:
@@ -295,12 +363,16 @@ class DisaggregatedLM:
                 except subprocess.TimeoutExpired:
                     pass
                 self.broken = (f"the decode process of the disaggregated LM failed"
-                               f"{': ' + cause if cause else ''} [{self.process_status()}]; "
-                               "close this DisaggregatedLM and start it again")
-            live = [h for h in self.handles.values() if h.prefill is None or h.prefill.done]
-        for handle in live:
-            handle.finish(RequestFailed(self.broken))
+                               f"{': ' + cause if cause else ''} [{self.process_status()}]")
+            restart = self.may_restart()
+            failed = [h for h in self.handles.values()
+                      if h.sent or (not restart and (h.prefill is None or h.prefill.done))]
+            why = self.why()
+        for handle in failed:
+            handle.finish(RequestFailed(why))
         self.stop_process(wait_s=1.0)
+        if restart:
+            self.outbox.put(_RESTART)
 
     def process_status(self) -> str:
         code = self.proc.poll()
@@ -336,7 +408,7 @@ class DisaggregatedLM:
         """The decode process's cache and Runtime: ``free_pages``, ``num_pages``,
         ``pending_handoffs``, ``received`` (transfers), ``live`` (Runtime.live)..."""
         if self.broken is not None:
-            raise RuntimeError(self.broken)
+            raise RuntimeError(self.why())
         with self.send_lock:
             dw.put(self.conn, (dw.STATS,))
         try:
