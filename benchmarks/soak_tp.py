@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 from mstar_rt import Runtime
-from mstar_rt.distributed.llama_tp import TensorParallelLlama, load_llama_tp
+from mstar_rt.distributed.llama_tp import load_llama_tp
+from mstar_rt.distributed.tp_driver import TensorParallelLM
 from mstar_rt.models.llama import load_llama
 
 from bench_common import ROOT
@@ -38,7 +39,7 @@ class _FollowerKiller:
     """SIGKILLs the group's follower every KILL_EVERY_S (0.5x-1.5x) until stopped; the face of
     soak_placement's worker killer."""
 
-    def __init__(self, module: TensorParallelLlama, seed: int) -> None:
+    def __init__(self, module: TensorParallelLM, seed: int) -> None:
         self.module, self.rng, self.kills = module, random.Random(seed), 0
         self.times: list[tuple[float, int]] = []
         self._stop = threading.Event()

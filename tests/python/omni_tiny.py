@@ -30,10 +30,12 @@ N_MELS = 128
 
 
 def config(groups: int = GROUPS, thinker_layers: int = 3, accept_hidden_layer: int = 2,
-           upsample: Sequence[Sequence[int]] = ((4, 3), (2,))) -> Any:
+           upsample: Sequence[Sequence[int]] = ((4, 3), (2,)),
+           thinker_text: Optional[dict] = None) -> Any:
     """The tiny ``Qwen3OmniMoeConfig`` (float32, eager attention). ``upsample``: code2wav's
     (upsample_rates, upsampling_ratios); the released model's ((8, 5, 4, 3), (2, 2)) make
-    1920 samples (80 ms) per frame, the default 24."""
+    1920 samples (80 ms) per frame, the default 24. ``thinker_text``: more fields of the
+    thinker's ``text_config`` (``mlp_only_layers``, ``attention_bias``)."""
     from transformers import Qwen3OmniMoeConfig
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
@@ -41,7 +43,7 @@ def config(groups: int = GROUPS, thinker_layers: int = 3, accept_hidden_layer: i
     text = dict(vocab_size=THINKER_VOCAB, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=thinker_layers, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                rope_parameters=rope, max_position_embeddings=512)
+                rope_parameters=rope, max_position_embeddings=512, **(thinker_text or {}))
     audio = dict(num_mel_bins=N_MELS, encoder_layers=2, encoder_attention_heads=2,
                  encoder_ffn_dim=32, d_model=16, output_dim=32, n_window=50,
                  n_window_infer=800, downsample_hidden_size=8, max_source_positions=200)

@@ -24,7 +24,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from mstar_rt import RequestFailed  # noqa: E402
-from mstar_rt.distributed.llama_tp import TensorParallelLlama, load_llama_tp  # noqa: E402
+from mstar_rt.distributed.llama_tp import load_llama_tp  # noqa: E402
+from mstar_rt.distributed.tp_driver import TensorParallelLM  # noqa: E402
 from mstar_rt.models.causal_lm import CausalLM  # noqa: E402
 from mstar_rt.models.llama import load_llama  # noqa: E402
 
@@ -145,7 +146,7 @@ def test_node_group_tp_size_serves_it_and_a_killed_follower_fails_only_its_reque
     assert config.model.args == {"tp_size": 2}
     model = build_model(config)
     try:
-        assert isinstance(model.module, TensorParallelLlama) and model.module.tp_size == 2
+        assert isinstance(model.module, TensorParallelLM) and model.module.tp_size == 2
         pids = follower_pids(model.module)
         rt = build_runtime(config, model)
         prompt = make_prompts(BASE["vocab_size"], (6,), seed=9)[0]

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from mstar_rt.distributed.llama_tp import TensorParallelLlama
+from mstar_rt.distributed.tp_driver import TensorParallelLM
 from mstar_rt.engines.attention_base import SeqStep
 from mstar_rt.engines.kv_engine import KVStep
 from mstar_rt.engines.paged_kv import PagedKVCache
@@ -52,7 +52,7 @@ def children() -> list[int]:
     return out
 
 
-def follower_pids(module: TensorParallelLlama) -> list[int]:
+def follower_pids(module: TensorParallelLM) -> list[int]:
     return [f.proc.pid for f in module.followers]
 
 

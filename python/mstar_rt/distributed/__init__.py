@@ -9,7 +9,9 @@ every page and ships each step's inputs to the followers (docs/tensor_parallel.m
 * :mod:`~mstar_rt.distributed.group` -- the process group and its collectives;
 * :mod:`~mstar_rt.distributed.llama_shards` -- a rank's slice of a HF Llama checkpoint;
 * :mod:`~mstar_rt.distributed.follower` -- the follower process;
-* :mod:`~mstar_rt.distributed.llama_tp` -- the driver (:func:`load_llama_tp`).
+* :mod:`~mstar_rt.distributed.tp_driver` -- the driver (:func:`load_tp`), whatever the LM;
+* :mod:`~mstar_rt.distributed.llama_tp` -- a Llama split (:func:`load_llama_tp`); Qwen3-Omni's
+  thinker: :mod:`mstar_rt.models.qwen3_omni.thinker_tp`.
 
 Prefill/decode disaggregation moves a request's KV pages between processes
 (docs/disaggregation.md):

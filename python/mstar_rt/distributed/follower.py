@@ -83,8 +83,8 @@ def serve(conn: Connection) -> int:
     """The follower over ``conn`` (a socket pair's end, or a Ray follower's TCP connection,
     distributed/launch.py) until the driver closes it; the exit code."""
     from mstar_rt.distributed.group import TPGroup, join_store
-    from mstar_rt.distributed.llama_shards import load_llama_shard
     from mstar_rt.distributed.split import TensorSplit
+    from mstar_rt.distributed.tp_driver import shard_loader
 
     try:
         s = conn.recv()
@@ -97,7 +97,8 @@ def serve(conn: Connection) -> int:
         conn.send((JOINING,))
         group = TPGroup(store, s["key"], s["rank"], s["size"], device, s["timeout_s"])
         split = TensorSplit(s["rank"], s["size"], group.all_reduce)
-        module = load_llama_shard(s["path"], split, getattr(torch, s["dtype"]), device)
+        load = shard_loader(s["loader"])
+        module = load(s["path"], split, getattr(torch, s["dtype"]), device)
         conn.send((READY,))
         serve_steps(conn, group, module, device)
         return 0

@@ -155,7 +155,7 @@ class RayFollowers:
         within ``timeout_s``."""
         import ray
 
-        from mstar_rt.distributed.llama_tp import Follower, stop_followers
+        from mstar_rt.distributed.tp_driver import Follower, stop_followers
 
         if len(self.options) != tp_size - 1:
             raise ValueError(f"tp_resources gives {len(self.options)} follower placements for "

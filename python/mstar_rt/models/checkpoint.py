@@ -14,7 +14,7 @@ import json
 import math
 import os
 import typing
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Container, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -338,10 +338,12 @@ def checkpoint_headers(path: Union[str, os.PathLike]
             yield shard.file, key, shape, dtype
 
 
-def checkpoint_tensors(path: Union[str, os.PathLike], progress: bool = True
+def checkpoint_tensors(path: Union[str, os.PathLike], progress: bool = True,
+                       keys: Optional[Container[str]] = None
                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(key, tensor)`` for every tensor of the checkpoint at ``path``, one shard open at a
-    time (with a progress bar over the shards unless ``progress`` is False)."""
+    """``(key, tensor)`` for every tensor of the checkpoint at ``path`` (those in ``keys`` only,
+    if given: the others are not read), one shard open at a time (with a progress bar over the
+    shards unless ``progress`` is False)."""
     from tqdm.auto import tqdm
 
     files = checkpoint_files(path)
@@ -349,4 +351,5 @@ def checkpoint_tensors(path: Union[str, os.PathLike], progress: bool = True
                       desc=f"loading {os.path.basename(os.fspath(path))}", unit="shard",
                       disable=not progress):
         for key in shard.keys:
-            yield key, shard.tensor(key)
+            if keys is None or key in keys:
+                yield key, shard.tensor(key)

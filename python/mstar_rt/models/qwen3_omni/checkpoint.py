@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Union, cast
 import torch
 from torch import nn
 
+from mstar_rt.distributed.split import WHOLE, TensorSplit
 from mstar_rt.models.checkpoint import (
     ConfigFields, checkpoint_headers, checkpoint_tensors, meta_module, read_config)
 from mstar_rt.models.qwen3_omni.talker import TalkerLM
@@ -149,8 +150,39 @@ class Qwen3OmniWeights:
 
 
 def load_qwen3_omni(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
-                    device: str = "cpu", progress: bool = True) -> Qwen3OmniWeights:
-    """Every component of the checkpoint at ``path`` (``dtype`` defaults to the checkpoint's)."""
+                    device: str = "cpu", progress: bool = True,
+                    thinker: Optional[nn.Module] = None) -> Qwen3OmniWeights:
+    """Every component of the checkpoint at ``path`` (``dtype`` defaults to the checkpoint's).
+    ``thinker``: the thinker LM, loaded already (a tensor-parallel one, models/qwen3_omni/
+    thinker_tp.py); its keys are then checked, not read."""
+    config, raw, dtype = _read(path, dtype)
+    modules, skipped = _load(path, raw, config, dtype, device, progress, thinker is None, WHOLE)
+    return Qwen3OmniWeights(
+        config, cast(ThinkerLM, thinker if thinker is not None else modules["thinker"]),
+        cast(Optional[TalkerLM], modules.get("talker")), modules.get("audio_encoder"),
+        modules.get("code_predictor"), modules.get("code2wav"), skipped)
+
+
+def load_thinker(path: Union[str, os.PathLike], split: TensorSplit = WHOLE,
+                 dtype: Optional[torch.dtype] = None, device: str = "cpu",
+                 progress: bool = False) -> ThinkerLM:
+    """The thinker LM alone, or ``split``'s share of it (every key of the checkpoint is checked
+    as :func:`load_qwen3_omni` does; only the thinker's are read)."""
+    config, raw, dtype = _read(path, dtype)
+    modules, _ = _load(path, raw, config, dtype, device, progress, True, split,
+                       only=("thinker",))
+    return cast(ThinkerLM, modules["thinker"])
+
+
+def checkpoint_dtype(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None
+                     ) -> torch.dtype:
+    """``dtype``, or the checkpoint's when None (a ValueError naming the config if it has
+    none this runtime loads)."""
+    return _read(path, dtype)[2]
+
+
+def _read(path: Union[str, os.PathLike], dtype: Optional[torch.dtype]
+          ) -> tuple[Qwen3OmniConfig, Mapping[str, Any], torch.dtype]:
     source = os.path.join(path, "config.json")
     raw = read_config(path)
     config = Qwen3OmniConfig.from_hf(raw, source)
@@ -159,25 +191,42 @@ def load_qwen3_omni(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] 
             raise ValueError(f"checkpoint dtype '{config.dtype}' in {source} is not one of "
                              f"{list(_DTYPES)}; pass dtype=")
         dtype = _DTYPES[config.dtype]
+    return config, raw, dtype
+
+
+def _load(path: Union[str, os.PathLike], raw: Mapping[str, Any], config: Qwen3OmniConfig,
+          dtype: torch.dtype, device: str, progress: bool, with_thinker: bool,
+          split: TensorSplit, only: Optional[tuple[str, ...]] = None
+          ) -> tuple[dict[str, nn.Module], tuple[str, ...]]:
+    """The components (``only`` those, if given; the thinker as ``split``'s share), every key
+    checked against the whole model; and the checkpoint prefixes skipped."""
+    source = os.path.join(path, "config.json")
     makers, skip = _makers(raw, config)
     if config.talker is None:  # enable_audio_output false: a full checkpoint loads the thinker
         skip |= {"talker", "code_predictor", "code2wav"}
     metas = {name: meta_module(make, source) for name, make in makers.items()}
-    plan = _plan(path, metas, config, skip)
-    modules = {name: _materialize(makers[name], metas[name], device, dtype) for name in metas}
+    plan = _plan(path, metas, config, skip)  # the whole model's keys, whatever is read
+    wanted = [n for n in metas if (only is None or n in only)
+              and (with_thinker or n != "thinker")]
+    if split.size > 1:
+        makers["thinker"] = functools.partial(ThinkerLM, config.thinker, split)
+        metas["thinker"] = meta_module(makers["thinker"], source)
+    modules = {n: _materialize(makers[n], metas[n], device, dtype) for n in wanted}
     params = {name: dict(m.state_dict()) for name, m in modules.items()}
+    keys = {k for k, slot in plan.items() if slot[0] in modules}
+    shard = None
+    if split.size > 1:
+        from mstar_rt.models.qwen3_omni.thinker_tp import thinker_share as shard
     with torch.no_grad():
-        for key, tensor in checkpoint_tensors(path, progress):
-            slot = plan.get(key)
-            if slot is not None:
-                _copy(params[slot[0]][slot[1]], slot[2], tensor)
+        for key, tensor in checkpoint_tensors(path, progress, keys):
+            component, name, part = plan[key]
+            if shard is not None and component == "thinker":
+                tensor = shard(key[len("thinker."):], tensor, split)
+            _copy(params[component][name], part, tensor)
     skipped = ("thinker.visual.",) + tuple(p for p, c in PREFIXES if c in skip)
     for m in modules.values():
         m.eval()
-    return Qwen3OmniWeights(
-        config, cast(ThinkerLM, modules["thinker"]),
-        cast(Optional[TalkerLM], modules.get("talker")), modules.get("audio_encoder"),
-        modules.get("code_predictor"), modules.get("code2wav"), skipped)
+    return modules, skipped
 
 
 # ---- building --------------------------------------------------------------------------------

@@ -176,15 +176,41 @@ class Qwen3Omni(Model):
             raise ValueError("this Qwen3-Omni has no audio encoder")
         return int(enc.output_length(frames))
 
+    def health(self) -> Optional[str]:
+        """A tensor-parallel thinker's health (None otherwise: nothing else can be lost)."""
+        health = getattr(self.weights.thinker, "health", None)
+        return health() if health is not None else None
+
+    def close(self) -> None:
+        """Stops a tensor-parallel thinker's follower processes (nothing otherwise)."""
+        close = getattr(self.weights.thinker, "close", None)
+        if close is not None:
+            close()
+
     @staticmethod
     def from_pretrained(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
-                        device: str = "cpu", progress: bool = True, **kwargs: Any) -> "Qwen3Omni":
+                        device: str = "cpu", progress: bool = True, tp_size: int = 1,
+                        tp_restart: str = "auto", **kwargs: Any) -> "Qwen3Omni":
         """Loads a Qwen3-Omni checkpoint directory (``config.json``, safetensors in the hub
-        layout, and ``tokenizer.json`` when present)."""
-        weights = load_qwen3_omni(path, dtype=dtype, device=device, progress=progress)
-        tok = os.path.join(os.fspath(path), "tokenizer.json")
-        tokenizer = None
-        if os.path.exists(tok):
-            from tokenizers import Tokenizer
-            tokenizer = Tokenizer.from_file(tok)
-        return Qwen3Omni(weights, tokenizer=tokenizer, **kwargs)
+        layout, and ``tokenizer.json`` when present). ``tp_size`` > 1 splits the thinker over
+        that many processes (:func:`~mstar_rt.models.qwen3_omni.thinker_tp.load_thinker_tp`,
+        ``tp_restart`` its ``restart``; docs/tensor_parallel.md); :meth:`close` stops them."""
+        thinker = None
+        if tp_size != 1:
+            from mstar_rt.models.qwen3_omni.thinker_tp import load_thinker_tp
+
+            thinker = load_thinker_tp(path, tp_size, dtype=dtype, device=device,
+                                      restart=tp_restart)
+        try:
+            weights = load_qwen3_omni(path, dtype=dtype, device=device, progress=progress,
+                                      thinker=thinker)
+            tok = os.path.join(os.fspath(path), "tokenizer.json")
+            tokenizer = None
+            if os.path.exists(tok):
+                from tokenizers import Tokenizer
+                tokenizer = Tokenizer.from_file(tok)
+            return Qwen3Omni(weights, tokenizer=tokenizer, **kwargs)
+        except BaseException:
+            if thinker is not None:  # do not leave followers behind a refused model
+                thinker.close()
+            raise

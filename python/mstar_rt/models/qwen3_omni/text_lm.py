@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from mstar_rt.distributed.split import WHOLE, TensorSplit
 from mstar_rt.engines.kv_engine import KVStep
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.models.llama import RMSNorm
@@ -154,11 +155,12 @@ class QKNormAttention(nn.Module):
 
 
 class Attention(QKNormAttention):
-    """Attends through the paged KV step."""
+    """Attends through the paged KV step, over ``split``'s share of the heads."""
 
-    def __init__(self, c: TextLMConfig, layer: int) -> None:
-        super().__init__(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                         c.head_dim, c.attention_bias, c.rms_norm_eps, layer)
+    def __init__(self, c: TextLMConfig, layer: int, split: TensorSplit = WHOLE) -> None:
+        super().__init__(c.hidden_size, c.num_attention_heads // split.size,
+                         c.num_key_value_heads // split.size, c.head_dim, c.attention_bias,
+                         c.rms_norm_eps, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: KVStep) -> torch.Tensor:
@@ -168,33 +170,42 @@ class Attention(QKNormAttention):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: TextLMConfig, layer: int) -> None:
+    """One layer, or ``split``'s share of it: its heads, and every expert's (or the dense MLP's)
+    share of the columns, the router whole. Each share's attention and MLP outputs are partial
+    sums, added up over the ranks by ``split.reduce`` (a sigmoid-gated shared expert too: the
+    gate scales every partial sum alike)."""
+
+    def __init__(self, c: TextLMConfig, layer: int, split: TensorSplit = WHOLE) -> None:
         super().__init__()
-        self.self_attn = Attention(c, layer)
+        self.reduce = split.reduce
+        self.self_attn = Attention(c, layer, split)
         self.mlp: nn.Module
         if layer in c.dense_layers:
-            self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+            self.mlp = SwiGLU(c.hidden_size, c.intermediate_size // split.size)
         else:
             self.mlp = SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok,
-                                 c.moe_intermediate_size, c.norm_topk_prob,
-                                 c.shared_expert_intermediate_size)
+                                 c.moe_intermediate_size // split.size, c.norm_topk_prob,
+                                 c.shared_expert_intermediate_size // split.size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: KVStep) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, step)
+        x = x + (a if self.reduce is None else self.reduce(a))
+        m = self.mlp(self.post_attention_layernorm(x))
+        return x + (m if self.reduce is None else self.reduce(m))
 
 
 class TextDecoder(nn.Module):
     """``layers`` and the final ``norm`` (the HF ``model.`` body without its embedding, which
-    the thinker and the talker name differently and add themselves)."""
+    the thinker and the talker name differently and add themselves); ``split``: the share of a
+    tensor-parallel decoder this one holds (the thinker's: models/qwen3_omni/thinker_tp.py)."""
 
-    def __init__(self, config: TextLMConfig) -> None:
+    def __init__(self, config: TextLMConfig, split: TensorSplit = WHOLE) -> None:
         super().__init__()
-        self.config = config
-        self.layers = nn.ModuleList(DecoderLayer(config, i)
+        self.config, self.split = config, split
+        self.layers = nn.ModuleList(DecoderLayer(config, i, split)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.rope, config.head_dim)
@@ -225,5 +236,5 @@ class TextDecoder(nn.Module):
 
     def kv_layout(self) -> KVLayout:
         p, c = self.norm.weight, self.config
-        return KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, p.dtype,
-                        str(p.device))
+        return KVLayout(c.num_hidden_layers, c.num_key_value_heads // self.split.size,
+                        c.head_dim, p.dtype, str(p.device))

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from mstar_rt.distributed.split import WHOLE, TensorSplit
 from mstar_rt.engines.kv_engine import KVStep
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.models.qwen3_omni.text_lm import TextDecoder, TextLMConfig
@@ -24,8 +25,8 @@ from mstar_rt.models.qwen3_omni.text_lm import TextDecoder, TextLMConfig
 class ThinkerBody(TextDecoder):
     """HF's ``thinker.model`` (text part): ``embed_tokens`` + the decoder."""
 
-    def __init__(self, config: TextLMConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: TextLMConfig, split: TensorSplit = WHOLE) -> None:
+        super().__init__(config, split)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
 
 
@@ -38,12 +39,15 @@ class ThinkerLM(nn.Module):
     ``final`` is the normed last hidden state; ``at_k`` what transformers returns as
     ``hidden_states[k]`` (0: the input embeddings; the talker reads
     ``talker_config.accept_hidden_layer``), or None when ``hidden_layer`` is None.
+
+    ``split``: one rank's share of a tensor-parallel thinker (its heads, expert columns and KV
+    heads; embeddings, norms, routers and the LM head whole), see :mod:`.thinker_tp`.
     """
 
-    def __init__(self, config: TextLMConfig) -> None:
+    def __init__(self, config: TextLMConfig, split: TensorSplit = WHOLE) -> None:
         super().__init__()
         self.config = config
-        self.model = ThinkerBody(config)
+        self.model = ThinkerBody(config, split)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

@@ -1,0 +1,235 @@
+"""Qwen3-Omni's thinker split over two processes (models/qwen3_omni/thinker_tp.py, gloo on CPU)
+equals the whole thinker: step by step (final hidden states, the talker's layer and logits
+within 1e-4, through prefill, decode and a copy-on-write fork), and end to end through the
+runtime (thinker tokens exact and speech within 1e-4, text and audio in, requests batched);
+a bad split is refused before anything starts; a follower killed mid-request fails only the
+requests it served and the next request is answered by a rebuilt group; a serving config's
+``tp_size`` reaches it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import mstar_rt  # noqa: E402
+from mstar_rt import RequestFailed  # noqa: E402
+from mstar_rt.distributed.split import TensorSplit  # noqa: E402
+from mstar_rt.distributed.tp_driver import TensorParallelLM  # noqa: E402
+from mstar_rt.engines.kv_engine import KVStep  # noqa: E402
+from mstar_rt.engines.paged_kv import PagedKVCache  # noqa: E402
+from mstar_rt.engines.torch_backend import TorchAttention  # noqa: E402
+from mstar_rt.models.qwen3_omni.checkpoint import load_thinker  # noqa: E402
+from mstar_rt.models.qwen3_omni.omni import Qwen3Omni  # noqa: E402
+from mstar_rt.models.qwen3_omni.thinker_tp import load_thinker_tp, thinker_share  # noqa: E402
+
+import omni_tiny as ot  # noqa: E402
+from tp_support import alive, children, follower_pids, steps_of  # noqa: E402
+from walk_models import close_within, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
+TOL = 1e-4
+T = 60.0
+GREEDY = {"temperature": 0.0, "max_tokens": 40}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return ot.save(ot.model(), str(tmp_path_factory.mktemp("omni_tp")))
+
+
+@pytest.fixture(scope="module")
+def whole(checkpoint):
+    return Qwen3Omni.from_pretrained(checkpoint, progress=False)
+
+
+@pytest.fixture(scope="module")
+def split(checkpoint):
+    model = Qwen3Omni.from_pretrained(checkpoint, progress=False, tp_size=2)
+    pids = follower_pids(model.weights.thinker)
+    yield model
+    model.close()
+    assert not any(alive(p) for p in pids), "close() left a follower running"
+
+
+# ---- step by step ------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def _steps(module, script, hidden_layer):
+    """Runs ``script`` (as tp_support.run_steps) on a fresh cache of ``module``'s layout;
+    each step's (final hidden, hidden at ``hidden_layer``, logits of its last tokens)."""
+    cache = PagedKVCache(module.kv_layout(), page_size=4, num_pages=32)
+    out = []
+    for entry in script:
+        if entry[0] == "fork":
+            cache.fork(0, entry[1], entry[2])
+            continue
+        step = steps_of(cache, entry)
+        ids = torch.tensor([t for _label, toks in entry for t in toks])
+        final, at = module(ids, KVStep(TorchAttention(cache), step.steps),
+                           hidden_layer=hidden_layer)
+        out.append((final, at, module.logits(final[step.last_token])))
+        for label, toks in entry:
+            cache.commit(0, label, len(toks))
+    return out
+
+
+def test_the_split_thinker_equals_the_whole_one_step_by_step(checkpoint, split):
+    tp = split.weights.thinker
+    assert isinstance(tp, TensorParallelLM) and tp.tp_size == 2
+    one = load_thinker(checkpoint)
+    assert tp.kv_layout().num_kv_heads * 2 == one.kv_layout().num_kv_heads
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(0, ot.THINKER_VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    script = [[("a", ids(9)), ("b", ids(4))],                  # two prefills in one step
+              [("a", ids(1)), ("b", ids(1))],                  # decode both
+              ("fork", "a", "c"),                              # c shares a's pages
+              [("c", ids(1)), ("a", ids(3))],                  # c's write copies a page
+              [("b", ids(1)), ("c", ids(1)), ("a", ids(1))]]
+    layer = split.config.accept_hidden_layer
+    for (f1, a1, l1), (f2, a2, l2) in zip(_steps(one, script, layer),
+                                          _steps(tp, script, layer)):
+        assert (f1 - f2).abs().max() < TOL
+        assert (a1 - a2).abs().max() < TOL  # what the talker reads
+        assert (l1 - l2).abs().max() < TOL
+
+
+def test_dense_layers_and_attention_biases_split_too(tmp_path):
+    """A thinker with a dense MLP layer among the MoE ones and biases on q/k/v/o (o_proj's
+    bias must be added once, not once per rank)."""
+    hf = ot.model(seed=1, thinker_text={"mlp_only_layers": [1], "attention_bias": True})
+    with torch.no_grad():  # transformers starts biases at zero: make them matter
+        for name, p in hf.thinker.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    path = ot.save(hf, str(tmp_path))
+    one = load_thinker(path)
+    assert one.config.dense_layers == (1,) and one.config.attention_bias
+    tp = load_thinker_tp(path, 2)
+    try:
+        g = torch.Generator().manual_seed(2)
+        script = [[("a", torch.randint(0, ot.THINKER_VOCAB, (7,), generator=g).tolist())],
+                  [("a", [5])], [("a", [6])]]
+        for (f1, a1, l1), (f2, a2, l2) in zip(_steps(one, script, 1), _steps(tp, script, 1)):
+            assert (f1 - f2).abs().max() < TOL and (a1 - a2).abs().max() < TOL
+            assert (l1 - l2).abs().max() < TOL
+    finally:
+        tp.close()
+
+
+def test_fused_expert_tensors_split_like_the_per_expert_ones():
+    """A checkpoint may hold the fused experts ([E, 2I, H] gate rows then up rows, [E, H, I]):
+    a rank's slice of them equals its slices of the per-expert tensors, fused."""
+    E, I, H = 3, 8, 5
+    gate, up, down = torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)
+    key = "model.layers.0.mlp.experts"
+    for rank in (0, 1):
+        s = TensorSplit(rank, 2)
+        share = thinker_share(f"{key}.gate_up_proj", torch.cat([gate, up], dim=1), s)
+        want = torch.stack([torch.cat([thinker_share(f"{key}.{e}.gate_proj.weight", gate[e], s),
+                                       thinker_share(f"{key}.{e}.up_proj.weight", up[e], s)])
+                            for e in range(E)])
+        assert torch.equal(share, want)
+        assert torch.equal(thinker_share(f"{key}.down_proj", down, s),
+                           torch.stack([thinker_share(f"{key}.{e}.down_proj.weight", down[e], s)
+                                        for e in range(E)]))
+    router = torch.randn(4, 5)
+    assert thinker_share("model.layers.0.mlp.gate.weight", router, TensorSplit(1, 2)) is router
+
+
+def test_a_split_that_does_not_divide_the_thinker_is_refused_before_anything_starts(checkpoint):
+    before = set(children())
+    with pytest.raises(ValueError, match=r"tp_size 3 does not divide num_attention_heads 4, "
+                                         r"num_key_value_heads 2.* of the thinker of .*config"):
+        Qwen3Omni.from_pretrained(checkpoint, progress=False, tp_size=3)
+    assert set(children()) <= before
+
+
+# ---- through the runtime -----------------------------------------------------------------------
+
+def _requests():
+    features = torch.as_tensor(ot.mel(230))
+    return [{"prompt": ot.chat_prompt([72, 105, 33]), "speaker": "ethan",
+             "thinker_sampling": {"max_tokens": 10}, "talker_sampling": GREEDY},
+            {"prompt": ot.chat_prompt([1, 2, 3, 4, 5, 6], audio_frames=230), "speaker": "chelsie",
+             "audio_features": [features.numpy()], "thinker_sampling": {"max_tokens": 12},
+             "talker_sampling": GREEDY},
+            {"prompt": ot.chat_prompt([9, 8]), "return_audio": False,
+             "thinker_sampling": {"max_tokens": 6}}]
+
+
+def _answers(model, inputs):
+    with mstar_rt.Runtime(model) as rt:
+        handles = [rt.submit(i) for i in inputs]  # at once: the engines batch them
+        out = []
+        for h in handles:
+            items = list(h)
+            audio = [v for k, v in items if k == "audio"]
+            out.append(([v for k, v in items if k == "token"],
+                        np.concatenate(audio) if audio else np.zeros(0, np.float32)))
+        assert rt.engines["thinker"].cache.free_pages == rt.engines["thinker"].cache.num_pages
+    return out
+
+
+def test_the_split_thinker_answers_and_speaks_as_the_whole_one(whole, split):
+    got, want = _answers(split, _requests()), _answers(whole, _requests())
+    for (tokens, audio), (ref_tokens, ref_audio) in zip(got, want):
+        assert tokens == ref_tokens and len(tokens) > 0
+        assert audio.shape == ref_audio.shape
+        assert audio.size == 0 or np.abs(audio - ref_audio).max() < TOL
+    assert any(a.size for _, a in want), "no request spoke: the audio check proved nothing"
+    assert split.health() is None
+
+
+def test_a_killed_follower_fails_its_requests_and_a_rebuilt_group_answers_the_next(whole, split):
+    tp = split.weights.thinker
+    before = tp.restarts
+    ref = _answers(whole, _requests()[:1])[0]
+    long = {**_requests()[2], "thinker_sampling": {"max_tokens": 400, "ignore_eos": True}}
+    with mstar_rt.Runtime(split) as rt:
+        h = rt.submit(long)
+        assert wait_until(lambda: len(h.stats()) >= 4, T)
+        pid = follower_pids(tp)[0]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RequestFailed, match=r"tensor-parallel group of .* failed.*rank 1 "
+                                                rf"\(pid {pid}\) exited with code -9"):
+            h.result(timeout=T)
+        assert time.monotonic() - t0 < 15, "the failure took as long as a collective timeout"
+        assert rt.health() is None  # the next step restarts it
+        again = rt.submit(_requests()[0])
+        items = list(again)
+        assert [v for k, v in items if k == "token"] == ref[0]
+        audio = np.concatenate([v for k, v in items if k == "audio"] or [np.zeros(0)])
+        assert audio.shape == ref[1].shape and np.abs(audio - ref[1]).max() < TOL
+        assert tp.restarts == before + 1 and follower_pids(tp)[0] != pid
+        engine = rt.engines["thinker"]
+        assert wait_until(lambda: engine.cache.free_pages == engine.cache.num_pages, T)
+        close_within(rt)
+    assert not alive(pid)
+
+
+def test_a_serving_config_tp_size_splits_the_thinker(checkpoint):
+    from mstar_rt.serve.config import build_model, load_config
+
+    before = set(children())
+    config = load_config({"model": {"checkpoint": checkpoint},
+                          "node_groups": [{"nodes": ["thinker_prefill", "thinker_decode",
+                                                     "text_prefill", "text_decode"],
+                                           "tp_size": 2}]})
+    assert config.model.args == {"tp_size": 2}
+    model = build_model(config)
+    try:
+        assert isinstance(model, Qwen3Omni)
+        assert model.weights.thinker.tp_size == 2 and model.health() is None
+        pids = follower_pids(model.weights.thinker)
+    finally:
+        model.close()
+    assert not any(alive(p) for p in pids) and set(children()) <= before
