@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from mstar_rt import EMIT, GraphEdge, GraphNode, Model, NodeSubmodule, Runtime, Sequential
+from mstar_rt import (EMIT, Fixed, GraphEdge, GraphNode, Loop, Model, NodeSubmodule, Parallel,
+                      Runtime, Sequential, StreamingGraphEdge)
 from mstar_rt.placement import NodeGroup, PlacedRuntime
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder
 from mstar_rt.placement.direct import RemoteTensor, direct_names
@@ -224,3 +225,86 @@ def test_between_machines_the_reader_fetches_the_bytes_from_the_producer():
         ctx.term()
         arena.close()
         msg_arena.close()
+
+
+# ---- stream items ------------------------------------------------------------------------------
+
+class Frame(NodeSubmodule):
+    """One 1 MiB frame per iteration, streamed: ``f = x * arange(N)``, ``x += 1``."""
+
+    def forward(self, batch: list[dict]) -> list[dict]:
+        return [{"x": b["x"] + 1, "f": b["x"] * torch.arange(N, dtype=torch.float32)}
+                for b in batch]
+
+
+class Eat(NodeSubmodule):
+    """Each window of frames -> their sums, EMITted."""
+
+    def forward(self, batch: list[dict]) -> list[dict]:
+        return [{"sums": torch.stack([f.sum() for f in b["f"].new_items])} for b in batch]
+
+
+class Frames(Model):
+    """``gen`` (a fixed Loop of 5) streams a frame per step into ``eat``, two per window."""
+
+    inputs = ("x",)
+
+    def __init__(self) -> None:
+        self.nodes = [GraphNode("gen", ["x"], ["x", StreamingGraphEdge("eat", "f", Fixed(2))],
+                                submodule=Frame()),
+                      GraphNode("eat", ["f"], [GraphEdge(EMIT, "sums")], submodule=Eat())]
+        self.walks = {"main": Parallel(Loop("gen", 5), "eat")}
+
+
+def frames() -> Frames:
+    return Frames()
+
+
+@pytest.mark.parametrize("segments", [True, False])
+def test_stream_items_go_worker_to_worker(segments):
+    """A stream whose consumer sits on another worker: each large item leaves its producer as
+    a handle (in its reply, or as the producer's segment makes it), the parent's stream holds
+    the handles and the windows carry them to the consumer, which reads the bytes from the
+    producer's arena; outputs equal in-process, and the arena empties once the requests end."""
+    assert direct_names(frames(), {"gen": 1, "eat": 2}, {1, 2}) == {1: ["f"]}
+    assert direct_names(frames(), {"gen": 1, "eat": 0}, {1}) == {}  # the parent reads it
+    xs = [1.0, 2.0, 3.5, -1.0]
+    with Runtime(frames()) as local:
+        want = [torch.cat([v for _, v in local.submit({"x": torch.tensor(x)})]) for x in xs]
+    with PlacedRuntime("test_placement_direct:frames",
+                       [NodeGroup(["gen"], rank=1), NodeGroup(["eat"], rank=2)],
+                       progress=False, shm_bytes=32 << 20, segments=segments) as rt:
+        assert rt.workers[1]["direct"] == ["f"]
+        assert any(n.startswith("segment:") for n in rt.node_names) == segments
+        for at_once in (False, True):  # (at once: 20 MiB of frames, within the 32 MiB arena)
+            before = rt.workers[1]["exports"]
+            if at_once:
+                handles = [rt.submit({"x": torch.tensor(x)}) for x in xs]
+                got = [torch.cat([v for _, v in h]) for h in handles]
+            else:
+                got = [torch.cat([v for _, v in rt.submit({"x": torch.tensor(x)})]) for x in xs]
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+            assert rt.workers[1]["exports"] - before == 5 * len(xs)  # every frame a handle
+        assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
+
+
+def test_windows_answered_as_sent_keep_their_handles_until_the_request_ends():
+    """The parent answers a window into a segment as it sends it (placement/stream_in.py),
+    before the worker has read its handles' bytes: the ledger keeps those handles (so their
+    exports stay) until the request ends, or the reading worker dies."""
+    from mstar_rt.placement.ledger import ItemLedger
+
+    freed: list = []
+    ledger = ItemLedger()
+    for item, key in ((1, 10), (2, 20)):
+        ledger.record(item, 7, "consume", [RemoteTensor([1, 0, key, 0, 4, 0, "float32", [1]],
+                                                        lambda g, k: freed.append(k))])
+    ledger.record(3, 8, "consume", [RemoteTensor([1, 0, 30, 0, 4, 0, "float32", [1]],
+                                                 lambda g, k: freed.append(k))])
+    assert ledger.take([1], keep=True) == {1} and freed == []
+    assert ledger.take([2]) == {2} and freed == [20]  # reported back: the worker read it
+    assert ledger.take([3], keep=True) == {3} and freed == [20]
+    ledger.forget(7)
+    assert freed == [20, 10]
+    ledger.clear()
+    assert freed == [20, 10, 30] and ledger.kept == {}

@@ -3,8 +3,10 @@ goes to them without passing through the parent; the parent routes a handle, as 
 does in one process.
 
 * Which values: :func:`direct_names` -- per worker rank, the names whose every reader is a node
-  on another worker (never an EMIT, a persisted value, a stream or a model input), decided once
-  from the graph and the placement.
+  on another worker (never an EMIT, a persisted value or a model input), decided once from the
+  graph and the placement. A stream's items qualify when its consumer sits on another worker:
+  they leave the producer one by one (in a reply, or as a segment makes them), the parent's
+  stream holds their handles, and the windows carry the handles to the consumer.
 * The producing worker (rank A) copies such a tensor, if at least ``direct_bytes`` long, into its
   *export arena* (``<shm prefix>_r<A>_g<gen>_out``, created and unlinked by the parent) and
   replies with its header instead of its bytes (:class:`Export` -> codec ``EXT_REMOTE``).
@@ -25,7 +27,7 @@ import collections
 import threading
 from typing import Any, Callable, Mapping, Optional
 
-from mstar_rt.graph import EMIT, GraphEdge
+from mstar_rt.graph import EMIT, GraphEdge, StreamingGraphEdge
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 
 DIRECT_BYTES = 64 << 10  # below this a tensor rides in the message through the parent
@@ -43,10 +45,11 @@ def direct_names(model: Any, node_rank: Mapping[str, int], workers: set[int]
         for o in n.outputs:
             if isinstance(o, str):
                 makers[o].add(node_rank[n.name])
-            elif type(o) is GraphEdge and o.to != EMIT and not o.persist:
+            elif (type(o) is GraphEdge and o.to != EMIT and not o.persist) or (
+                    type(o) is StreamingGraphEdge):
                 makers[o.name].add(node_rank[n.name])
                 readers[o.name].add(node_rank[o.to])
-            else:  # an EMIT, a persisted value or a stream: the parent (or a stream) needs it
+            else:  # an EMIT or a persisted value: the parent needs it
                 barred.add(o.name)
     out: dict[int, list[str]] = {}
     for name, ranks in makers.items():
@@ -78,6 +81,17 @@ def mark_exports(outputs: list, names: frozenset, min_bytes: int) -> list:
                        and hasattr(v, "data_ptr") else v) for k, v in out.items()}
         marked.append(out)
     return marked
+
+
+def mark_stream_exports(emits: list, names: frozenset, min_bytes: int) -> list:
+    """A segment's ``emits`` with the large items of the streams named in ``names`` marked
+    (``[request, name, value, node]``: a stream leaving the segment; ``[request, name, value]``
+    is an EMIT, which the parent needs)."""
+    if not names:
+        return emits
+    return [[*e[:2], Export(e[2]), e[3]] if len(e) == 4 and e[1] in names
+            and getattr(e[2], "nbytes", 0) >= min_bytes and hasattr(e[2], "data_ptr") else e
+            for e in emits]
 
 
 class ExportArena:
@@ -232,4 +246,4 @@ def remote_values(values: Mapping[str, Any]) -> list:
 
 
 __all__ = ["DIRECT_BYTES", "Export", "ExportArena", "LinkExports", "PeerArenas", "RemoteTensor",
-           "direct_names", "mark_exports", "remote_values"]
+           "direct_names", "mark_exports", "mark_stream_exports", "remote_values"]

@@ -22,6 +22,9 @@ class ItemLedger:
         self.by_request: dict[int, set[int]] = {}        # request -> its items in flight
         self.known: dict[int, str] = {}                  # request -> last node
         self.opened: set[int] = set()                    # requests whose 'open' was sent
+        # request -> RemoteTensors of items answered before the worker read them (windows
+        # into a segment, placement/stream_in.py): held until the request ends
+        self.kept: dict[int, list] = {}
 
     def record(self, item: int, rid: int, node: str, holds: list) -> None:
         """Notes an item handed to the worker."""
@@ -46,14 +49,18 @@ class ItemLedger:
         the worker holding the request's state for good."""
         return [it for it in items if it.id in self.inflight]
 
-    def take(self, items: Iterable[int]) -> set[int]:
-        """Removes and returns those of `items` still in flight (each is then reported once)."""
+    def take(self, items: Iterable[int], keep: bool = False) -> set[int]:
+        """Removes and returns those of `items` still in flight (each is then reported once);
+        ``keep``: their RemoteTensors stay held until their request ends (the worker may not
+        have read them yet)."""
         taken = set()
         for i in items:
             entry = self.inflight.pop(i, None)
             if entry is None:
                 continue
             taken.add(i)
+            if keep and entry[2]:
+                self.kept.setdefault(entry[0], []).extend(entry[2])
             pending = self.by_request.get(entry[0])
             if pending is not None:
                 pending.discard(i)
@@ -63,6 +70,7 @@ class ItemLedger:
 
     def forget(self, rid: int) -> tuple[bool, set[int]]:
         """The request ended: (whether the worker held state for it, its items in flight)."""
+        self.kept.pop(rid, None)
         if rid not in self.known:
             return False, set()
         del self.known[rid]
@@ -76,4 +84,5 @@ class ItemLedger:
         """The worker died: everything it held, (inflight, known); the ledger starts empty."""
         inflight, known = self.inflight, self.known
         self.inflight, self.by_request, self.known, self.opened = {}, {}, {}, set()
+        self.kept = {}
         return inflight, known

@@ -333,7 +333,7 @@ class WorkerLink:
         if live:
             self._transmit(gen, node, walk, live)
             if node in self.feeds:
-                answer_windows(rt, node, live, self._take)
+                answer_windows(rt, node, live, lambda ids: self._take(ids, keep=True))
 
     def _transmit(self, gen: int, node: int, walk: int, items: list) -> None:
         failures: list[tuple[list[int], str]] = []
@@ -472,9 +472,9 @@ class WorkerLink:
             self.error_replies, self.last_error = self.error_replies + 1, field(msg, "message", str)
             say(self.rank, self.last_error)
 
-    def _take(self, ids: list[int]) -> set[int]:
+    def _take(self, ids: list[int], keep: bool = False) -> set[int]:
         with self._lock:
-            return self._ledger.take(ids)
+            return self._ledger.take(ids, keep)
 
     def _report_failed(self, ids: list[int], message: str, named: bool = False,
                        request: Optional[int] = None) -> None:

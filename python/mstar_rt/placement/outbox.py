@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from mstar_rt.placement.arena import ArenaFull, ShmArena
 from mstar_rt.placement.codec import CodecError, Encoder
-from mstar_rt.placement.direct import ExportArena, mark_exports
+from mstar_rt.placement.direct import ExportArena, mark_exports, mark_stream_exports
 from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.protocol import TO_PARENT_HEADER, VERSION
 
@@ -31,8 +31,13 @@ class Outbox:
 
     def send(self, kind: str, **fields: Any) -> None:
         msg = {"v": VERSION, "kind": kind, "rank": self.rank, "gen": self.gen, **fields}
-        if kind == "done" and self._exports is not None:  # large tensors other workers read
-            msg["outputs"] = mark_exports(fields["outputs"], self._direct, self._direct_bytes)
+        if self._exports is not None:  # large tensors other workers read
+            if kind == "done":
+                msg["outputs"] = mark_exports(fields["outputs"], self._direct,
+                                              self._direct_bytes)
+            if fields.get("emits"):  # items of streams leaving a segment
+                msg["emits"] = mark_stream_exports(fields["emits"], self._direct,
+                                                   self._direct_bytes)
         with self._lock:
             if self._closed:  # the worker is exiting: nobody reads any more
                 return
