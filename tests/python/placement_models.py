@@ -257,8 +257,9 @@ def smolvla_policy():
     return SmolVLAPolicy(load_lerobot_smolvla(d / "checkpoint", progress=False))
 
 
-def tiny_omni(directory: str):
-    """The tiny random Qwen3-Omni saved in ``directory`` (omni_support.tiny_qwen3_omni)."""
+def tiny_omni(directory: str, tp_size: int = 1):
+    """The tiny random Qwen3-Omni saved in ``directory`` (omni_support.tiny_qwen3_omni);
+    ``tp_size``: its thinker split over that many processes."""
     from mstar_rt.models.qwen3_omni.omni import Qwen3Omni
 
-    return Qwen3Omni.from_pretrained(directory, progress=False)
+    return Qwen3Omni.from_pretrained(directory, progress=False, tp_size=tp_size)

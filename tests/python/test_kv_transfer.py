@@ -12,6 +12,7 @@ NCCL on CUDA is the same code with another backend and has never run here.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -336,6 +337,7 @@ def test_a_killed_decode_process_fails_its_requests_and_a_new_one_serves_the_nex
                                                     "process is starting"):
                 h.result(timeout=T)
         assert time.monotonic() - t0 < 10, "the failure waited for a timeout"
+        assert lm.health() is None  # a new decode process is coming
         streamed = list(lm.submit(inputs(*REQUESTS[0])))
         assert [v for n, v in streamed if n == "token"] == colocated[0]["token"]
         assert lm.restarts == 1 and lm.proc.pid != pid and not alive(pid)
@@ -359,8 +361,11 @@ def test_with_restart_manual_a_killed_decode_process_fails_every_later_request()
         with pytest.raises(RequestFailed, match="start it again"):
             lm.submit(inputs([1, 2], SamplingParams(max_tokens=4))).result(timeout=T)
         assert lm.restarts == 0 and lm.prefill_stats()["free_pages"] == 64
+        assert re.search(rf"\[pid {pid} exited with code -9\]; close this DisaggregatedLM and "
+                         "start it again", lm.health() or "")
     finally:
         close_within(lm, 20)
+    assert lm.health() == "this DisaggregatedLM is closed; start it again"
     assert set(children()) <= before
     with pytest.raises(ValueError, match="restart must be 'auto' or 'manual'"):
         start(restart="sometimes")

@@ -216,6 +216,32 @@ def test_a_killed_follower_fails_its_requests_and_a_rebuilt_group_answers_the_ne
     assert not alive(pid)
 
 
+def test_a_placed_thinker_group_with_tp_size_drives_its_own_followers(checkpoint, whole):
+    """The thinker's nodes on worker 1 with ``tp_size: 2`` (the worker drives the split
+    thinker, its follower a child of the worker), the talker, code predictor and code2wav on
+    worker 2: tokens exact and speech within 1e-4 of the whole model in process."""
+    from mstar_rt.placement import NodeGroup, PlacedRuntime
+    from placement_support import worker_children
+
+    nodes = [n.name for n in whole.nodes]
+    thinker = [n for n in nodes if n.startswith(("text_", "thinker_", "audio_encoder"))]
+    groups = [NodeGroup(thinker, rank=1, tp_size=2),
+              NodeGroup([n for n in nodes if n not in thinker], rank=2)]
+    want = _answers(whole, _requests())
+    with PlacedRuntime("placement_models:tiny_omni", groups, progress=False,
+                       model_kwargs={"directory": checkpoint}) as rt:
+        assert len(worker_children(rt.workers[1]["pid"], b"mstar_rt")) == 1  # its follower
+        assert not worker_children(rt.workers[2]["pid"], b"mstar_rt")
+        handles = [rt.submit(r) for r in _requests()]
+        for h, (ref_tokens, ref_audio) in zip(handles, want):
+            items = list(h)
+            audio = np.concatenate([v for k, v in items if k == "audio"] or [np.zeros(0)])
+            assert [v for k, v in items if k == "token"] == ref_tokens
+            assert audio.shape == ref_audio.shape
+            assert audio.size == 0 or np.abs(audio - ref_audio).max() < TOL
+        assert rt.health() is None
+
+
 def test_a_serving_config_tp_size_splits_the_thinker(checkpoint):
     from mstar_rt.serve.config import build_model, load_config
 

@@ -203,14 +203,15 @@ class DisaggregatedLM:
 
     def why(self) -> str:
         """What broke the link to the decode process, and what comes next."""
+        return f"{self.broken}; {self.remedy()}"
+
+    def remedy(self) -> str:
         if self.may_restart():
-            then = "a new decode process is starting"
-        elif self.restart == "manual":
-            then = "close this DisaggregatedLM and start it again"
-        else:
-            then = (f"it was restarted {self.restarts} times (max_restarts "
-                    f"{self.max_restarts}): close this DisaggregatedLM and start it again")
-        return f"{self.broken}; {then}"
+            return "a new decode process is starting"
+        if self.restart == "manual":
+            return "close this DisaggregatedLM and start it again"
+        return (f"it was restarted {self.restarts} times (max_restarts {self.max_restarts}): "
+                "close this DisaggregatedLM and start it again")
 
     def restart_link(self) -> None:
         """A new decode process in place of the dead one (on the sender's thread, so the
@@ -403,6 +404,22 @@ class DisaggregatedLM:
             self.proc.wait()
 
     # ---- state and lifecycle -----------------------------------------------------------------
+
+    def health(self) -> Optional[str]:
+        """None while the decode process serves, or while a new one will replace it (restart
+        auto); else why not, naming the fix (as ``Runtime.health``: for an orchestrator that
+        replaces what will not recover)."""
+        if self.closed:
+            return "this DisaggregatedLM is closed; start it again"
+        with self.lock:
+            if self.may_restart():
+                return None
+            if self.broken is not None:
+                return self.why()
+            if self.proc.poll() is not None:  # dead; its receiver has not seen it yet
+                return (f"the decode process of the disaggregated LM failed "
+                        f"[{self.process_status()}]; {self.remedy()}")
+        return None
 
     def decode_stats(self, timeout: float = 10.0) -> dict:
         """The decode process's cache and Runtime: ``free_pages``, ``num_pages``,
