@@ -35,7 +35,7 @@ def config(groups: int = GROUPS, thinker_layers: int = 3, accept_hidden_layer: i
     """The tiny ``Qwen3OmniMoeConfig`` (float32, eager attention). ``upsample``: code2wav's
     (upsample_rates, upsampling_ratios); the released model's ((8, 5, 4, 3), (2, 2)) make
     1920 samples (80 ms) per frame, the default 24. ``thinker_text``: more fields of the
-    thinker's ``text_config`` (``mlp_only_layers``, ``attention_bias``)."""
+    thinker's ``text_config`` (``mlp_only_layers``, ``attention_bias``, larger sizes)."""
     from transformers import Qwen3OmniMoeConfig
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
@@ -43,12 +43,13 @@ def config(groups: int = GROUPS, thinker_layers: int = 3, accept_hidden_layer: i
     text = dict(vocab_size=THINKER_VOCAB, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=thinker_layers, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                rope_parameters=rope, max_position_embeddings=512, **(thinker_text or {}))
+                rope_parameters=rope, max_position_embeddings=512)
+    text.update(thinker_text or {})
     audio = dict(num_mel_bins=N_MELS, encoder_layers=2, encoder_attention_heads=2,
-                 encoder_ffn_dim=32, d_model=16, output_dim=32, n_window=50,
+                 encoder_ffn_dim=32, d_model=16, output_dim=text["hidden_size"], n_window=50,
                  n_window_infer=800, downsample_hidden_size=8, max_source_positions=200)
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text["hidden_size"],
                   num_position_embeddings=16, deepstack_visual_indexes=[0])
     thinker = dict(text_config=text, audio_config=audio, vision_config=vision,
                    audio_token_id=AUDIO, image_token_id=IMAGE, video_token_id=VIDEO,
@@ -63,7 +64,7 @@ def config(groups: int = GROUPS, thinker_layers: int = 3, accept_hidden_layer: i
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=8, num_code_groups=groups, max_position_embeddings=64)
     talker = dict(text_config=talker_text, code_predictor_config=predictor,
-                  num_code_groups=groups, thinker_hidden_size=32,
+                  num_code_groups=groups, thinker_hidden_size=text["hidden_size"],
                   accept_hidden_layer=accept_hidden_layer, speaker_id=dict(SPEAKERS),
                   audio_token_id=AUDIO, image_token_id=IMAGE, video_token_id=VIDEO,
                   vision_start_token_id=VISION_START, audio_start_token_id=AUDIO_START,

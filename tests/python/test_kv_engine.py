@@ -389,3 +389,42 @@ def test_stack_pad_rejects_mismatched_trailing_shapes():
         stack_pad([torch.zeros(2, 3), torch.zeros(2, 4)])
     with pytest.raises(ValueError, match="differ"):
         stack_pad([torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)])
+
+
+def test_each_engine_keeps_its_own_torch_thread_count():
+    """Engines with different ``num_threads`` in one process: each worker thread keeps its
+    own count, whatever another thread sets before the worker's first parallel op (torch
+    applies the process-wide count to a thread lazily, at that op)."""
+    import torch
+
+    from mstar_rt import EMIT, GraphEdge, GraphNode, Model, NodeSubmodule, Runtime, Sequential
+    from mstar_rt.engines import StatelessEngine
+
+    big = torch.randn(1 << 20)
+
+    class Threads(NodeSubmodule):
+        def __init__(self, name):
+            self.name = name
+
+        def forward(self, batch):
+            big.mul(2)  # a parallel op: the thread's lazy init, if it has not happened
+            return [{self.name: torch.get_num_threads()} for _ in batch]
+
+    class TwoEngines(Model):
+        inputs = ("x",)
+        nodes = [GraphNode("a", ["x"], [GraphEdge(EMIT, "na")], submodule=Threads("na"),
+                           engine="one"),
+                 GraphNode("b", ["x"], [GraphEdge(EMIT, "nb")], submodule=Threads("nb"),
+                           engine="two")]
+        walks = {"main": Sequential("a", "b")}
+
+    before = torch.get_num_threads()
+    model = TwoEngines()
+    model.engine_specs = {"one": StatelessEngine(num_threads=1),
+                          "two": StatelessEngine(num_threads=2)}
+    try:
+        with Runtime(model) as rt:
+            torch.set_num_threads(3)  # after both workers started, before their first op
+            assert dict(rt.submit({"x": 1})) == {"na": 1, "nb": 2}
+    finally:
+        torch.set_num_threads(before)

@@ -47,6 +47,11 @@ class Engine(abc.ABC):
         if self.num_threads is not None:
             import torch
 
+            # torch gives a thread the process-wide count at its first parallel op (a lazy
+            # per-thread init), so a count set before that is lost if any other thread set
+            # another meanwhile (another engine, the caller): the 2-thread engine of two ran
+            # its GEMMs on one. get_num_threads() makes that init happen now, first.
+            torch.get_num_threads()
             torch.set_num_threads(self.num_threads)
 
     @abc.abstractmethod
