@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mstar_rt import (EMIT, Fixed, GraphEdge, GraphNode, Loop, Model, NodeSubmodule, Parallel,
-                      Runtime, Sequential, StreamingGraphEdge)
+                      RequestFailed, Runtime, Sequential, StreamingGraphEdge)
 from mstar_rt.placement import NodeGroup, PlacedRuntime
 from mstar_rt.placement.codec import CodecError, Decoder, Encoder
 from mstar_rt.placement.direct import RemoteTensor, direct_names
@@ -238,9 +238,12 @@ class Frame(NodeSubmodule):
 
 
 class Eat(NodeSubmodule):
-    """Each window of frames -> their sums, EMITted."""
+    """Each window of frames -> their sums, EMITted (after ``pause_s``: a slow consumer)."""
+
+    pause_s = 0.0
 
     def forward(self, batch: list[dict]) -> list[dict]:
+        time.sleep(self.pause_s)
         return [{"sums": torch.stack([f.sum() for f in b["f"].new_items])} for b in batch]
 
 
@@ -249,15 +252,17 @@ class Frames(Model):
 
     inputs = ("x",)
 
-    def __init__(self) -> None:
+    def __init__(self, pause_s: float = 0.0) -> None:
+        eat = Eat()
+        eat.pause_s = pause_s
         self.nodes = [GraphNode("gen", ["x"], ["x", StreamingGraphEdge("eat", "f", Fixed(2))],
                                 submodule=Frame()),
-                      GraphNode("eat", ["f"], [GraphEdge(EMIT, "sums")], submodule=Eat())]
+                      GraphNode("eat", ["f"], [GraphEdge(EMIT, "sums")], submodule=eat)]
         self.walks = {"main": Parallel(Loop("gen", 5), "eat")}
 
 
-def frames() -> Frames:
-    return Frames()
+def frames(pause_s: float = 0.0) -> Frames:
+    return Frames(pause_s)
 
 
 @pytest.mark.parametrize("segments", [True, False])
@@ -286,6 +291,38 @@ def test_stream_items_go_worker_to_worker(segments):
             assert all(torch.equal(g, w) for g, w in zip(got, want))
             assert rt.workers[1]["exports"] - before == 5 * len(xs)  # every frame a handle
         assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
+
+
+@pytest.mark.parametrize("killed", [1, 2])
+def test_a_worker_killed_mid_stream_fails_its_requests_and_frees_the_frames(killed):
+    """The producer (1) or the slow consumer (2) SIGKILLed while frames are in flight as
+    handles: the requests it held fail naming it (one it never held may finish, exactly), the
+    restarted worker serves the next requests exactly, and the producer's export arena empties
+    (the consumer's kept handles go with its death, the dead producer's arena with it)."""
+    with Runtime(frames()) as local:
+        want = [torch.cat([v for _, v in local.submit({"x": torch.tensor(float(i))})])
+                for i in range(3)]
+    with PlacedRuntime("test_placement_direct:frames",
+                       [NodeGroup(["gen"], rank=1), NodeGroup(["eat"], rank=2)],
+                       progress=False, shm_bytes=32 << 20, restart="auto",
+                       model_kwargs={"pause_s": 0.3}) as rt:
+        handles = [rt.submit({"x": torch.tensor(float(i))}) for i in range(3)]
+        assert wait_until(lambda: rt.workers[1]["exports"] >= 2, T)
+        os.kill(rt.workers[killed]["pid"], signal.SIGKILL)
+        failed = 0
+        for h, w in zip(handles, want):
+            try:
+                assert torch.equal(torch.cat([v for _, v in h]), w)
+            except RequestFailed as e:
+                assert f"rank {killed}" in str(e)
+                failed += 1
+        assert failed >= 1
+        assert wait_until(lambda: rt.workers[killed]["state"] == "up"
+                          and rt.workers[killed]["restarts"] == 1, T)
+        got = torch.cat([v for _, v in rt.submit({"x": torch.tensor(2.0)})])
+        assert torch.equal(got, want[2])
+        assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
+        assert rt.live["requests"] == 0
 
 
 def test_windows_answered_as_sent_keep_their_handles_until_the_request_ends():
