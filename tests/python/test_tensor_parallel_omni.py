@@ -22,15 +22,12 @@ import mstar_rt  # noqa: E402
 from mstar_rt import RequestFailed  # noqa: E402
 from mstar_rt.distributed.split import TensorSplit  # noqa: E402
 from mstar_rt.distributed.tp_driver import TensorParallelLM  # noqa: E402
-from mstar_rt.engines.kv_engine import KVStep  # noqa: E402
-from mstar_rt.engines.paged_kv import PagedKVCache  # noqa: E402
-from mstar_rt.engines.torch_backend import TorchAttention  # noqa: E402
 from mstar_rt.models.qwen3_omni.checkpoint import load_thinker  # noqa: E402
 from mstar_rt.models.qwen3_omni.omni import Qwen3Omni  # noqa: E402
 from mstar_rt.models.qwen3_omni.thinker_tp import load_thinker_tp, thinker_share  # noqa: E402
 
 import omni_tiny as ot  # noqa: E402
-from tp_support import alive, children, follower_pids, steps_of  # noqa: E402
+from tp_support import alive, children, follower_pids, run_steps  # noqa: E402
 from walk_models import close_within, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
@@ -61,24 +58,14 @@ def split(checkpoint):
 
 # ---- step by step ------------------------------------------------------------------------------
 
-@torch.inference_mode()
 def _steps(module, script, hidden_layer):
-    """Runs ``script`` (as tp_support.run_steps) on a fresh cache of ``module``'s layout;
-    each step's (final hidden, hidden at ``hidden_layer``, logits of its last tokens)."""
-    cache = PagedKVCache(module.kv_layout(), page_size=4, num_pages=32)
-    out = []
-    for entry in script:
-        if entry[0] == "fork":
-            cache.fork(0, entry[1], entry[2])
-            continue
-        step = steps_of(cache, entry)
-        ids = torch.tensor([t for _label, toks in entry for t in toks])
-        final, at = module(ids, KVStep(TorchAttention(cache), step.steps),
-                           hidden_layer=hidden_layer)
-        out.append((final, at, module.logits(final[step.last_token])))
-        for label, toks in entry:
-            cache.commit(0, label, len(toks))
-    return out
+    """tp_support.run_steps, each step's (final hidden, hidden at ``hidden_layer``, logits of
+    its last tokens)."""
+    def call(ids, kv, step):
+        final, at = module(ids, kv, hidden_layer=hidden_layer)
+        return final, at, module.logits(final[step.last_token])
+
+    return run_steps(module, script, call)
 
 
 def test_the_split_thinker_equals_the_whole_one_step_by_step(checkpoint, split):

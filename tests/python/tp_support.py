@@ -67,10 +67,10 @@ def steps_of(cache: PagedKVCache, entry: list) -> KVStep:
 
 
 @torch.inference_mode()
-def run_steps(module, script: list) -> list[torch.Tensor]:
+def run_steps(module, script: list, call=None) -> list:
     """Runs ``script`` on a fresh cache of ``module``'s layout: each entry is a fork
     ``("fork", src, dst)`` or a step ``[(label, token ids), ...]`` (every label persists);
-    returns each step's hidden states."""
+    returns each step's hidden states (or what ``call(ids, kv_step, step)`` returns)."""
     cache = PagedKVCache(module.kv_layout(), page_size=4, num_pages=32)
     backend, out = TorchAttention(cache), []
     for entry in script:
@@ -79,7 +79,8 @@ def run_steps(module, script: list) -> list[torch.Tensor]:
             continue
         step = steps_of(cache, entry)
         ids = torch.tensor([t for _label, toks in entry for t in toks])
-        out.append(module(ids, KVStep(backend, step.steps)))
+        kv = KVStep(backend, step.steps)
+        out.append(module(ids, kv) if call is None else call(ids, kv, step))
         for label, toks in entry:
             cache.commit(0, label, len(toks))
     return out
