@@ -14,7 +14,9 @@ few kernels as it can):
   2. CUDA-graph decode vs eager on a random ~1.2B Llama (Llama-3.2-1B shapes), per backend,
      at batches that pad up to a bucket;
   3. decode speed at batch 1/4/16 through mstar_rt.Runtime: eager and CUDA graphs, torch and
-     FlashInfer attention, vs transformers generate on the same weights.
+     FlashInfer attention, vs transformers generate on the same weights;
+  4. full-size pi0 (random bf16 weights) through the Runtime: action-chunk latency at 1 robot
+     and chunks/s at 8, flow steps eager vs CUDA graphs (benchmarks/gpu_check_pi0.py).
 Writes benchmarks/results/gpu_check.json after every section (a run cut short keeps what it
 measured) and exits 1 when a correctness check failed. Sections past --budget-s are skipped.
 Without CUDA it says so and exits 0, writing a {"skipped": reason} record only where no real
@@ -37,10 +39,11 @@ from typing import Any, Callable, Optional
 import torch
 
 import gpu_check_common as common
-from bench_common import machine  # benchmarks/ is on sys.path
+from bench_common import machine, use_source_tree  # benchmarks/ is on sys.path
 from gpu_check_attention import attention_check
 from gpu_check_common import Report
 from gpu_check_decode import build_models, graph_check, speed
+from gpu_check_pi0 import pi0_check
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
@@ -64,13 +67,15 @@ def skip_without_cuda(out: Path, quick: bool, reason: str) -> int:
 
 
 def ensure_core(report: Report) -> None:
-    """Builds mstar_rt._core for this interpreter when the one in the tree does not import."""
-    sys.path.insert(0, str(ROOT / "python"))
+    """Builds mstar_rt._core for this interpreter when neither the tree's nor an installed one
+    imports."""
+    use_source_tree()
     try:
         import mstar_rt  # noqa: F401
         return
     except ImportError as e:
         report.note(f"mstar_rt._core did not import ({e}); building it with CMake")
+    sys.path.insert(0, str(ROOT / "python"))
     build = ROOT / "build" / "gpu-check-core"
     gen = "-G Ninja" if shutil.which("ninja") else ""
     cmd = (f"cmake -S {ROOT} -B {build} {gen} -DMSTAR_BUILD_PYTHON=ON "
@@ -100,6 +105,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer scenarios and shorter timings")
     ap.add_argument("--no-flashinfer", action="store_true", help="torch backend only")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    ap.add_argument("--only", default="",
+                    help="comma-separated sections to run (attention, model, graphs, speed, pi0)")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="skip sections that would start after this many seconds")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -133,7 +140,13 @@ def main() -> int:
     sections.append(("graphs", lambda: graph_check(
         report, models["ours"], models["hf"], ["torch"] + (["flashinfer"] if use_fi else []))))
     sections.append(("speed", lambda: speed(report, models["ours"], models["hf"], use_fi)))
+    sections.append(("pi0", lambda: pi0_check(report)))
+    only = {s for s in args.only.split(",") if s}
+    if only & {"graphs", "speed"}:
+        only.add("model")
     for name, run in sections:
+        if only and name not in only:
+            continue
         if report.left() < 30:
             report.note(f"section '{name}' skipped: budget")
             continue

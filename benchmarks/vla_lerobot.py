@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -91,7 +90,7 @@ def ours_round(rt: mstar_rt.Runtime, robots: int, seed: int) -> tuple[list[float
     return latencies, time.perf_counter() - t0, chunks
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, compile: bool = False) -> dict:
     torch.set_num_threads(1)
     # Pinned before any thread or child exists, so that every one of ours and the LeRobot
     # process inherit it: the comparison is core for core.
@@ -110,7 +109,11 @@ def run(quick: bool) -> dict:
         print(f"LeRobot venv not found at {VENV} (bash tests/reference/setup_lerobot_venv.sh, "
               "Python 3.12): ours alone, on the tiny fixture checkpoint")
         ckpt, tok, heads = FIXTURE / "checkpoint", FIXTURE / "tokenizer", {"vision_heads": 2}
-    policy = LeRobotPi0Policy.from_pretrained(ckpt, tokenizer=tok, sizes=heads, max_batch=ROBOTS)
+    policy = LeRobotPi0Policy.from_pretrained(ckpt, tokenizer=tok, sizes=heads, max_batch=ROBOTS,
+                                              compile=compile)
+    t0 = time.perf_counter()
+    policy.warm_up()  # compiles every bucket's flow step now (nothing without --compile)
+    warm_s = time.perf_counter() - t0
     params = sum(p.numel() for p in policy.policy.module.parameters())
     ours1, theirs1, ours8, theirs8, worst = [], [], [], [], 0.0
     try:
@@ -148,6 +151,7 @@ def run(quick: bool) -> dict:
         "params_millions": round(params / 1e6, 2), "reps": reps, "rounds": rounds,
         "kv_pages_leaked": leaked, "reference": "lerobot==0.6.1" if worker else "not run",
         "cores_per_side": len(os.sched_getaffinity(0)),
+        "flow_steps": "torch.compile" if compile else "eager", "warm_up_s": round(warm_s, 1),
     }
     ratios: dict[str, float] = {}
     if worker:
@@ -200,9 +204,12 @@ def plot(path: Path, result: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="ours with the flow steps through torch.compile (static buckets)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vla_lerobot.json")
     args = ap.parse_args()
-    result = {"name": "vla_lerobot", "quick": args.quick, "machine": machine(), **run(args.quick)}
+    result = {"name": "vla_lerobot", "quick": args.quick, "machine": machine(),
+              **run(args.quick, args.compile)}
     report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -16,7 +16,7 @@ larger than the largest bucket take the ordinary dynamic path.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence as Seq, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence as Seq, TypeVar, Union
 
 import torch
 
@@ -63,15 +63,9 @@ class DecodeGraphs:
         self.max_seq_len = int(max_seq_len or module.config.max_position_embeddings)
         self.attention: StaticDecodeAttention = (
             attention or StaticTorchDecode(cache, self.max_seq_len))
-        on_cuda = torch.device(cache.layout.device).type == "cuda"
-        self.capture = on_cuda if capture is None else capture
-        if self.capture and not on_cuda:
-            raise ValueError("CUDA graphs need the model and KV cache on a CUDA device; pass "
-                             "capture=False to run the static decode path eagerly")
-        self._fn = self._forward
-        if compile:
-            backend = {"backend": compile} if isinstance(compile, str) else {}
-            self._fn = torch.compile(self._forward, dynamic=False, **backend)
+        self.capture, self._fn = static_path(
+            self._forward, torch.device(cache.layout.device), capture, compile,
+            "the model and KV cache", "static decode path")
         self._buckets: dict[int, _Bucket] = {}
         self._pool: Any = None
         self.runs = 0       # steps served by the static path (replays or eager)
@@ -136,18 +130,45 @@ class DecodeGraphs:
     def _capture(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         # Warm-up runs the real step (it rewrites the same K/V the replay writes again), so no
         # dummy step ever touches the pages.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._fn(bucket.ids, bucket.step)
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other engines' threads may use the GPU while this one captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            bucket.out = self._fn(bucket.ids, bucket.step)
-        bucket.graph = graph
+        bucket.graph, bucket.out = capture(lambda: self._fn(bucket.ids, bucket.step), self._pool)
         self.captures += 1
-        graph.replay()
         return bucket.out
+
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def static_path(forward: F, device: torch.device, capture: Optional[bool],
+                compile: Union[bool, str], holder: str, path: str) -> tuple[bool, F]:
+    """Whether a static path captures CUDA graphs (default: ``device`` is CUDA; asking for it
+    elsewhere is a ValueError naming ``holder`` and ``path``), and the function it runs:
+    ``forward``, under ``torch.compile`` when ``compile`` (a string names the backend)."""
+    on_cuda = device.type == "cuda"
+    use = on_cuda if capture is None else capture
+    if use and not on_cuda:
+        raise ValueError(f"CUDA graphs need {holder} on a CUDA device; pass capture=False to run "
+                         f"the {path} eagerly")
+    if not compile:
+        return use, forward
+    backend = {"backend": compile} if isinstance(compile, str) else {}
+    return use, torch.compile(forward, dynamic=False, **backend)
+
+
+def capture(fn: Callable[[], T], pool: Any) -> tuple[Any, T]:
+    """``fn`` captured as a CUDA graph in memory ``pool`` (``torch.cuda.graph_pool_handle()``),
+    after one warm-up run on a side stream; the graph has been replayed once, so its outputs
+    (returned, static) hold this step's result. ``fn`` runs twice: it must be safe to repeat."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: other engines' threads may use the GPU while this one captures.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    graph.replay()
+    return graph, out

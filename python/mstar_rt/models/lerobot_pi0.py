@@ -41,6 +41,7 @@ from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
 from mstar_rt.models.lerobot_inputs import camera_images
 from mstar_rt.models.lerobot_pi0_io import preprocess_image, unit_image
+from mstar_rt.models.lerobot_pi0_graphs import DEFAULT_BUCKETS, FlowGraphs
 from mstar_rt.models.lerobot_pi0_load import LeRobotPi0, load_lerobot_pi0
 from mstar_rt.models.lerobot_pi0_request import PiRequest, check_request
 from mstar_rt.models.lerobot_pi0_suffix import SuffixAttention, prefix_snapshot
@@ -113,10 +114,12 @@ class PrefixNode(KVNodeSubmodule):
 class DenoiseNode(KVNodeSubmodule):
     """One Euler step of the expert per request, reading the cached prefix: through a
     :class:`~mstar_rt.models.lerobot_pi0_suffix.SuffixAttention` set up at the chunk's first step
-    and kept while the batch holds the same requests."""
+    and kept while the batch holds the same requests, or through ``graphs`` (static buckets,
+    CUDA graphs on a GPU) where they serve the batch."""
 
-    def __init__(self, policy: LeRobotPi0, rtc: Optional[RtcSettings], max_batch: int) -> None:
-        self.policy, self.rtc, self.max_batch = policy, rtc, max_batch
+    def __init__(self, policy: LeRobotPi0, rtc: Optional[RtcSettings], max_batch: int,
+                 graphs: Optional[FlowGraphs] = None) -> None:
+        self.policy, self.rtc, self.max_batch, self.graphs = policy, rtc, max_batch, graphs
         self.suffix: Optional[SuffixAttention] = None
         self.times: dict[float, torch.Tensor] = {}  # flow time -> its sine-cosine embedding
 
@@ -130,24 +133,32 @@ class DenoiseNode(KVNodeSubmodule):
         return KVWork(h, persist=False, mask=BlockCausal(h, start=s["cached"]),
                       payload=(inputs["x"], ctx.iteration, s["request"], ctx.request.cache_id))
 
-    def attention(self, works: list[KVWork], step: KVStep) -> Optional[SuffixAttention]:
-        """The batch's suffix attention: the last one while the batch holds the same request
-        objects (compared by identity: a request prefixed again brings a new one), else a new one
-        over their prefix snapshots, each taken from the pages at its request's first step; None
-        where the cache cannot hand the K/V out."""
+    def snapshots(self, works: list[KVWork], step: KVStep) -> Optional[list[torch.Tensor]]:
+        """The requests' prefix snapshots, each taken from the pages at its request's first
+        step; None where the cache cannot hand the K/V out."""
         requests: list[PiRequest] = [w.payload[2] for w in works]
-        last = self.suffix
-        if last is not None and len(last.key) == len(requests) and \
-                all(a is b for a, b in zip(last.key, requests)):
-            return last
         for w, r in zip(works, requests):
             if r.prefix_kv is None:
                 r.prefix_kv = prefix_snapshot(step, w.payload[3])
                 if r.prefix_kv is None:
                     return None
+        return [r.prefix_kv for r in requests if r.prefix_kv is not None]
+
+    def attention(self, works: list[KVWork], step: KVStep) -> Optional[SuffixAttention]:
+        """The batch's suffix attention: the last one while the batch holds the same request
+        objects (compared by identity: a request prefixed again brings a new one), else a new one
+        over their prefix snapshots; None where the cache cannot hand the K/V out."""
+        requests: list[PiRequest] = [w.payload[2] for w in works]
+        last = self.suffix
+        if last is not None and len(last.key) == len(requests) and \
+                all(a is b for a, b in zip(last.key, requests)):
+            return last
+        prefixes = self.snapshots(works, step)
+        if prefixes is None:
+            return None
         m = self.policy.module
-        self.suffix = SuffixAttention(tuple(requests), [r.prefix_kv for r in requests],
-                                      self.policy.config.chunk_size, m.rope, m.dtype)
+        self.suffix = SuffixAttention.over(tuple(requests), prefixes,
+                                           self.policy.config.chunk_size, m.rope, m.dtype)
         return self.suffix
 
     def time_embedding(self, times: list[float]) -> torch.Tensor:
@@ -157,6 +168,18 @@ class DenoiseNode(KVNodeSubmodule):
                 self.times[t] = m.time_embedding(torch.tensor([t], device=m.device))
         return torch.cat([self.times[t] for t in times])
 
+    def dynamic_velocity(self, works: list[KVWork], step: KVStep, x: torch.Tensor,
+                         times: list[float]) -> torch.Tensor:
+        m, h = self.policy.module, self.policy.config.chunk_size
+        suffix = self.attention(works, step)
+        if suffix is None:  # through the engine's paged attention
+            t = torch.tensor(times, dtype=torch.float32, device=m.device)
+            rows = torch.arange(len(works), device=m.device).repeat_interleave(h)
+            tokens, cond = m.action_tokens(x, t, rows)
+            return m.velocity(tokens, step.positions, step, cond)
+        tokens, cond = m.action_tokens(x, None, suffix.rows, self.time_embedding(times))
+        return m.velocity(tokens, suffix.positions, suffix, cond, suffix.tables)
+
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
         m, c = self.policy.module, self.policy.config
@@ -164,17 +187,14 @@ class DenoiseNode(KVNodeSubmodule):
         dt = -1.0 / n
         # requests of one step may be at different iterations: each carries its own time
         times = [1.0 + w.payload[1] * dt for w in works]
-        t = torch.tensor(times, dtype=torch.float32, device=m.device)
         x = torch.cat([w.payload[0] for w in works])
-        suffix = self.attention(works, step)
-        if suffix is None:  # through the engine's paged attention
-            rows = torch.arange(len(works), device=m.device).repeat_interleave(h)
-            tokens, cond = m.action_tokens(x, t, rows)
-            v = m.velocity(tokens, step.positions, step, cond)
-        else:
-            tokens, cond = m.action_tokens(x, t, suffix.rows, self.time_embedding(times))
-            v = m.velocity(tokens, suffix.positions, suffix, cond, suffix.tables)
         requests: list[PiRequest] = [w.payload[2] for w in works]
+        v = None
+        if self.graphs is not None:
+            v = self.graphs.velocity(tuple(requests), lambda: self.snapshots(works, step), x,
+                                     self.time_embedding(times))
+        if v is None:
+            v = self.dynamic_velocity(works, step, x, times)
         guide = guidance(requests, times, self.rtc, h, c.max_action_dim, m.device)
         if guide is not None:  # the batch's unguided requests have weight 0
             v = guided_velocity(v, x, guide)
@@ -189,6 +209,8 @@ class DenoiseNode(KVNodeSubmodule):
             outs.append(out)
         if all(w.payload[1] == n - 1 for w in works):
             self.suffix = None
+            if self.graphs is not None:
+                self.graphs.forget()
         return outs
 
 
@@ -202,18 +224,26 @@ class LeRobotPi0Policy(Model):
     real-time chunking ``delay`` and ``prev_actions [N, action_dim]``. EMITs ``actions
     [chunk, action_dim]``. ``rtc``: the guidance settings (default: the checkpoint's
     ``rtc_config``, else LeRobot's defaults; ``RtcSettings(enabled=False)`` refuses
-    ``prev_actions``).
+    ``prev_actions``). ``cuda_graphs`` runs the flow steps through CUDA graphs of batch-size
+    buckets (:class:`~mstar_rt.models.lerobot_pi0_graphs.FlowGraphs`; on the CPU the same padded
+    static path runs eagerly); ``compile`` also ``torch.compile``s it.
     """
 
     inputs = ("images", "state", "task", "noise", "seed", "delay", "prev_actions")
     input_defaults = {"noise": None, "seed": 0, "delay": 0, "prev_actions": None}
 
     def __init__(self, policy: LeRobotPi0, engine: Optional[KVCacheEngine] = None,
-                 max_batch: int = 32, rtc: Optional[RtcSettings] = None) -> None:
+                 max_batch: int = 32, rtc: Optional[RtcSettings] = None,
+                 cuda_graphs: bool = False, compile: Union[bool, str] = False) -> None:
         self.policy = policy
         policy.module.eval()
         c = policy.config
         self.rtc = rtc or c.rtc or RtcSettings()
+        self.graphs: Optional[FlowGraphs] = None
+        if cuda_graphs or compile:
+            buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
+            self.graphs = FlowGraphs(policy.module, buckets,
+                                     capture=None if cuda_graphs else False, compile=compile)
         self.nodes = [
             GraphNode("vision", ["images"], ["image_tokens"],
                       submodule=VisionNode(policy), engine="vision"),
@@ -222,7 +252,7 @@ class LeRobotPi0Policy(Model):
                       [GraphEdge("denoise", "x", persist=True)],
                       submodule=PrefixNode(policy, self.rtc, max_batch), engine="vla"),
             GraphNode("denoise", ["x"], ["x", GraphEdge(EMIT, "actions")],
-                      submodule=DenoiseNode(policy, self.rtc, max_batch), engine="vla"),
+                      submodule=DenoiseNode(policy, self.rtc, max_batch, self.graphs), engine="vla"),
         ]
         self.walks = {"prefix": Sequential("vision", "prefix"),
                       "action_gen": Loop("denoise", c.num_steps, outputs=["x"])}
@@ -230,6 +260,12 @@ class LeRobotPi0Policy(Model):
         pages = max_batch * -(-c.max_prefix // page)
         self.engine_specs = {"vla": engine or KVCacheEngine(page_size=page, num_pages=pages,
                                                             max_batch=max_batch)}
+
+    def warm_up(self) -> None:
+        """Captures (compiles) the flow steps' graphs of every batch bucket now, not at the first
+        chunk of each size; nothing without ``cuda_graphs`` or ``compile``."""
+        if self.graphs is not None:
+            self.graphs.warm_up()
 
     def openpi_defaults(self) -> dict[str, Any]:
         """How the openpi websocket maps LeRobot's observation keys onto the inputs."""

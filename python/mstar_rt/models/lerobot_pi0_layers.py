@@ -127,13 +127,17 @@ class PiModule(nn.Module):
         c = self.config
         return sincos_time(t, c.expert.width, c.min_period, c.max_period)
 
-    def action_tokens(self, x_t: torch.Tensor, t: torch.Tensor, rows: torch.Tensor,
+    def action_tokens(self, x_t: torch.Tensor, t: Optional[torch.Tensor], rows: torch.Tensor,
                       time: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[Cond]]:
         """Noisy actions ``[T, max_action_dim]`` of requests at flow times ``t [B]`` (``rows
         [T]``: each token's request) -> expert tokens, and pi0.5's adaRMS condition. ``time``:
-        ``time_embedding(t)`` if the caller has it already (a flow step's times recur)."""
+        ``time_embedding(t)`` if the caller has it already (a flow step's times recur; ``t`` may
+        then be None)."""
         a = self.action_in_proj(x_t)
-        time = (self.time_embedding(t.float()) if time is None else time).to(a.dtype)
+        if time is None:
+            assert t is not None, "action_tokens needs the flow times or their embedding"
+            time = self.time_embedding(t.float())
+        time = time.to(a.dtype)
         if self.config.adarms:
             cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time))))
             return a, Cond(cond, rows)

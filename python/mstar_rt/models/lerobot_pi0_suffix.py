@@ -40,36 +40,70 @@ def prefix_snapshot(step: KVStep, request_id: int) -> Optional[torch.Tensor]:
 
 
 class SuffixAttention:
-    """``attend(layer, q, k, v)`` for ``chunk`` action tokens per request over the requests'
-    prefix snapshots; also the tokens' ``positions``, ``rows`` and rotary ``tables``. ``key``:
-    whatever identifies the batch to its owner."""
+    """``attend(layer, q, k, v)`` for ``chunk`` action tokens in each of ``slots`` requests over
+    their prefix snapshots (:meth:`fill`), prefixes up to ``longest`` tokens; also the tokens'
+    ``positions``, ``rows`` and rotary ``tables``, and ``key``, whatever identifies the batch to
+    its owner. ``like``: a snapshot, for the layer count, head sizes, dtype and device.
 
-    def __init__(self, key: tuple, prefixes: Sequence[torch.Tensor], chunk: int,
-                 rope: Any, dtype: torch.dtype) -> None:
-        self.key, self.chunk = key, chunk
-        first = prefixes[0]
-        layers, _two, _n, hkv, d = first.shape
+    ``static``: every buffer keeps its shape and address across fills (a CUDA graph replays over
+    them): the key mask always exists, and slots past the batch's requests see only their own
+    action tokens. Otherwise the mask exists only when the prefixes differ in length."""
+
+    def __init__(self, slots: int, longest: int, chunk: int, like: torch.Tensor, rope: Any,
+                 dtype: torch.dtype, static: bool = False) -> None:
+        layers, _two, _n, hkv, d = like.shape
+        self.batch, self.longest, self.chunk, self.static = slots, longest, chunk, static
+        self.kv_heads, self.head_dim, self.rope, self.dtype = hkv, d, rope, dtype
+        self.key: Any = None
+        dev = like.device
+        shape = (slots, hkv, longest + chunk, d)
+        self.k = [like.new_zeros(shape) for _ in range(layers)]
+        self.v = [like.new_zeros(shape) for _ in range(layers)]
+        self.mask: Optional[torch.Tensor] = (
+            torch.ones((slots, 1, 1, longest + chunk), dtype=torch.bool, device=dev)
+            if static else None)
+        self.positions = torch.zeros(slots * chunk, dtype=torch.long, device=dev)
+        self.rows = torch.arange(slots, device=dev).repeat_interleave(chunk)
+        self.tables = rope_tables(rope, self.positions, dtype)
+
+    def fill(self, key: Any, prefixes: Sequence[torch.Tensor]) -> "SuffixAttention":
+        """Copies the requests' prefix snapshots in (request i in slot i) and sets their masks,
+        positions and rotary tables."""
         lengths = [int(p.shape[2]) for p in prefixes]
-        b, longest = len(prefixes), max(lengths)
-        self.batch, self.longest, self.kv_heads, self.head_dim = b, longest, hkv, d
-        dev = first.device
-        shape = (b, hkv, longest + chunk, d)
-        self.k = [first.new_zeros(shape) for _ in range(layers)]
-        self.v = [first.new_zeros(shape) for _ in range(layers)]
+        if len(prefixes) > self.batch or max(lengths) > self.longest:
+            raise ValueError(f"{len(prefixes)} prefixes of up to {max(lengths)} tokens do not fit "
+                             f"{self.batch} slots of {self.longest}")
         for i, p in enumerate(prefixes):
             n = lengths[i]
-            for layer in range(layers):
+            for layer in range(len(self.k)):
                 self.k[layer][i, :, :n] = p[layer, 0].transpose(0, 1)
                 self.v[layer][i, :, :n] = p[layer, 1].transpose(0, 1)
-        self.mask: Optional[torch.Tensor] = None
-        if min(lengths) != longest:  # padded keys of the shorter prefixes are never seen
-            kpos = torch.arange(longest + chunk, device=dev)
-            n = torch.tensor(lengths, device=dev)
-            self.mask = ((kpos[None, :] < n[:, None]) | (kpos[None, :] >= longest))[:, None, None]
-        offsets = torch.arange(chunk, device=dev)
-        self.positions = (torch.tensor(lengths, device=dev)[:, None] + offsets).reshape(-1)
-        self.rows = torch.arange(b, device=dev).repeat_interleave(chunk)
-        self.tables = rope_tables(rope, self.positions, dtype)
+        dev, longest, chunk = self.positions.device, self.longest, self.chunk
+        n = torch.tensor(lengths + [0] * (self.batch - len(lengths)), device=dev)
+        kpos = torch.arange(longest + chunk, device=dev)
+        # padded keys of the shorter prefixes (and of empty slots) are never seen
+        mask = ((kpos[None, :] < n[:, None]) | (kpos[None, :] >= longest))[:, None, None]
+        positions = (n[:, None] + torch.arange(chunk, device=dev)).reshape(-1)
+        cos, sin = rope_tables(self.rope, positions, self.dtype)
+        if self.static:
+            assert self.mask is not None
+            self.mask.copy_(mask)
+            self.positions.copy_(positions)
+            self.tables[0].copy_(cos)
+            self.tables[1].copy_(sin)
+        else:
+            self.mask = mask if min(lengths) != longest else None
+            self.positions, self.tables = positions, (cos, sin)
+        self.key = key
+        return self
+
+    @staticmethod
+    def over(key: Any, prefixes: Sequence[torch.Tensor], chunk: int, rope: Any,
+             dtype: torch.dtype) -> "SuffixAttention":
+        """Exactly the batch's size: its requests, keys as long as its longest prefix."""
+        longest = max(int(p.shape[2]) for p in prefixes)
+        return SuffixAttention(len(prefixes), longest, chunk, prefixes[0], rope,
+                               dtype).fill(key, prefixes)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
