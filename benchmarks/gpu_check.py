@@ -15,8 +15,9 @@ few kernels as it can):
      at batches that pad up to a bucket;
   3. decode speed at batch 1/4/16 through mstar_rt.Runtime: eager and CUDA graphs, torch and
      FlashInfer attention, vs transformers generate on the same weights;
-  4. full-size pi0 (random bf16 weights) through the Runtime: action-chunk latency at 1 robot
-     and chunks/s at 8, flow steps eager vs CUDA graphs (benchmarks/gpu_check_pi0.py).
+  4. full-size pi0 and 5. full-size SmolVLA (random bf16 weights) through the Runtime:
+     action-chunk latency at 1 robot and chunks/s at 8, flow steps eager vs CUDA graphs
+     (benchmarks/gpu_check_vla.py).
 Writes benchmarks/results/gpu_check.json after every section (a run cut short keeps what it
 measured) and exits 1 when a correctness check failed. Sections past --budget-s are skipped.
 Without CUDA it says so and exits 0, writing a {"skipped": reason} record only where no real
@@ -43,7 +44,7 @@ from bench_common import machine, use_source_tree  # benchmarks/ is on sys.path
 from gpu_check_attention import attention_check
 from gpu_check_common import Report
 from gpu_check_decode import build_models, graph_check, speed
-from gpu_check_pi0 import pi0_check
+from gpu_check_vla import pi0_check, smolvla_check
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
@@ -106,7 +107,7 @@ def main() -> int:
     ap.add_argument("--no-flashinfer", action="store_true", help="torch backend only")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     ap.add_argument("--only", default="",
-                    help="comma-separated sections to run (attention, model, graphs, speed, pi0)")
+                    help="comma-separated sections to run (attention, model, graphs, speed, pi0, smolvla)")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="skip sections that would start after this many seconds")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -141,6 +142,7 @@ def main() -> int:
         report, models["ours"], models["hf"], ["torch"] + (["flashinfer"] if use_fi else []))))
     sections.append(("speed", lambda: speed(report, models["ours"], models["hf"], use_fi)))
     sections.append(("pi0", lambda: pi0_check(report)))
+    sections.append(("smolvla", lambda: smolvla_check(report)))
     only = {s for s in args.only.split(",") if s}
     if only & {"graphs", "speed"}:
         only.add("model")

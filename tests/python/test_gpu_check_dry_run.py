@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py's pi0 section runs on the CPU (--dry-run-cpu: the fixture's tiny
-policy, graphs eagerly) before it ever spends GPU time: every figure, ratio and check it
-reports on a GPU comes out, and the check passes."""
+"""benchmarks/gpu_check.py's VLA sections (pi0, SmolVLA) run on the CPU (--dry-run-cpu: the
+fixtures' tiny policies, graphs eagerly) before they ever spend GPU time: every figure, ratio
+and check they report on a GPU comes out, and the checks pass."""
 
 import json
 import subprocess
@@ -12,19 +12,24 @@ from child_env import child_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_check_pi0_section_dry_run_on_the_cpu(tmp_path):
+def test_gpu_check_vla_sections_dry_run_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
-                           "--dry-run-cpu", "--only", "pi0", "--quick", "--out", str(out)],
+                           "--dry-run-cpu", "--only", "pi0,smolvla", "--quick", "--out", str(out)],
                           env=child_env(ROOT / "benchmarks"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["failed"] == [] and result["checks"]["pi0_graph_chunk_vs_eager_rel"]["ok"]
+    assert result["failed"] == []
     f = result["figures"]
-    for mode in ("eager", "graphs"):
-        assert f[f"pi0_chunk_ms_1robot_{mode}"] > 0 and f[f"pi0_chunks_per_s_8robots_{mode}"] > 0
-    assert f["pi0_flow_static_steps"] > 0 and f["pi0_flow_graph_captures"] == 0  # no CUDA here
-    assert set(result["ratios"]) == {"pi0_graphs_over_eager_speedup_1robot",
-                                     "pi0_graphs_over_eager_throughput_8robots"}
-    assert "== attention" not in proc.stdout  # --only ran the one section
+    for name in ("pi0", "smolvla"):
+        assert result["checks"][f"{name}_graph_chunk_vs_eager_rel"]["ok"]
+        for mode in ("eager", "graphs"):
+            assert f[f"{name}_chunk_ms_1robot_{mode}"] > 0
+            assert f[f"{name}_chunks_per_s_8robots_{mode}"] > 0
+        assert f[f"{name}_flow_static_steps"] > 0
+        assert f[f"{name}_flow_graph_captures"] == 0  # no CUDA here
+    assert set(result["ratios"]) == {f"{name}_graphs_over_eager_{what}" for name in
+                                     ("pi0", "smolvla") for what in ("speedup_1robot",
+                                                                     "throughput_8robots")}
+    assert "== attention" not in proc.stdout  # --only ran those sections alone

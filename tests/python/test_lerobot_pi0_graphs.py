@@ -9,7 +9,8 @@ import torch
 from mstar_rt.engines import KVCacheEngine
 from mstar_rt.models.lerobot_pi0 import LeRobotPi0Policy
 from mstar_rt.models.lerobot_pi0_config import RtcSettings
-from mstar_rt.models.lerobot_pi0_graphs import FlowGraphs
+from mstar_rt.models.flow_graphs import FlowGraphs
+from mstar_rt.models.lerobot_pi0_graphs import PiFlowStep
 from mstar_rt.models.lerobot_pi0_reference import reference_actions
 from mstar_rt.models.lerobot_pi0_suffix import SuffixAttention
 from test_lerobot_pi0 import FAMILIES, TIMEOUT, Fixture, close, pages_back
@@ -47,7 +48,7 @@ def dynamic(fx: Fixture, snapshots: list[torch.Tensor], x: torch.Tensor, time: t
 
 def test_a_padded_bucket_gives_the_dynamic_velocity_and_refills_only_for_a_new_batch(fx):
     longest = fx.policy.config.max_prefix
-    g = FlowGraphs(fx.policy.module, buckets=(1, 4), capture=False)
+    g = FlowGraphs(PiFlowStep(fx.policy.module), buckets=(1, 4), capture=False)
     first = prefixes(fx, [5, longest, 9], seed=1)
     key = tuple(object() for _ in first)
     asked = []
@@ -132,6 +133,6 @@ def test_compiled_flow_steps_give_lerobots_chunk(serve):
 
 def test_cuda_graphs_on_a_cpu_policy_are_refused_naming_the_fix(fx):
     with pytest.raises(ValueError, match="capture=False"):
-        FlowGraphs(fx.policy.module, capture=True)
+        FlowGraphs(PiFlowStep(fx.policy.module), capture=True)
     with pytest.raises(ValueError, match="positive batch sizes"):
-        FlowGraphs(fx.policy.module, buckets=(0, 2), capture=False)
+        FlowGraphs(PiFlowStep(fx.policy.module), buckets=(0, 2), capture=False)

@@ -265,3 +265,21 @@ def test_full_size_smolvla_base_has_lerobots_keys_shapes_and_parameter_count():
     sizes = memory_estimate(smolvla_base_config())  # what the loader prints
     assert sizes["parameters"] + sizes["lm_head"] == 450_046_176
     assert sizes["weights.bfloat16"] == 2 * sizes["parameters"]
+
+
+def test_flow_steps_through_the_engines_attention_give_the_same_chunks(serve, policy, io,
+                                                                        monkeypatch):
+    """Where the cache cannot hand a prefix out (a tensor-parallel share), the flow steps attend
+    through the engine's paged attention every step instead of a copy taken once: the same
+    chunks, batched requests of different prefix lengths included."""
+    import mstar_rt.models.smolvla as served
+
+    monkeypatch.setattr(served, "prefix_snapshot", lambda step, request_id: None)
+    engine = KVCacheEngine(page_size=16, num_pages=32)
+    rt = serve(SmolVLAPolicy(policy, engine=engine))
+    cases = other_requests(io)
+    handles = [rt.submit(r) for r in cases]
+    for r, h in zip(cases, handles):
+        assert max_diff(h.result(timeout=TIMEOUT)["actions"][0],
+                        sample_actions_reference(policy, r)) <= TOL
+    assert settled(rt) == ZERO_LIVE and pages_back(engine)

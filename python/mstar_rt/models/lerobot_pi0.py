@@ -39,9 +39,10 @@ from mstar_rt.engines.masks import BlockCausal, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
+from mstar_rt.models.flow_graphs import DEFAULT_BUCKETS, FlowGraphs, same_batch
 from mstar_rt.models.lerobot_inputs import camera_images
+from mstar_rt.models.lerobot_pi0_graphs import PiFlowStep
 from mstar_rt.models.lerobot_pi0_io import preprocess_image, unit_image
-from mstar_rt.models.lerobot_pi0_graphs import DEFAULT_BUCKETS, FlowGraphs
 from mstar_rt.models.lerobot_pi0_load import LeRobotPi0, load_lerobot_pi0
 from mstar_rt.models.lerobot_pi0_request import PiRequest, check_request
 from mstar_rt.models.lerobot_pi0_suffix import SuffixAttention, prefix_snapshot
@@ -149,10 +150,8 @@ class DenoiseNode(KVNodeSubmodule):
         objects (compared by identity: a request prefixed again brings a new one), else a new one
         over their prefix snapshots; None where the cache cannot hand the K/V out."""
         requests: list[PiRequest] = [w.payload[2] for w in works]
-        last = self.suffix
-        if last is not None and len(last.key) == len(requests) and \
-                all(a is b for a, b in zip(last.key, requests)):
-            return last
+        if self.suffix is not None and same_batch(self.suffix.key, requests):
+            return self.suffix
         prefixes = self.snapshots(works, step)
         if prefixes is None:
             return None
@@ -225,7 +224,7 @@ class LeRobotPi0Policy(Model):
     [chunk, action_dim]``. ``rtc``: the guidance settings (default: the checkpoint's
     ``rtc_config``, else LeRobot's defaults; ``RtcSettings(enabled=False)`` refuses
     ``prev_actions``). ``cuda_graphs`` runs the flow steps through CUDA graphs of batch-size
-    buckets (:class:`~mstar_rt.models.lerobot_pi0_graphs.FlowGraphs`; on the CPU the same padded
+    buckets (:class:`~mstar_rt.models.flow_graphs.FlowGraphs`; on the CPU the same padded
     static path runs eagerly); ``compile`` also ``torch.compile``s it.
     """
 
@@ -242,7 +241,7 @@ class LeRobotPi0Policy(Model):
         self.graphs: Optional[FlowGraphs] = None
         if cuda_graphs or compile:
             buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
-            self.graphs = FlowGraphs(policy.module, buckets,
+            self.graphs = FlowGraphs(PiFlowStep(policy.module), buckets,
                                      capture=None if cuda_graphs else False, compile=compile)
         self.nodes = [
             GraphNode("vision", ["images"], ["image_tokens"],

@@ -38,9 +38,13 @@ from mstar_rt.engines.masks import CAUSAL, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
+from mstar_rt.models.flow_graphs import DEFAULT_BUCKETS, FlowGraphs, same_batch
+from mstar_rt.models.lerobot_pi0_suffix import prefix_snapshot
 from mstar_rt.models.lerobot_rtc import RtcSettings, guidance, guided_velocity
 from mstar_rt.models.smolvla_checkpoint import LeRobotSmolVLA, load_lerobot_smolvla
-from mstar_rt.models.smolvla_inputs import camera_images, check_request, pixels, validate
+from mstar_rt.models.smolvla_flow import FlowAttention, Prefix, SmolFlowStep
+from mstar_rt.models.smolvla_inputs import (SmolVLARequest, camera_images, check_request, pixels,
+                                            validate)
 
 CrossKV = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
@@ -143,10 +147,14 @@ class _BatchedCross:
 
 
 class DenoiseNode(KVNodeSubmodule):
-    """One Euler step of the action expert per request, reading the cached prefix."""
+    """One Euler step of the action expert per request, reading the cached prefix: through a
+    :class:`~mstar_rt.models.smolvla_flow.FlowAttention` set up at the chunk's first step and
+    kept while the batch holds the same requests."""
 
-    def __init__(self, policy: LeRobotSmolVLA, rtc: Optional[RtcSettings], max_batch: int) -> None:
-        self.policy, self.rtc, self.max_batch = policy, rtc, max_batch
+    def __init__(self, policy: LeRobotSmolVLA, rtc: Optional[RtcSettings], max_batch: int,
+                 graphs: Optional[FlowGraphs] = None) -> None:
+        self.policy, self.rtc, self.max_batch, self.graphs = policy, rtc, max_batch, graphs
+        self.flow: Optional[FlowAttention] = None
 
     def kv_layout(self) -> KVLayout:
         return self.policy.module.kv_layout()
@@ -156,7 +164,47 @@ class DenoiseNode(KVNodeSubmodule):
         # Action tokens see the whole prefix and the tokens before them; nothing is written.
         return KVWork(h, persist=False, mask=CAUSAL,
                       payload=(inputs["x"], ctx.iteration, inputs["cross_kv"],
-                               ctx.request.state["request"]))
+                               ctx.request.state["request"], ctx.request.cache_id))
+
+    def prefixes(self, works: list[KVWork], step: KVStep) -> Optional[list[Prefix]]:
+        """Each request's prefix K/V (taken from the pages at its first step) and cross K/V;
+        None where the cache cannot hand the K/V out (a tensor-parallel share)."""
+        out: list[Prefix] = []
+        for w in works:
+            r: SmolVLARequest = w.payload[3]
+            if r.prefix_kv is None:
+                r.prefix_kv = prefix_snapshot(step, w.payload[4])
+                if r.prefix_kv is None:
+                    return None
+            out.append((r.prefix_kv, w.payload[2]))
+        return out
+
+    def attention(self, works: list[KVWork], step: KVStep) -> Optional[FlowAttention]:
+        """The batch's flow attention: the last one while the batch holds the same request
+        objects (compared by identity), else a new one over their prefixes."""
+        requests = [w.payload[3] for w in works]
+        if self.flow is not None and same_batch(self.flow.key, requests):
+            return self.flow
+        prefixes = self.prefixes(works, step)
+        if prefixes is None:
+            return None
+        m = self.policy.module
+        self.flow = FlowAttention.over(tuple(requests), prefixes, self.policy.config.chunk_size,
+                                       m.cross_layers)
+        return self.flow
+
+    def dynamic_velocity(self, works: list[KVWork], step: KVStep, x: torch.Tensor,
+                         t: torch.Tensor) -> torch.Tensor:
+        m, h = self.policy.module, self.policy.config.chunk_size
+        rows = torch.arange(len(works), device=m.device).repeat_interleave(h)
+        suffix = m.suffix_embeds(x, t, rows)
+        flow = self.attention(works, step)
+        if flow is not None:
+            return m.velocity(m.expert_forward(suffix, None, flow, None, flow, flow.tables))
+        # through the engine's paged attention, the cross K/V padded at every step
+        cross = _BatchedCross([w.payload[2] for w in works], h)
+        cross_positions = torch.arange(h, device=m.device).repeat(len(works))
+        return m.velocity(m.expert_forward(suffix, step.positions, step, cross_positions, cross))
 
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
@@ -165,23 +213,29 @@ class DenoiseNode(KVNodeSubmodule):
         dt = -1.0 / n
         # requests of one step may be at different iterations: each carries its own time
         times = [1.0 + w.payload[1] * dt for w in works]
-        suffix = torch.cat([m.suffix_embeds(w.payload[0], torch.tensor(t, dtype=torch.float32,
-                                                                       device=m.device))
-                            for w, t in zip(works, times)])
-        cross = _BatchedCross([w.payload[2] for w in works], h)
-        cross_positions = torch.arange(h, device=m.device).repeat(len(works))
-        v = m.velocity(m.expert_forward(suffix, step.positions, step, cross_positions, cross))
-        guide = guidance([w.payload[3] for w in works], times, self.rtc, h, c.max_action_dim,
-                         m.device)
+        x = torch.cat([w.payload[0] for w in works])
+        t = torch.tensor(times, dtype=torch.float32, device=m.device)
+        requests: list[SmolVLARequest] = [w.payload[3] for w in works]
+        v = None
+        if self.graphs is not None:
+            v = self.graphs.velocity(tuple(requests), lambda: self.prefixes(works, step), x, t)
+        if v is None:
+            v = self.dynamic_velocity(works, step, x, t)
+        guide = guidance(requests, times, self.rtc, h, c.max_action_dim, m.device)
         if guide is not None:  # the batch's unguided requests have weight 0
-            v = guided_velocity(v, torch.cat([w.payload[0] for w in works]), guide)
+            v = guided_velocity(v, x, guide)
         outs: list[Mapping[str, Any]] = []
         for i, w in enumerate(works):
-            x = w.payload[0] + dt * v[i * h:(i + 1) * h]
-            out: dict[str, Any] = {"x": x}
+            chunk = w.payload[0] + dt * v[i * h:(i + 1) * h]
+            out: dict[str, Any] = {"x": chunk}
             if w.payload[1] == n - 1:  # the chunk is done: stream it (earlier steps EMIT nothing)
-                out["actions"] = self.policy.unnormalize_actions(x)
+                out["actions"] = self.policy.unnormalize_actions(chunk)
+                requests[i].prefix_kv = None  # the copy lives only while the flow steps run
             outs.append(out)
+        if all(w.payload[1] == n - 1 for w in works):
+            self.flow = None
+            if self.graphs is not None:
+                self.graphs.forget()
         return outs
 
 
@@ -195,18 +249,27 @@ class SmolVLAPolicy(Model):
     real-time chunking ``delay`` and ``prev_actions [N, action_dim]`` (raw). EMITs
     ``actions [chunk_size, action_dim]`` (unnormalised). ``rtc``: the guidance settings
     (default: the checkpoint's ``rtc_config``, else LeRobot's defaults;
-    ``RtcSettings(enabled=False)`` refuses ``prev_actions``).
+    ``RtcSettings(enabled=False)`` refuses ``prev_actions``). ``cuda_graphs`` runs the flow
+    steps through CUDA graphs of batch-size buckets (:class:`~mstar_rt.models.flow_graphs.
+    FlowGraphs`; on the CPU the same padded static path runs eagerly); ``compile`` also
+    ``torch.compile``s it.
     """
 
     inputs = ("images", "state", "task", "noise", "seed", "delay", "prev_actions")
     input_defaults = {"noise": None, "seed": 0, "delay": 0, "prev_actions": None}
 
     def __init__(self, policy: LeRobotSmolVLA, engine: Optional[KVCacheEngine] = None,
-                 max_batch: int = 32, rtc: Optional[RtcSettings] = None) -> None:
+                 max_batch: int = 32, rtc: Optional[RtcSettings] = None,
+                 cuda_graphs: bool = False, compile: Union[bool, str] = False) -> None:
         policy.module.eval()
         self.policy = policy
         c = policy.config
         self.rtc = rtc or c.rtc or RtcSettings()
+        self.graphs: Optional[FlowGraphs] = None
+        if cuda_graphs or compile:
+            buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
+            self.graphs = FlowGraphs(SmolFlowStep(policy.module), buckets,
+                                     capture=None if cuda_graphs else False, compile=compile)
         self.nodes = [
             GraphNode("vision", ["images"], ["image_embs"], submodule=VisionNode(policy),
                       engine="vision"),
@@ -216,7 +279,7 @@ class SmolVLAPolicy(Model):
                        GraphEdge("denoise", "cross_kv", persist=True)],
                       submodule=PrefixNode(policy, self.rtc, max_batch), engine="vla"),
             GraphNode("denoise", ["x", "cross_kv"], ["x", GraphEdge(EMIT, "actions")],
-                      submodule=DenoiseNode(policy, self.rtc, max_batch), engine="vla"),
+                      submodule=DenoiseNode(policy, self.rtc, max_batch, self.graphs), engine="vla"),
         ]
         self.walks = {"prefix": Sequential("vision", "prefix"),
                       "action_gen": Loop("denoise", c.num_steps, outputs=["x"])}
@@ -224,6 +287,12 @@ class SmolVLAPolicy(Model):
         pages = max_batch * -(-c.max_prefix // page)
         self.engine_specs = {"vla": engine or KVCacheEngine(page_size=page, num_pages=pages,
                                                             max_batch=max_batch)}
+
+    def warm_up(self) -> None:
+        """Captures (compiles) the flow steps' graphs of every batch bucket now, not at the first
+        chunk of each size; nothing without ``cuda_graphs`` or ``compile``."""
+        if self.graphs is not None:
+            self.graphs.warm_up()
 
     def openpi_defaults(self) -> dict[str, Any]:
         """How the openpi websocket maps LeRobot's observation keys onto the inputs."""

@@ -23,13 +23,16 @@ class SmolVLARequest:
     """A request's model inputs: prompt ids ``[L]``, the normalised padded state
     ``[max_state_dim]`` (module dtype), the noise ``[chunk_size, max_action_dim]`` (float32);
     for guided RTC the ``delay`` and ``prev [N, max_action_dim]`` (normalised, padded; None: no
-    guidance) -- the fields :func:`~mstar_rt.models.lerobot_rtc.guidance` reads."""
+    guidance) -- the fields :func:`~mstar_rt.models.lerobot_rtc.guidance` reads.
+    ``prefix_kv``: the cached prefix's K/V as the flow steps read it, once they have copied it
+    out of the pages (a new request object comes with each prefix, so it never outlives it)."""
 
     prompt: torch.Tensor
     state: torch.Tensor
     noise: torch.Tensor
     delay: int = 0
     prev: Optional[torch.Tensor] = None
+    prefix_kv: Optional[torch.Tensor] = None
 
 
 def camera_images(policy: LeRobotSmolVLA, images: Any) -> list[torch.Tensor]:

@@ -267,22 +267,29 @@ class SmolVLAModule(nn.Module):
 
     # ---- the action expert ---------------------------------------------------------------------
 
-    def suffix_embeds(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Noisy actions ``[H, max_action_dim]`` at flow time ``t`` (a 1-element tensor) ->
-        expert tokens ``[H, expert_width]``."""
+    def suffix_embeds(self, x_t: torch.Tensor, t: torch.Tensor,
+                      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Noisy actions ``[T, max_action_dim]`` at flow times ``t [B]`` (``rows [T]``: each
+        token's request; None: one request, ``t`` a 1-element tensor) -> expert tokens ``[T,
+        expert_width]``."""
         m, c = self.model, self.config
         a = m.action_in_proj(x_t.to(self.dtype))
-        te = time_embedding(t.reshape(1), c.expert_width, c.min_period, c.max_period)
-        te = te.to(a.dtype).expand_as(a)
+        te = time_embedding(t.reshape(-1), c.expert_width, c.min_period, c.max_period).to(a.dtype)
+        te = te.expand_as(a) if rows is None else te[rows]
         return m.action_time_mlp_out(F.silu(m.action_time_mlp_in(torch.cat([a, te], dim=-1))))
 
-    def expert_forward(self, suffix: torch.Tensor, positions: torch.Tensor, attn: Any,
-                       cross_positions: torch.Tensor, cross: Cross) -> torch.Tensor:
+    def expert_forward(self, suffix: torch.Tensor, positions: Optional[torch.Tensor], attn: Any,
+                       cross_positions: Optional[torch.Tensor], cross: Cross,
+                       tables: Optional[tuple] = None) -> torch.Tensor:
         """The expert over action tokens ``[T, expert_width]`` -> its final-normed output.
         ``positions`` (after each request's prefix) rotate the self-attention layers,
-        ``cross_positions`` (from 0 in each request) the cross-attention layers."""
-        hd = self.config.text.head_dim
-        own, other = rope_tables(positions, hd), rope_tables(cross_positions, hd)
+        ``cross_positions`` (from 0 in each request) the cross-attention layers; or ``tables``,
+        both positions' :func:`rope_tables` if the caller keeps them."""
+        if tables is None:
+            assert positions is not None and cross_positions is not None
+            hd = self.config.text.head_dim
+            tables = (rope_tables(positions, hd), rope_tables(cross_positions, hd))
+        own, other = tables
         x = suffix
         for i, layer in enumerate(self.expert.layers):
             if self.config.is_cross(i):
