@@ -13,11 +13,11 @@ few kernels as it can):
      the pages each wrote (must be identical);
   2. CUDA-graph decode vs eager on a random ~1.2B Llama (Llama-3.2-1B shapes), per backend,
      at batches that pad up to a bucket;
-  3. decode speed at batch 1/4/16 through mstar_rt.Runtime: eager and CUDA graphs, torch and
-     FlashInfer attention, vs transformers generate on the same weights;
-  4. full-size pi0 and 5. full-size SmolVLA (random bf16 weights) through the Runtime:
+  3. full-size pi0 and 4. full-size SmolVLA (random bf16 weights) through the Runtime:
      action-chunk latency at 1 robot and chunks/s at 8, flow steps eager vs CUDA graphs
-     (benchmarks/gpu_check_vla.py).
+     (benchmarks/gpu_check_vla.py);
+  5. decode speed at batch 1/4/16 through mstar_rt.Runtime: eager and CUDA graphs, torch and
+     FlashInfer attention, vs transformers generate on the same weights.
 Writes benchmarks/results/gpu_check.json after every section (a run cut short keeps what it
 measured) and exits 1 when a correctness check failed. Sections past --budget-s are skipped.
 Without CUDA it says so and exits 0, writing a {"skipped": reason} record only where no real
@@ -140,9 +140,10 @@ def main() -> int:
     sections.append(("model", load))
     sections.append(("graphs", lambda: graph_check(
         report, models["ours"], models["hf"], ["torch"] + (["flashinfer"] if use_fi else []))))
-    sections.append(("speed", lambda: speed(report, models["ours"], models["hf"], use_fi)))
+    # the VLAs before decode speed: their tables are what the open issues ask of a GPU
     sections.append(("pi0", lambda: pi0_check(report)))
     sections.append(("smolvla", lambda: smolvla_check(report)))
+    sections.append(("speed", lambda: speed(report, models["ours"], models["hf"], use_fi)))
     only = {s for s in args.only.split(",") if s}
     if only & {"graphs", "speed"}:
         only.add("model")

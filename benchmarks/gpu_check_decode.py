@@ -125,7 +125,7 @@ def graph_check(report: Report, model: Any, hf: Any, backend_names: list[str]) -
         report.write()
 
 
-# ---- 3. decode speed ----------------------------------------------------------------------------
+# ---- 5. decode speed ----------------------------------------------------------------------------
 
 def time_ours(report: Report, model: Any, backend: str, graphs: bool, batches: tuple,
               prompt_len: int, new: int, reps: int) -> dict[int, float]:

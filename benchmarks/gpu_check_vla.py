@@ -1,4 +1,4 @@
-"""gpu_check sections 4 and 5: full-size pi0 (PaliGemma 3B -- So400m at 224 px + gemma_2b -- and
+"""gpu_check sections 3 and 4: full-size pi0 (PaliGemma 3B -- So400m at 224 px + gemma_2b -- and
 the gemma_300m action expert) and full-size SmolVLA (smolvla_base: SmolVLM2-500M's first 16
 layers and its 0.75-wide expert), random bfloat16 weights (nothing can be downloaded on the GPU
 machines), served by the Runtime with the flow steps eager and as CUDA graphs of batch buckets:

@@ -1,11 +1,13 @@
-"""pi0 side by side with LeRobot (a section of benchmarks/vla.py; also runs alone):
+"""pi0 (or SmolVLA) side by side with LeRobot (a section of benchmarks/vla.py; also runs alone):
 
-    python benchmarks/vla_lerobot.py [--quick] [--out benchmarks/results/vla_lerobot.json]
+    python benchmarks/vla_lerobot.py [--quick] [--family pi0|smolvla] [--compile]
+                                     [--out benchmarks/results/vla_lerobot[_smolvla].json]
 
-The same pi0 checkpoint served two ways, alternating in one run: LeRobot 0.6.1's own
-``PI0Policy.predict_action_chunk`` (with its pre/post-processors) in its venv, a child process
-(benchmarks/vla_lerobot_worker.py builds the checkpoint there, with LeRobot's classes, and saves
-it), and ours (``LeRobotPi0Policy`` loading that directory, served by the Runtime). One torch
+The same checkpoint served two ways, alternating in one run: LeRobot 0.6.1's own
+``PI0Policy`` / ``SmolVLAPolicy.predict_action_chunk`` (with its pre/post-processors) in its
+venv, a child process (benchmarks/vla_lerobot_worker.py builds the checkpoint there, with
+LeRobot's classes, and saves it), and ours (``LeRobotPi0Policy`` / ``SmolVLAPolicy`` loading that
+directory, served by the Runtime). One torch
 thread each, and both processes on one and the same CPU core: ours has an engine thread per
 engine (vision, the KV engine), which could otherwise overlap on a second core. Latency per action chunk with 1 robot; throughput with 8 robots asking at once
 (LeRobot serves them one after another -- it has no request batching; ours batches them).
@@ -37,20 +39,22 @@ from bench_common import machine, use_source_tree  # noqa: E402
 use_source_tree()
 import mstar_rt  # noqa: E402
 from mstar_rt.models.lerobot_pi0 import LeRobotPi0Policy  # noqa: E402
+from mstar_rt.models.smolvla import SmolVLAPolicy  # noqa: E402
 from vla_observations import CAMERAS, noise, observation  # noqa: E402
 
 ROOT = HERE.parent
 VENV = Path(os.environ.get("LEROBOT_VENV", "/work/venvs/lerobot"))
-FIXTURE = ROOT / "tests" / "reference" / "fixtures" / "pi0"
+FIXTURES = ROOT / "tests" / "reference" / "fixtures"
 ROBOTS = 8
 
 
 class LeRobotWorker:
     """The LeRobot process: JSON lines in, JSON lines out."""
 
-    def __init__(self, out: Path, log: Any) -> None:
+    def __init__(self, out: Path, log: Any, family: str) -> None:
         self.proc = subprocess.Popen(
-            [str(VENV / "bin" / "python"), str(HERE / "vla_lerobot_worker.py"), str(out)],
+            [str(VENV / "bin" / "python"), str(HERE / "vla_lerobot_worker.py"), str(out),
+             "--family", family],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
         self.info = self._read()
 
@@ -90,7 +94,22 @@ def ours_round(rt: mstar_rt.Runtime, robots: int, seed: int) -> tuple[list[float
     return latencies, time.perf_counter() - t0, chunks
 
 
-def run(quick: bool, compile: bool = False) -> dict:
+def load_ours(family: str, ckpt: Optional[Path], compile: bool) -> Any:
+    """Our policy over the worker's checkpoint (None: the committed tiny fixture)."""
+    if family == "smolvla":
+        from mstar_rt.models.smolvla_checkpoint import load_lerobot_smolvla
+
+        fixture = FIXTURES / "smolvla"
+        path, vlm = ((ckpt / "checkpoint", ckpt / "smolvlm") if ckpt else
+                     (fixture / "checkpoint", fixture / "smolvlm_tiny"))
+        return SmolVLAPolicy(load_lerobot_smolvla(path, vlm_dir=str(vlm), progress=False),
+                             max_batch=ROBOTS, compile=compile)
+    root, heads = (ckpt, {"vision_heads": 4}) if ckpt else (FIXTURES / "pi0", {"vision_heads": 2})
+    return LeRobotPi0Policy.from_pretrained(root / "checkpoint", tokenizer=root / "tokenizer",
+                                            sizes=heads, max_batch=ROBOTS, compile=compile)
+
+
+def run(quick: bool, compile: bool = False, family: str = "pi0") -> dict:
     torch.set_num_threads(1)
     # Pinned before any thread or child exists, so that every one of ours and the LeRobot
     # process inherit it: the comparison is core for core.
@@ -101,20 +120,20 @@ def run(quick: bool, compile: bool = False) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="mstar-vla-lerobot-")
     log = open(Path(tmp.name) / "worker.log", "w")
     worker: Optional[LeRobotWorker] = None
+    ckpt: Optional[Path] = None
     if have_venv:
-        worker = LeRobotWorker(Path(tmp.name) / "ckpt", log)
-        ckpt, tok = Path(tmp.name) / "ckpt" / "checkpoint", Path(tmp.name) / "ckpt" / "tokenizer"
-        heads = {"vision_heads": 4}
+        ckpt = Path(tmp.name) / "ckpt"
+        worker = LeRobotWorker(ckpt, log, family)
     else:
         print(f"LeRobot venv not found at {VENV} (bash tests/reference/setup_lerobot_venv.sh, "
               "Python 3.12): ours alone, on the tiny fixture checkpoint")
-        ckpt, tok, heads = FIXTURE / "checkpoint", FIXTURE / "tokenizer", {"vision_heads": 2}
-    policy = LeRobotPi0Policy.from_pretrained(ckpt, tokenizer=tok, sizes=heads, max_batch=ROBOTS,
-                                              compile=compile)
+    policy = load_ours(family, ckpt, compile)
     t0 = time.perf_counter()
     policy.warm_up()  # compiles every bucket's flow step now (nothing without --compile)
     warm_s = time.perf_counter() - t0
     params = sum(p.numel() for p in policy.policy.module.parameters())
+    if family == "smolvla" and worker is None:  # the fixture's cameras and sizes differ
+        raise SystemExit("the SmolVLA side-by-side needs the LeRobot venv")
     ours1, theirs1, ours8, theirs8, worst = [], [], [], [], 0.0
     try:
         with mstar_rt.Runtime(policy) as rt:
@@ -146,6 +165,7 @@ def run(quick: bool, compile: bool = False) -> dict:
         tmp.cleanup()
     med = statistics.median
     figures: dict[str, Any] = {
+        "family": family,
         "ours_chunk_ms_1robot": round(med(ours1) * 1e3, 1),
         "ours_chunks_per_s_8robots": round(med(ours8), 2),
         "params_millions": round(params / 1e6, 2), "reps": reps, "rounds": rounds,
@@ -165,7 +185,8 @@ def run(quick: bool, compile: bool = False) -> dict:
 
 def report(result: dict) -> None:
     f, r = result["figures"], result["ratios"]
-    print(f"\npi0 ({f['params_millions']} M params), one torch thread and one core per side; "
+    print(f"\n{f.get('family', 'pi0')} ({f['params_millions']} M params), one torch thread and one "
+          "core per side; "
           f"reference: {f['reference']}")
     print(f"{'':<28}{'ours':>12}{'LeRobot':>12}")
     print(f"{'chunk ms, 1 robot':<28}{f['ours_chunk_ms_1robot']:>12}"
@@ -195,7 +216,8 @@ def plot(path: Path, result: dict) -> None:
     b.bar(["LeRobot", "ours"], [f["lerobot_chunks_per_s_8robots"], f["ours_chunks_per_s_8robots"]],
           color=["tab:gray", "tab:green"])
     b.set_ylabel("chunks/s, 8 robots")
-    fig.suptitle("pi0, same checkpoint: LeRobot predict_action_chunk vs mstar_rt", fontsize=10)
+    fig.suptitle(f"{f.get('family', 'pi0')}, same checkpoint: LeRobot predict_action_chunk vs "
+                 "mstar_rt", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -206,10 +228,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile", action="store_true",
                     help="ours with the flow steps through torch.compile (static buckets)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vla_lerobot.json")
+    ap.add_argument("--family", choices=["pi0", "smolvla"], default="pi0")
+    ap.add_argument("--out", type=Path, help="default benchmarks/results/vla_lerobot.json "
+                    "(vla_lerobot_smolvla.json for SmolVLA)")
     args = ap.parse_args()
-    result = {"name": "vla_lerobot", "quick": args.quick, "machine": machine(),
-              **run(args.quick, args.compile)}
+    name = "vla_lerobot" + ("_smolvla" if args.family == "smolvla" else "")
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"{name}.json"
+    result = {"name": name, "quick": args.quick, "machine": machine(),
+              **run(args.quick, args.compile, args.family)}
     report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

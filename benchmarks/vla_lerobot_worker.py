@@ -1,13 +1,14 @@
 """The LeRobot side of ``benchmarks/vla.py --lerobot``: runs ONLY in the LeRobot venv
 (``bash tests/reference/setup_lerobot_venv.sh``), as a child process of the benchmark.
 
-    $LEROBOT_VENV/bin/python benchmarks/vla_lerobot_worker.py OUT_DIR [--family pi0|pi05]
+    $LEROBOT_VENV/bin/python benchmarks/vla_lerobot_worker.py OUT_DIR [--family pi0|pi05|smolvla]
 
 At start it builds a random pi0 (or pi0.5) of the benchmark's size through LeRobot's own classes
 (the sizes patched exactly as ``tests/reference/make_pi0_fixtures.py`` does, every code path
-LeRobot's), saves it with ``save_pretrained`` (plus its pre/post-processors and a tokenizer) in
-OUT_DIR for our loader to read, and prints one JSON line ``{"ready": OUT_DIR, ...}``. Then it
-answers JSON lines on stdin:
+LeRobot's), or a SmolVLA over a local SmolVLM folder of the benchmark's sizes (as
+``tests/reference/make_smolvla_fixtures.py`` builds its tiny one), saves it with
+``save_pretrained`` (plus its pre/post-processors and a tokenizer) in OUT_DIR for our loader to
+read, and prints one JSON line ``{"ready": OUT_DIR, ...}``. Then it answers JSON lines on stdin:
 
     {"cmd": "run", "robots": N, "seed": S}   ->  {"latency_s": [...], "actions": [[...]]}
 
@@ -40,6 +41,12 @@ BENCH_GEMMA = {"gemma_2b": (256, 4, 1024, 8, 1, 32), "gemma_300m": (128, 4, 512,
 BENCH_SIGLIP = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
                 "num_attention_heads": 4}
 IMAGE_RES = 112  # 8 x 8 patches of 14 px per camera
+# SmolVLA at a width like pi0's backbone here (real: 960 wide, 16 of 32 layers kept).
+BENCH_SMOL_TEXT = {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 8}
+BENCH_SMOL_VISION = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
+                     "num_attention_heads": 4, "patch_size": 8, "image_size": 128}
+SMOL_VLM_LAYERS = 4  # of 8: 16 x 16 patches, pixel-shuffled by 4 -> 16 tokens per camera
 
 
 def build(out: Path, family: str) -> tuple:
@@ -78,14 +85,45 @@ def build(out: Path, family: str) -> tuple:
     return policy, pre, post, params
 
 
+def build_smolvla(out: Path) -> tuple:
+    import _smolvla_tiny as sx
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+    from lerobot.policies.smolvla.processor_smolvla import make_smolvla_pre_post_processors
+
+    sx.CAMERAS, sx.RAW_IMAGE_HW, sx.CHUNK = CAMERAS, RAW_IMAGE_HW, CHUNK
+    sx.IMAGE_RES, sx.NUM_VLM_LAYERS = BENCH_SMOL_VISION["image_size"], SMOL_VLM_LAYERS
+    out.mkdir(parents=True, exist_ok=True)
+    common.seed_everything(sx.SEED)
+    vlm = out / "smolvlm"
+    sx.write_vlm_folder(vlm, {**sx.TINY_TEXT, **BENCH_SMOL_TEXT},
+                        {**sx.TINY_VISION, **BENCH_SMOL_VISION}, sx.SCALE_FACTOR)
+    gen = torch.Generator().manual_seed(sx.SEED + 1)
+    stats = {"observation.state": common.make_stats(gen, sx.STATE_DIM),
+             "action": common.make_stats(gen, sx.ACTION_DIM)}
+    cfg = sx.make_config(str(vlm))
+    policy = SmolVLAPolicy(cfg)
+    common.randomize_parameters(policy, sx.SEED + 2)
+    pre, post = make_smolvla_pre_post_processors(cfg, dataset_stats=stats)
+    ckpt = out / "checkpoint"
+    policy.save_pretrained(ckpt)
+    pre.save_pretrained(ckpt)
+    post.save_pretrained(ckpt)
+    policy = SmolVLAPolicy.from_pretrained(str(ckpt), strict=True).eval()
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(ckpt))
+    params = sum(p.numel() for p in policy.parameters())
+    return policy, pre, post, params
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--family", choices=["pi0", "pi05"], default="pi0")
+    ap.add_argument("--family", choices=["pi0", "pi05", "smolvla"], default="pi0")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    policy, pre, post, params = build(args.out, args.family)
+    policy, pre, post, params = (build_smolvla(args.out) if args.family == "smolvla" else
+                                 build(args.out, args.family))
     print(json.dumps({"ready": str(args.out), "params": params, "chunk": CHUNK,
                       "cameras": list(CAMERAS), "prompt": PROMPT,
                       "raw_image_hw": list(RAW_IMAGE_HW)}), flush=True)

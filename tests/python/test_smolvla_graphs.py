@@ -30,11 +30,11 @@ def prefixes(policy, lengths: list[int], seed: int) -> list:
     return out
 
 
-def dynamic(policy, given: list, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def dynamic(policy, given: list, x: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
     m = policy.module
     a = FlowAttention.over(("k",), given, policy.config.chunk_size, m.cross_layers)
     with torch.inference_mode():
-        return SmolFlowStep(m).velocity(x, t, a)
+        return SmolFlowStep(m).velocity(x, time, a)
 
 
 def test_a_padded_bucket_gives_the_dynamic_velocity_and_refills_only_for_a_new_batch(policy):
@@ -46,14 +46,14 @@ def test_a_padded_bucket_gives_the_dynamic_velocity_and_refills_only_for_a_new_b
     for i, given in enumerate(batches + [batches[1]]):
         key = tuple(p[0] for p in given)  # the third batch is the second again: no refill
         x = torch.randn(len(given) * c.chunk_size, c.max_action_dim, generator=gen)
-        t = torch.rand(len(given), generator=gen)
+        t = policy.module.time_embeds(torch.rand(len(given), generator=gen))
         got = g.velocity(key, lambda: given, x, t)
         assert got is not None
         assert max_diff(got, dynamic(policy, given, x, t)) <= 1e-5, f"batch {i}"
     assert (g.fills, g.runs, g.holding) == (2, 3, 1)
     x = torch.zeros(5 * c.chunk_size, c.max_action_dim)
     assert g.velocity(tuple(range(5)), lambda: prefixes(policy, [2] * 5, 3), x,
-                      torch.zeros(5)) is None  # past the largest bucket: the dynamic path
+                      torch.zeros(5, c.expert_width)) is None  # past the largest bucket: the dynamic path
 
 
 def test_served_through_static_buckets_equals_the_dynamic_path_and_lerobot(serve, policy, io):

@@ -155,6 +155,14 @@ class DenoiseNode(KVNodeSubmodule):
                  graphs: Optional[FlowGraphs] = None) -> None:
         self.policy, self.rtc, self.max_batch, self.graphs = policy, rtc, max_batch, graphs
         self.flow: Optional[FlowAttention] = None
+        self.times: dict[float, torch.Tensor] = {}  # flow time -> its sine-cosine embedding
+
+    def time_embeds(self, times: list[float]) -> torch.Tensor:
+        m = self.policy.module
+        for t in times:
+            if t not in self.times:
+                self.times[t] = m.time_embeds(torch.tensor([t], device=m.device))
+        return torch.cat([self.times[t] for t in times])
 
     def kv_layout(self) -> KVLayout:
         return self.policy.module.kv_layout()
@@ -194,10 +202,10 @@ class DenoiseNode(KVNodeSubmodule):
         return self.flow
 
     def dynamic_velocity(self, works: list[KVWork], step: KVStep, x: torch.Tensor,
-                         t: torch.Tensor) -> torch.Tensor:
+                         time: torch.Tensor) -> torch.Tensor:
         m, h = self.policy.module, self.policy.config.chunk_size
         rows = torch.arange(len(works), device=m.device).repeat_interleave(h)
-        suffix = m.suffix_embeds(x, t, rows)
+        suffix = m.suffix_embeds(x, None, rows, time)
         flow = self.attention(works, step)
         if flow is not None:
             return m.velocity(m.expert_forward(suffix, None, flow, None, flow, flow.tables))
@@ -214,13 +222,14 @@ class DenoiseNode(KVNodeSubmodule):
         # requests of one step may be at different iterations: each carries its own time
         times = [1.0 + w.payload[1] * dt for w in works]
         x = torch.cat([w.payload[0] for w in works])
-        t = torch.tensor(times, dtype=torch.float32, device=m.device)
+        time = self.time_embeds(times)
         requests: list[SmolVLARequest] = [w.payload[3] for w in works]
         v = None
         if self.graphs is not None:
-            v = self.graphs.velocity(tuple(requests), lambda: self.prefixes(works, step), x, t)
+            v = self.graphs.velocity(tuple(requests), lambda: self.prefixes(works, step), x,
+                                     time)
         if v is None:
-            v = self.dynamic_velocity(works, step, x, t)
+            v = self.dynamic_velocity(works, step, x, time)
         guide = guidance(requests, times, self.rtc, h, c.max_action_dim, m.device)
         if guide is not None:  # the batch's unguided requests have weight 0
             v = guided_velocity(v, x, guide)

@@ -55,7 +55,10 @@ class FlowAttention:
             torch.ones((slots, 1, 1, longest), dtype=torch.bool, device=device)
             if static else None)
         steps = torch.arange(chunk, device=device).repeat(slots)
-        self.tables = (rope_tables(steps, head_dim), rope_tables(steps, head_dim))
+        cross_tables = rope_tables(steps, head_dim)  # positions from 0 in every request
+        # the own positions' tables: set by fill (in place when static)
+        own = tuple(torch.empty_like(t) for t in cross_tables) if static else cross_tables
+        self.tables = (own, cross_tables)
         self.rows = torch.arange(slots, device=device).repeat_interleave(chunk)
 
     def fill(self, key: Any, prefixes: Sequence[Prefix]) -> "FlowAttention":
@@ -90,8 +93,11 @@ class FlowAttention:
             self.cross_mask = cross if min(lengths) != longest else None
         positions = (n[:, None] + torch.arange(h, device=dev)).reshape(-1)
         cos, sin = rope_tables(positions, self.head_dim)
-        self.tables[0][0].copy_(cos)
-        self.tables[0][1].copy_(sin)
+        if self.static:
+            self.tables[0][0].copy_(cos)
+            self.tables[0][1].copy_(sin)
+        else:
+            self.tables = ((cos, sin), self.tables[1])
         self.key = key
         return self
 
@@ -130,16 +136,16 @@ class FlowAttention:
 class SmolFlowStep:
     """SmolVLA's flow step as :class:`~mstar_rt.models.flow_graphs.FlowGraphs` runs it: the
     expert over a static :class:`FlowAttention` (prefixes padded to the policy's longest), the
-    flow times as floats ``[B]``."""
+    flow times as their embeddings ``[B, expert_width]``."""
 
     def __init__(self, module: SmolVLAModule) -> None:
         self.module, self.device = module, module.device
         self.chunk = module.config.chunk_size
 
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        c, dev = self.module.config, self.device
-        return (torch.zeros(size * c.chunk_size, c.max_action_dim, device=dev),
-                torch.zeros(size, device=dev))
+        m, c = self.module, self.module.config
+        return (torch.zeros(size * c.chunk_size, c.max_action_dim, device=m.device),
+                torch.zeros(size, c.expert_width, dtype=m.dtype, device=m.device))
 
     def attention(self, size: int, like: Prefix) -> FlowAttention:
         m, c = self.module, self.module.config
@@ -154,8 +160,8 @@ class SmolFlowStep:
         cross = {i: (kv[i, 0], kv[i, 1]) for i in m.cross_layers}
         return kv, cross
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, attention: FlowAttention
+    def velocity(self, x: torch.Tensor, time: torch.Tensor, attention: FlowAttention
                  ) -> torch.Tensor:
         m, a = self.module, attention
-        suffix = m.suffix_embeds(x, t, a.rows)
+        suffix = m.suffix_embeds(x, None, a.rows, time)
         return m.velocity(m.expert_forward(suffix, None, a, None, a, a.tables))

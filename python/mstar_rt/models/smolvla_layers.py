@@ -267,14 +267,25 @@ class SmolVLAModule(nn.Module):
 
     # ---- the action expert ---------------------------------------------------------------------
 
-    def suffix_embeds(self, x_t: torch.Tensor, t: torch.Tensor,
-                      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def time_embeds(self, t: torch.Tensor) -> torch.Tensor:
+        """Flow times ``[B]`` -> their sine-cosine embeddings ``[B, expert_width]`` (dtype)."""
+        c = self.config
+        return time_embedding(t.reshape(-1), c.expert_width, c.min_period,
+                              c.max_period).to(self.dtype)
+
+    def suffix_embeds(self, x_t: torch.Tensor, t: Optional[torch.Tensor],
+                      rows: Optional[torch.Tensor] = None,
+                      time: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Noisy actions ``[T, max_action_dim]`` at flow times ``t [B]`` (``rows [T]``: each
         token's request; None: one request, ``t`` a 1-element tensor) -> expert tokens ``[T,
-        expert_width]``."""
-        m, c = self.model, self.config
+        expert_width]``. ``time``: ``time_embeds(t)`` if the caller keeps them (``t`` may then be
+        None: a chunk's flow times recur)."""
+        m = self.model
         a = m.action_in_proj(x_t.to(self.dtype))
-        te = time_embedding(t.reshape(-1), c.expert_width, c.min_period, c.max_period).to(a.dtype)
+        if time is None:
+            assert t is not None, "suffix_embeds needs the flow times or their embeddings"
+            time = self.time_embeds(t)
+        te = time.to(a.dtype)
         te = te.expand_as(a) if rows is None else te[rows]
         return m.action_time_mlp_out(F.silu(m.action_time_mlp_in(torch.cat([a, te], dim=-1))))
 
