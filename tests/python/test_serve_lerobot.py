@@ -25,9 +25,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used:Depre
 TOL = 1e-4
 
 
-def _config(tmp_path: Path, family: str) -> Path:
+def _config(tmp_path: Path, family: str, **extra: object) -> Path:
     d = FIXTURES / family
-    args: dict = {"max_batch": 4}
+    args: dict = {"max_batch": 4, **extra}
     if family != "smolvla":
         args.update(tokenizer=str(d / "tokenizer"), sizes={"vision_heads": 2})
     else:
@@ -49,11 +49,15 @@ def _observation(family: str, with_noise: bool) -> tuple[dict, np.ndarray]:
     return obs, io["output.action_chunk"][0].numpy()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
 @pytest.mark.parametrize("family", ["pi0", "pi05", "smolvla"])
 def test_a_lerobot_checkpoint_is_served_on_the_openpi_websocket_as_lerobot_computes_it(
-        tmp_path, family):
-    config = load_config(_config(tmp_path, family))
+        tmp_path, family, graphs):
+    # cuda_graphs: true in the config runs the flow steps through the static buckets (eagerly
+    # on this CPU): the same answer
+    config = load_config(_config(tmp_path, family, **({"cuda_graphs": True} if graphs else {})))
     model = build_model(config)
+    assert (model.graphs is not None) == graphs
     assert lerobot_family(FIXTURES / family / "checkpoint") == family
     spec = model.openpi_defaults()
     spec["observation"]["noise"] = "noise"  # the fixture's flow noise, for an exact comparison
@@ -66,6 +70,8 @@ def test_a_lerobot_checkpoint_is_served_on_the_openpi_websocket_as_lerobot_compu
         assert got.shape == want.shape
         assert float(np.abs(got - want).max()) < TOL
         assert settled(s)["requests"] == 0
+    if graphs:
+        assert model.graphs.runs >= model.policy.config.num_steps and model.graphs.holding == 0
 
 
 def test_the_default_mapping_takes_lerobot_keys_and_jpeg_cameras(tmp_path):
