@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -49,13 +50,24 @@ BENCH_SMOL_VISION = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_l
 SMOL_VLM_LAYERS = 4  # of 8: 16 x 16 patches, pixel-shuffled by 4 -> 16 tokens per camera
 
 
+def save_and_reload(Policy: Any, policy: Any, processors: tuple, ckpt: Path) -> tuple:
+    """Saves the policy and its processors as LeRobot does and loads them back strictly: what
+    runs is what a user's ``from_pretrained`` would give (and what our loader reads)."""
+    from lerobot.policies.factory import make_pre_post_processors
+
+    for part in (policy, *processors):
+        part.save_pretrained(ckpt)
+    policy = Policy.from_pretrained(str(ckpt), strict=True).eval()
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(ckpt))
+    return policy, pre, post
+
+
 def build(out: Path, family: str) -> tuple:
     fx.TINY_GEMMA.update(BENCH_GEMMA)
     fx.TINY_SIGLIP.update(BENCH_SIGLIP)
     fx.IMAGE_RES, fx.RAW_IMAGE_HW, fx.CHUNK, fx.CAMERAS = IMAGE_RES, RAW_IMAGE_HW, CHUNK, CAMERAS
     assert fx.PROMPT == PROMPT
     modeling, Config, Policy, make_proc = fx.family_modules(family)
-    from lerobot.policies.factory import make_pre_post_processors
 
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = out / "tokenizer"
@@ -69,13 +81,8 @@ def build(out: Path, family: str) -> tuple:
         cfg = fx.make_config(Config, family)
         policy = Policy(cfg)
         common.randomize_parameters(policy, fx.SEED + 2)
-        pre, post = make_proc(cfg, dataset_stats=stats)
-        ckpt = out / "checkpoint"
-        policy.save_pretrained(ckpt)
-        pre.save_pretrained(ckpt)
-        post.save_pretrained(ckpt)
-        policy = Policy.from_pretrained(str(ckpt), strict=True).eval()
-        pre, post = make_pre_post_processors(policy.config, pretrained_path=str(ckpt))
+        policy, pre, post = save_and_reload(Policy, policy, make_proc(cfg, dataset_stats=stats),
+                                            out / "checkpoint")
     (out / "tiny_sizes.json").write_text(json.dumps({
         "lerobot_gemma_config": {v: dict(zip(["width", "depth", "mlp_dim", "num_heads",
                                                "num_kv_heads", "head_dim"], t))
@@ -87,7 +94,6 @@ def build(out: Path, family: str) -> tuple:
 
 def build_smolvla(out: Path) -> tuple:
     import _smolvla_tiny as sx
-    from lerobot.policies.factory import make_pre_post_processors
     from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
     from lerobot.policies.smolvla.processor_smolvla import make_smolvla_pre_post_processors
 
@@ -104,13 +110,9 @@ def build_smolvla(out: Path) -> tuple:
     cfg = sx.make_config(str(vlm))
     policy = SmolVLAPolicy(cfg)
     common.randomize_parameters(policy, sx.SEED + 2)
-    pre, post = make_smolvla_pre_post_processors(cfg, dataset_stats=stats)
-    ckpt = out / "checkpoint"
-    policy.save_pretrained(ckpt)
-    pre.save_pretrained(ckpt)
-    post.save_pretrained(ckpt)
-    policy = SmolVLAPolicy.from_pretrained(str(ckpt), strict=True).eval()
-    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(ckpt))
+    policy, pre, post = save_and_reload(
+        SmolVLAPolicy, policy, make_smolvla_pre_post_processors(cfg, dataset_stats=stats),
+        out / "checkpoint")
     params = sum(p.numel() for p in policy.parameters())
     return policy, pre, post, params
 

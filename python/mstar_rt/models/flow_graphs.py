@@ -31,6 +31,21 @@ from mstar_rt.engines.cuda_graphs import capture as capture_graph, static_path
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
+class TimeEmbeddings:
+    """Each flow time's embedding, computed once (``embed``: times ``[1]`` -> ``[1, width]``):
+    a chunk's Euler steps visit the same few times over and over."""
+
+    def __init__(self, embed: Callable[[torch.Tensor], torch.Tensor], device: Any) -> None:
+        self.embed, self.device = embed, device
+        self.known: dict[float, torch.Tensor] = {}
+
+    def __call__(self, times: Sequence[float]) -> torch.Tensor:
+        for t in times:
+            if t not in self.known:
+                self.known[t] = self.embed(torch.tensor([t], device=self.device))
+        return torch.cat([self.known[t] for t in times])
+
+
 def same_batch(key: Optional[Sequence[Any]], requests: Sequence[Any]) -> bool:
     """Whether ``key`` holds exactly ``requests``, compared by identity (a request prefixed again
     brings a new object, so kept prefixes never outlive theirs)."""

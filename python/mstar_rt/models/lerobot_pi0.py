@@ -39,7 +39,8 @@ from mstar_rt.engines.masks import BlockCausal, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
-from mstar_rt.models.flow_graphs import DEFAULT_BUCKETS, FlowGraphs, same_batch
+from mstar_rt.models.flow_graphs import (DEFAULT_BUCKETS, FlowGraphs, TimeEmbeddings,
+                                        same_batch)
 from mstar_rt.models.lerobot_inputs import camera_images
 from mstar_rt.models.lerobot_pi0_graphs import PiFlowStep
 from mstar_rt.models.lerobot_pi0_io import preprocess_image, unit_image
@@ -122,7 +123,7 @@ class DenoiseNode(KVNodeSubmodule):
                  graphs: Optional[FlowGraphs] = None) -> None:
         self.policy, self.rtc, self.max_batch, self.graphs = policy, rtc, max_batch, graphs
         self.suffix: Optional[SuffixAttention] = None
-        self.times: dict[float, torch.Tensor] = {}  # flow time -> its sine-cosine embedding
+        self.time_embedding = TimeEmbeddings(policy.module.time_embedding, policy.module.device)
 
     def kv_layout(self) -> KVLayout:
         return self.policy.module.kv_layout()
@@ -159,13 +160,6 @@ class DenoiseNode(KVNodeSubmodule):
         self.suffix = SuffixAttention.over(tuple(requests), prefixes,
                                            self.policy.config.chunk_size, m.rope, m.dtype)
         return self.suffix
-
-    def time_embedding(self, times: list[float]) -> torch.Tensor:
-        m = self.policy.module
-        for t in times:
-            if t not in self.times:
-                self.times[t] = m.time_embedding(torch.tensor([t], device=m.device))
-        return torch.cat([self.times[t] for t in times])
 
     def dynamic_velocity(self, works: list[KVWork], step: KVStep, x: torch.Tensor,
                          times: list[float]) -> torch.Tensor:

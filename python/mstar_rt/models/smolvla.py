@@ -38,7 +38,8 @@ from mstar_rt.engines.masks import CAUSAL, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
-from mstar_rt.models.flow_graphs import DEFAULT_BUCKETS, FlowGraphs, same_batch
+from mstar_rt.models.flow_graphs import (DEFAULT_BUCKETS, FlowGraphs, TimeEmbeddings,
+                                        same_batch)
 from mstar_rt.models.lerobot_pi0_suffix import prefix_snapshot
 from mstar_rt.models.lerobot_rtc import RtcSettings, guidance, guided_velocity
 from mstar_rt.models.smolvla_checkpoint import LeRobotSmolVLA, load_lerobot_smolvla
@@ -155,14 +156,7 @@ class DenoiseNode(KVNodeSubmodule):
                  graphs: Optional[FlowGraphs] = None) -> None:
         self.policy, self.rtc, self.max_batch, self.graphs = policy, rtc, max_batch, graphs
         self.flow: Optional[FlowAttention] = None
-        self.times: dict[float, torch.Tensor] = {}  # flow time -> its sine-cosine embedding
-
-    def time_embeds(self, times: list[float]) -> torch.Tensor:
-        m = self.policy.module
-        for t in times:
-            if t not in self.times:
-                self.times[t] = m.time_embeds(torch.tensor([t], device=m.device))
-        return torch.cat([self.times[t] for t in times])
+        self.time_embeds = TimeEmbeddings(policy.module.time_embeds, policy.module.device)
 
     def kv_layout(self) -> KVLayout:
         return self.policy.module.kv_layout()
