@@ -77,9 +77,11 @@ def test_a_padded_bucket_gives_the_dynamic_velocity_and_refills_only_for_a_new_b
                       time) is None
     x, time = step_inputs(fx, 2, 10)
     assert g.velocity((object(), object()), lambda: None, x, time) is None
+    too_long = prefixes(fx, [3, longest + 1], seed=11)
+    assert g.velocity((object(), object()), given(too_long), x, time) is None
     assert g.holding == 2  # buckets 4 and 1
     g.forget()
-    assert g.holding == 0 and g.fills == 3 and len(asked) == 3
+    assert g.holding == 0 and g.fills == 3 and len(asked) == 4
 
 
 def test_served_through_static_buckets_each_request_equals_lerobot(serve, fx):

@@ -16,8 +16,10 @@ The policy's side is a :class:`FlowStep` (pi0 / pi0.5:
 batch's requests change (once per chunk in the common case): copying the prefixes in is the
 same work the dynamic path does. Empty slots of a bucket see only their own action tokens and
 their rows are dropped. The graph computes the velocity only; real-time-chunking guidance and
-the Euler step stay outside it (a few elementwise ops). Batches larger than the largest bucket
-run the dynamic path.
+the Euler step stay outside it (a few elementwise ops). Batches larger than the largest bucket,
+and prefixes longer than the policy's longest (a tokenizer step allowing longer prompts than
+the config), run the dynamic path. Memory: every bucket holds its slots' prefix K/V at the
+longest prefix (full-size pi0 in bfloat16: 11 MB per slot, 0.7 GB for buckets 1 to 32).
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class FlowStep(Protocol):
         action_dim]`` and the flow times as the step takes them (``[size, ...]``)."""
 
     def attention(self, size: int, like: Any) -> Any:
-        """A static attention object for ``size`` requests (``fill(key, prefixes)``, ``key``);
-        ``like``: one request's prefix, for sizes and dtypes."""
+        """A static attention object for ``size`` requests (``fits(prefixes)``, ``fill(key,
+        prefixes)``, ``key``); ``like``: one request's prefix, for sizes and dtypes."""
 
     def empty_prefix(self) -> Any:
         """A one-token prefix (for warm-up runs)."""
@@ -124,6 +126,8 @@ class FlowGraphs:
                 if bucket is None:
                     bucket = self._buckets[size] = _Bucket(
                         size, self.step.attention(size, given[0]), self.step)
+                if not bucket.attention.fits(given):  # a prefix past the policy's longest
+                    return None
                 bucket.attention.fill(key, given)
                 self.fills += 1
             assert bucket is not None

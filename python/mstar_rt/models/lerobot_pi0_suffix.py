@@ -66,11 +66,15 @@ class SuffixAttention:
         self.rows = torch.arange(slots, device=dev).repeat_interleave(chunk)
         self.tables = rope_tables(rope, self.positions, dtype)
 
+    def fits(self, prefixes: Sequence[torch.Tensor]) -> bool:
+        return len(prefixes) <= self.batch and max(int(p.shape[2]) for p in prefixes) <= \
+            self.longest
+
     def fill(self, key: Any, prefixes: Sequence[torch.Tensor]) -> "SuffixAttention":
         """Copies the requests' prefix snapshots in (request i in slot i) and sets their masks,
         positions and rotary tables."""
         lengths = [int(p.shape[2]) for p in prefixes]
-        if len(prefixes) > self.batch or max(lengths) > self.longest:
+        if not self.fits(prefixes):
             raise ValueError(f"{len(prefixes)} prefixes of up to {max(lengths)} tokens do not fit "
                              f"{self.batch} slots of {self.longest}")
         for i, p in enumerate(prefixes):

@@ -61,10 +61,14 @@ class FlowAttention:
         self.tables = (own, cross_tables)
         self.rows = torch.arange(slots, device=device).repeat_interleave(chunk)
 
+    def fits(self, prefixes: Sequence[Prefix]) -> bool:
+        return len(prefixes) <= self.batch and max(int(kv.shape[2]) for kv, _c in prefixes) <= \
+            self.longest
+
     def fill(self, key: Any, prefixes: Sequence[Prefix]) -> "FlowAttention":
         """Copies the requests' prefixes in (request i in slot i); sets masks and tables."""
         lengths = [int(kv.shape[2]) for kv, _cross in prefixes]
-        if len(prefixes) > self.batch or max(lengths) > self.longest:
+        if not self.fits(prefixes):
             raise ValueError(f"{len(prefixes)} prefixes of up to {max(lengths)} tokens do not fit "
                              f"{self.batch} slots of {self.longest}")
         for i, (kv, cross) in enumerate(prefixes):
