@@ -94,7 +94,7 @@ def test_served_through_static_buckets_each_request_equals_lerobot(serve, fx):
                        noise=None, seed=3),  # one camera: a shorter prefix
         fx.observation(delay=3, prev_actions=fx.chunk[3:] + 0.5),  # guided
     ]
-    engine = KVCacheEngine(page_size=16, num_pages=64)
+    engine = KVCacheEngine(page_size=16, num_pages=64, max_batch=4)
     policy = LeRobotPi0Policy(fx.policy, engine=engine, max_batch=4, rtc=rtc, cuda_graphs=True)
     graphs = policy.graphs
     assert graphs is not None and graphs.buckets == (1, 2, 4) and not graphs.capture
@@ -138,3 +138,41 @@ def test_cuda_graphs_on_a_cpu_policy_are_refused_naming_the_fix(fx):
         FlowGraphs(PiFlowStep(fx.policy.module), capture=True)
     with pytest.raises(ValueError, match="positive batch sizes"):
         FlowGraphs(PiFlowStep(fx.policy.module), buckets=(0, 2), capture=False)
+
+
+def test_bursts_of_mixed_requests_some_cancelled_each_equal_lerobot(serve, fx):
+    """Requests in bursts of random sizes (so batches change mid-chunk and buckets refill), with
+    other cameras, prompts, seeds and guidance, a few cancelled mid-chunk: every finished one
+    equals its reference, and no page or held batch is left."""
+    import random
+
+    io, cams = fx.io, fx.meta["cameras_in_order"]
+    rtc = RtcSettings("LINEAR", max_guidance_weight=10.0, execution_horizon=8)
+    rng = random.Random(7)
+
+    def case(i: int) -> dict:
+        images = {c: io[f"input.{c}"] for c in rng.sample(cams, rng.randint(1, len(cams)))}
+        extra = dict(delay=2, prev_actions=fx.chunk[2:] + 0.1 * i) if i % 3 == 0 else {}
+        return fx.observation(images=images, noise=None, seed=i,
+                              task=rng.choice(["pick", "open the drawer", "stack the red cubes"]),
+                              **extra)
+
+    # an engine step may join batches of the flow-step node: the buckets reach its max_batch
+    engine = KVCacheEngine(page_size=16, num_pages=128, max_batch=12)
+    policy = LeRobotPi0Policy(fx.policy, engine=engine, max_batch=4, rtc=rtc, cuda_graphs=True)
+    assert policy.graphs is not None and policy.graphs.buckets == (1, 2, 4, 8, 12)
+    rt = serve(policy)
+    done, cancelled, i = [], 0, 0
+    while i < 24:
+        burst = [case(i + k) for k in range(rng.randint(1, 5))]
+        handles = [rt.submit(o) for o in burst]
+        i += len(burst)
+        if rng.random() < 0.3:
+            cancelled += int(handles[-1].cancel())
+            burst, handles = burst[:-1], handles[:-1]
+        done += list(zip(burst, handles))
+    for o, h in done:
+        close(h.result(timeout=TIMEOUT)["actions"][0],
+              reference_actions(fx.policy, o, rtc)["action_chunk"], "a request of the bursts")
+    assert policy.graphs.fills > 1 and policy.graphs.runs >= 2 * fx.policy.config.num_steps
+    assert settled(rt) == ZERO_LIVE and pages_back(engine)

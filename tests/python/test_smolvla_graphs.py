@@ -62,7 +62,7 @@ def test_served_through_static_buckets_equals_the_dynamic_path_and_lerobot(serve
     cases.append(guided)
     chunks = {}
     for graphs in (False, True):
-        engine = KVCacheEngine(page_size=16, num_pages=48)
+        engine = KVCacheEngine(page_size=16, num_pages=48, max_batch=4)
         model = SmolVLAPolicy(policy, engine=engine, max_batch=4, cuda_graphs=graphs)
         if graphs:
             assert model.graphs is not None and model.graphs.buckets == (1, 2, 4)

@@ -176,3 +176,14 @@ class FlowGraphs:
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         return self.step.velocity(bucket.x, bucket.time, bucket.attention)
+
+
+def policy_graphs(step: FlowStep, largest: int, cuda_graphs: bool,
+                  compile: Union[bool, str]) -> Optional[FlowGraphs]:
+    """A policy's graphs when ``cuda_graphs`` or ``compile`` asks for them: buckets up to
+    ``largest``, the most works one engine step takes (several batches of the flow-step node can
+    share a step), captured on CUDA (``cuda_graphs``) or run eagerly (``compile`` alone)."""
+    if not (cuda_graphs or compile):
+        return None
+    buckets = [b for b in DEFAULT_BUCKETS if b < largest] + [largest]
+    return FlowGraphs(step, buckets, capture=None if cuda_graphs else False, compile=compile)

@@ -39,7 +39,7 @@ from mstar_rt.engines.masks import BlockCausal, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
-from mstar_rt.models.flow_graphs import (DEFAULT_BUCKETS, FlowGraphs, TimeEmbeddings,
+from mstar_rt.models.flow_graphs import (FlowGraphs, TimeEmbeddings, policy_graphs,
                                         same_batch)
 from mstar_rt.models.lerobot_inputs import camera_images
 from mstar_rt.models.lerobot_pi0_graphs import PiFlowStep
@@ -232,11 +232,10 @@ class LeRobotPi0Policy(Model):
         policy.module.eval()
         c = policy.config
         self.rtc = rtc or c.rtc or RtcSettings()
-        self.graphs: Optional[FlowGraphs] = None
-        if cuda_graphs or compile:
-            buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
-            self.graphs = FlowGraphs(PiFlowStep(policy.module), buckets,
-                                     capture=None if cuda_graphs else False, compile=compile)
+        pages = max_batch * -(-c.max_prefix // 16)
+        vla = engine or KVCacheEngine(page_size=16, num_pages=pages, max_batch=max_batch)
+        self.engine_specs = {"vla": vla}
+        self.graphs = policy_graphs(PiFlowStep(policy.module), vla.max_batch, cuda_graphs, compile)
         self.nodes = [
             GraphNode("vision", ["images"], ["image_tokens"],
                       submodule=VisionNode(policy), engine="vision"),
@@ -245,14 +244,11 @@ class LeRobotPi0Policy(Model):
                       [GraphEdge("denoise", "x", persist=True)],
                       submodule=PrefixNode(policy, self.rtc, max_batch), engine="vla"),
             GraphNode("denoise", ["x"], ["x", GraphEdge(EMIT, "actions")],
-                      submodule=DenoiseNode(policy, self.rtc, max_batch, self.graphs), engine="vla"),
+                      submodule=DenoiseNode(policy, self.rtc, max_batch, self.graphs),
+                      engine="vla"),
         ]
         self.walks = {"prefix": Sequential("vision", "prefix"),
                       "action_gen": Loop("denoise", c.num_steps, outputs=["x"])}
-        page = 16
-        pages = max_batch * -(-c.max_prefix // page)
-        self.engine_specs = {"vla": engine or KVCacheEngine(page_size=page, num_pages=pages,
-                                                            max_batch=max_batch)}
 
     def warm_up(self) -> None:
         """Captures (compiles) the flow steps' graphs of every batch bucket now, not at the first

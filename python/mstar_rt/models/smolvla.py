@@ -38,7 +38,7 @@ from mstar_rt.engines.masks import CAUSAL, PrefixBidirectional
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
-from mstar_rt.models.flow_graphs import (DEFAULT_BUCKETS, FlowGraphs, TimeEmbeddings,
+from mstar_rt.models.flow_graphs import (FlowGraphs, TimeEmbeddings, policy_graphs,
                                         same_batch)
 from mstar_rt.models.lerobot_pi0_suffix import prefix_snapshot
 from mstar_rt.models.lerobot_rtc import RtcSettings, guidance, guided_velocity
@@ -268,11 +268,11 @@ class SmolVLAPolicy(Model):
         self.policy = policy
         c = policy.config
         self.rtc = rtc or c.rtc or RtcSettings()
-        self.graphs: Optional[FlowGraphs] = None
-        if cuda_graphs or compile:
-            buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
-            self.graphs = FlowGraphs(SmolFlowStep(policy.module), buckets,
-                                     capture=None if cuda_graphs else False, compile=compile)
+        pages = max_batch * -(-c.max_prefix // 16)
+        vla = engine or KVCacheEngine(page_size=16, num_pages=pages, max_batch=max_batch)
+        self.engine_specs = {"vla": vla}
+        self.graphs = policy_graphs(SmolFlowStep(policy.module), vla.max_batch, cuda_graphs,
+                                    compile)
         self.nodes = [
             GraphNode("vision", ["images"], ["image_embs"], submodule=VisionNode(policy),
                       engine="vision"),
@@ -282,14 +282,11 @@ class SmolVLAPolicy(Model):
                        GraphEdge("denoise", "cross_kv", persist=True)],
                       submodule=PrefixNode(policy, self.rtc, max_batch), engine="vla"),
             GraphNode("denoise", ["x", "cross_kv"], ["x", GraphEdge(EMIT, "actions")],
-                      submodule=DenoiseNode(policy, self.rtc, max_batch, self.graphs), engine="vla"),
+                      submodule=DenoiseNode(policy, self.rtc, max_batch, self.graphs),
+                      engine="vla"),
         ]
         self.walks = {"prefix": Sequential("vision", "prefix"),
                       "action_gen": Loop("denoise", c.num_steps, outputs=["x"])}
-        page = 16
-        pages = max_batch * -(-c.max_prefix // page)
-        self.engine_specs = {"vla": engine or KVCacheEngine(page_size=page, num_pages=pages,
-                                                            max_batch=max_batch)}
 
     def warm_up(self) -> None:
         """Captures (compiles) the flow steps' graphs of every batch bucket now, not at the first
