@@ -46,7 +46,7 @@ def random_init(module: torch.nn.Module, seed: int, ones: tuple[str, ...] = ()) 
 def build_policy(report: Report, full: bool) -> Any:
     from mstar_rt.models.lerobot_pi0_config import full_size
     from mstar_rt.models.lerobot_pi0_io import PiProcessor
-    from mstar_rt.models.lerobot_pi0_layers import PiModule, make_rope
+    from mstar_rt.models.lerobot_pi0_layers import PiModule, lerobot_precision, make_rope
     from mstar_rt.models.lerobot_pi0_load import LeRobotPi0, load_lerobot_pi0
 
     tiny = load_lerobot_pi0(FIXTURE / "checkpoint", tokenizer=FIXTURE / "tokenizer",
@@ -60,13 +60,13 @@ def build_policy(report: Report, full: bool) -> Any:
     t0 = time.perf_counter()
     with torch.device("meta"):
         module = PiModule(config)
-    module = module.to_empty(device=common.DEVICE).to(common.DTYPE)
+    module = lerobot_precision(module.to_empty(device=common.DEVICE), common.DTYPE)
     module.rope = make_rope(config.backbone.head_dim).to(common.DEVICE)
     random_init(module, 0)
     params = sum(p.numel() for p in module.parameters())
     report.data["figures"]["pi0_params_billions"] = round(params / 1e9, 3)
-    report.log(f"pi0 full size: {params / 1e9:.2f} B parameters in {common.DTYPE} on "
-               f"{common.DEVICE}, built in {time.perf_counter() - t0:.1f} s")
+    report.log(f"pi0 full size: {params / 1e9:.2f} B parameters in {common.DTYPE} (LeRobot's "
+               f"mixed precision) on {common.DEVICE}, built in {time.perf_counter() - t0:.1f} s")
     return LeRobotPi0(config, module.eval(), processor, "random full-size pi0")
 
 

@@ -62,7 +62,7 @@ class VisionNode(NodeSubmodule):
         pairs = [camera_images(c.cameras, b["images"]) for b in batch]
         pixels = torch.stack([preprocess_image(im, c.vision.image_size, c.cameras[i])
                               for ps in pairs for i, im in ps])
-        tokens = m.image_tokens(pixels.to(m.device, m.dtype)).flatten(0, 1)
+        tokens = m.image_tokens(pixels.to(m.device)).flatten(0, 1)
         outs: list[Mapping[str, Any]] = []
         start, n = 0, c.num_image_tokens
         for ps in pairs:
@@ -89,12 +89,12 @@ class PrefixNode(KVNodeSubmodule):
             state = None
             if c.family == "pi0":
                 padded = torch.nn.functional.pad(r.state, (0, c.max_state_dim - r.state.numel()))
-                state = m.state_token(padded[None].to(m.dtype))
+                state = m.state_token(padded[None])
         n = prefix.shape[0]
         cached = n + (state is not None)
         ctx.request.state.update(cached=cached, request=r)
         return KVWork(cached, mask=PrefixBidirectional(n), reserve=cached,
-                      payload=(prefix, state, r.noise.to(m.dtype)))
+                      payload=(prefix, state, r.noise.to(m.head_dtype)))
 
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:

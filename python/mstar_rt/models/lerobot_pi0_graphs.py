@@ -18,8 +18,9 @@ class PiFlowStep:
 
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         m, c = self.module, self.module.config
-        x = torch.zeros(size * c.chunk_size, c.max_action_dim, dtype=m.dtype, device=m.device)
-        return x, torch.zeros(size, c.expert.width, dtype=m.dtype, device=m.device)
+        x = torch.zeros(size * c.chunk_size, c.max_action_dim, dtype=m.head_dtype,
+                        device=m.device)
+        return x, torch.zeros(size, c.expert.width, dtype=m.head_dtype, device=m.device)
 
     def attention(self, size: int, like: torch.Tensor) -> SuffixAttention:
         m, c = self.module, self.module.config

@@ -85,6 +85,13 @@ class PiModule(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The transformers' dtype: their tokens' and the KV cache's."""
+        return self.backbone.layers[0].self_attn.q_proj.weight.dtype  # type: ignore[union-attr]
+
+    @property
+    def head_dtype(self) -> torch.dtype:
+        """The heads' dtype, and the flow state's (float32 under LeRobot's bfloat16, see
+        :func:`lerobot_precision`)."""
         return self.action_out_proj.weight.dtype
 
     def kv_layout(self) -> Any:
@@ -98,14 +105,15 @@ class PiModule(nn.Module):
     def image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[N, 3, S, S]`` images in [-1, 1] -> ``[N, patches, width]`` (SigLIP's last hidden
         state, post-layernormed, through the projector; no scaling)."""
-        return self.multi_modal_projector(self.vision_tower(pixels))
+        vision = self.multi_modal_projector.weight.dtype
+        return self.multi_modal_projector(self.vision_tower(pixels.to(vision))).to(self.dtype)
 
     def prompt_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embed(ids)
 
     def state_token(self, state: torch.Tensor) -> torch.Tensor:
         """pi0: normalised states zero-padded to ``max_state_dim`` ``[B, D]`` -> ``[B, width]``."""
-        return self.state_proj(state)
+        return self.state_proj(state.to(self.head_dtype)).to(self.dtype)
 
     def run_prefix(self, prefix: torch.Tensor, positions: torch.Tensor, attend: Any,
                    prefix_rows: Optional[torch.Tensor] = None,
@@ -133,16 +141,17 @@ class PiModule(nn.Module):
         [T]``: each token's request) -> expert tokens, and pi0.5's adaRMS condition. ``time``:
         ``time_embedding(t)`` if the caller has it already (a flow step's times recur; ``t`` may
         then be None)."""
-        a = self.action_in_proj(x_t)
+        a = self.action_in_proj(x_t.to(self.head_dtype))
         if time is None:
             assert t is not None, "action_tokens needs the flow times or their embedding"
             time = self.time_embedding(t.float())
         time = time.to(a.dtype)
-        if self.config.adarms:
+        if self.config.adarms:  # the condition stays in the heads' dtype, as the norms' dense
             cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time))))
-            return a, Cond(cond, rows)
+            return a.to(self.dtype), Cond(cond, rows)
         fused = torch.cat([a, time[rows]], dim=-1)
-        return self.action_time_mlp_out(F.silu(self.action_time_mlp_in(fused))), None
+        tokens = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(fused)))
+        return tokens.to(self.dtype), None
 
     def expert_out(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Any,
                    cond: Optional[Cond], tables: Optional[tuple] = None) -> torch.Tensor:
@@ -155,8 +164,30 @@ class PiModule(nn.Module):
 
     def velocity(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Any,
                  cond: Optional[Cond], tables: Optional[tuple] = None) -> torch.Tensor:
-        """Action tokens -> the flow velocity ``[T, max_action_dim]``."""
-        return self.action_out_proj(self.expert_out(tokens, positions, attend, cond, tables))
+        """Action tokens -> the flow velocity ``[T, max_action_dim]`` (heads' dtype)."""
+        out = self.expert_out(tokens, positions, attend, cond, tables)
+        return self.action_out_proj(out.to(self.head_dtype))
+
+
+#: What LeRobot keeps in float32 when a policy runs in bfloat16 (``PaliGemmaWithExpertModel.
+#: to_bfloat16_for_selected_params``: substrings of its parameter names); its heads, outside
+#: that module, stay float32 too.
+LEROBOT_FLOAT32 = ("vision_tower", "multi_modal_projector", "input_layernorm",
+                   "post_attention_layernorm", "model.norm")
+WITH_EXPERT = "model.paligemma_with_expert."
+
+
+def lerobot_precision(module: PiModule, dtype: torch.dtype) -> PiModule:
+    """``module`` in ``dtype`` as LeRobot runs it: in float32 all of it; otherwise the Gemma
+    layers' matrices and embeddings in ``dtype`` and the vision tower, projector, norms and
+    heads in float32 (the flow state, time conditioning and velocities then stay float32)."""
+    module.to(dtype)
+    if dtype != torch.float32:
+        for name, p in module.named_parameters():
+            key = lerobot_key(name)
+            if not key.startswith(WITH_EXPERT) or any(part in key for part in LEROBOT_FLOAT32):
+                p.data = p.data.float()
+    return module
 
 
 def meta_pi_module(config: PiConfig) -> PiModule:

@@ -27,7 +27,8 @@ import torch
 from mstar_rt.models.lerobot_pi0_config import (BACKBONE, LM_HEADS, PiConfig,
                                                 checkpoint_layout, config_from_checkpoint)
 from mstar_rt.models.lerobot_pi0_io import PiProcessor
-from mstar_rt.models.lerobot_pi0_layers import PiModule, make_rope, own_key
+from mstar_rt.models.lerobot_pi0_layers import (PiModule, lerobot_precision, make_rope,
+                                                own_key)
 
 PathLike = Union[str, os.PathLike]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -182,7 +183,7 @@ def load_lerobot_pi0(path: PathLike, tokenizer: Optional[PathLike] = None,
     dropped = sum(found[k][0][0] * found[k][0][1] for k in LM_HEADS if k in found)
     if verbose:
         print(describe_memory(config, kept, dropped, dtype, device))
-    module = module.to_empty(device=device).to(dtype)
+    module = lerobot_precision(module.to_empty(device=device), dtype)
     module.rope = make_rope(config.backbone.head_dim).to(device)  # a buffer to_empty left empty
     params = module.state_dict()
     with torch.no_grad():
@@ -192,5 +193,5 @@ def load_lerobot_pi0(path: PathLike, tokenizer: Optional[PathLike] = None,
             own = own_key(key)
             assert own is not None  # check_layout admitted only the module's keys
             target = params[own]
-            target.copy_(headers.tensor(file_key).to(dtype))
+            target.copy_(headers.tensor(file_key))  # into the parameter's dtype, rounded once
     return LeRobotPi0(config, module.eval(), processor, path)

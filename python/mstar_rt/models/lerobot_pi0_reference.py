@@ -71,7 +71,7 @@ def reference_actions(policy: LeRobotPi0, observation: Mapping[str, Any],
     ``v_t`` (every step), ``actions_padded``, ``action_chunk_normalized``, ``action_chunk``.
     ``rtc``: RtcSettings for guidance (with ``delay`` / ``prev_actions`` in the observation)."""
     m, proc, c = policy.module, policy.processor, policy.config
-    dev, dt_ = m.device, m.dtype
+    dev = m.device
     r = check_request(proc, observation, dev, rtc)
     out: dict[str, Any] = {}
     # images in LeRobot's order: the present cameras, then the missing ones as -1 images
@@ -82,7 +82,7 @@ def reference_actions(policy: LeRobotPi0, observation: Mapping[str, Any],
                if i not in present]
     masks = [True] * len(r.images) + [False] * (len(c.cameras) - len(r.images))
     out["images"] = images
-    embs = [m.image_tokens(im[None].to(dev, dt_))[0] for im in images]
+    embs = [m.image_tokens(im[None].to(dev))[0] for im in images]
     out["image_embs"] = embs
     ids, lang_mask = proc.padded(r.ids.cpu())
     n_img = c.num_image_tokens
@@ -100,7 +100,7 @@ def reference_actions(policy: LeRobotPi0, observation: Mapping[str, Any],
     if c.family == "pi0":
         padded_state = torch.nn.functional.pad(r.state, (0, c.max_state_dim - r.state.numel()))
         out["state_padded"] = padded_state
-        state_tok = m.state_token(padded_state[None].to(dt_))
+        state_tok = m.state_token(padded_state[None])
     s_len = h + (state_tok is not None)
     ar = torch.zeros(s_len, dtype=torch.long, device=dev)
     ar[0] = 1
@@ -112,7 +112,7 @@ def reference_actions(policy: LeRobotPi0, observation: Mapping[str, Any],
     rows = torch.zeros(h, dtype=torch.long, device=dev)
 
     dt = -1.0 / steps
-    x = r.noise.to(dt_)
+    x = r.noise.to(m.head_dtype)
     xs, ts, vs = [], [], []
     for k in range(steps):
         time = 1.0 + k * dt
@@ -128,7 +128,7 @@ def reference_actions(policy: LeRobotPi0, observation: Mapping[str, Any],
                 out.update(suffix_embs=tokens, suffix_out=hidden)
                 if cond is not None:
                     out["adarms_cond"] = cond.values
-            return m.action_out_proj(hidden[-h:])
+            return m.action_out_proj(hidden[-h:].to(m.head_dtype))
 
         guide = guidance([r], [time], rtc, h, c.max_action_dim, dev)
         v = velocity(x)
