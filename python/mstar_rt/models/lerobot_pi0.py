@@ -85,7 +85,9 @@ class PrefixNode(KVNodeSubmodule):
         m, c = self.policy.module, self.policy.config
         r = check_request(self.policy.processor, inputs, m.device, self.rtc)
         with torch.inference_mode():
-            prefix = torch.cat([inputs["image_tokens"], m.prompt_tokens(r.ids)])
+            # image tokens made on another worker's GPU arrive here on the CPU (placement moves
+            # tensors through host memory): onto this module's device
+            prefix = torch.cat([inputs["image_tokens"].to(m.device), m.prompt_tokens(r.ids)])
             state = None
             if c.family == "pi0":
                 padded = torch.nn.functional.pad(r.state, (0, c.max_state_dim - r.state.numel()))

@@ -98,7 +98,8 @@ class PrefixNode(KVNodeSubmodule):
         r = check_request(self.policy, inputs, self.rtc)
         ctx.request.state["request"] = r  # the flow steps' guidance reads delay and prev
         with torch.inference_mode():
-            x = self.policy.module.prefix_embeds(inputs["image_embs"], r.prompt, r.state)
+            m = self.policy.module  # image tokens from another worker arrive on the CPU
+            x = m.prefix_embeds(inputs["image_embs"].to(m.device), r.prompt, r.state)
         n = x.shape[0]
         # Image and task tokens see each other both ways; the state token (last) sees all.
         return KVWork(n, mask=PrefixBidirectional(n - 1), reserve=n, payload=(x, r.noise))
