@@ -2,7 +2,7 @@
 """Soak benchmark: proves that serving for a long time leaks nothing and does not drift.
 
     python benchmarks/soak.py [--quick] [--only policy,speech,runtime,voice,deadlines,
-                              placement,disagg,omni,tp,served]
+                              placement,disagg,omni,tp,vla,served]
                               [--out benchmarks/results/soak.json]
 
 Sections (each a function in a soak_*.py module, run one after another):
@@ -29,6 +29,9 @@ Sections (each a function in a soak_*.py module, run one after another):
   * tp         a small Llama at tp_size 2 in this process (a follower process) under cancels and
                the follower SIGKILLed every few seconds, the group rebuilding itself; tokens
                checked against tp_size 1, no page held at the end (soak_tp.py).
+  * vla        LeRobot's pi0, pi0.5 and SmolVLA (tiny fixtures) with their flow steps through the
+               static batch buckets of cuda_graphs, under random bursts with 15 % cancelled
+               mid-chunk; every chunk checked against the reference (soak_vla.py).
   * served     `mstar-rt serve` with its nodes in worker processes, a worker SIGKILLed every few
                seconds: the camera policy over two workers on the openpi websocket, then the
                Orpheus-style TTS with LM and codec on two workers on /v1/audio/speech; answers
@@ -73,7 +76,7 @@ from soak_servers import SoakTimes  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "soak.json"
 SECTIONS = ("policy", "speech", "runtime", "voice", "deadlines", "placement", "disagg", "omni",
-            "tp", "served")
+            "tp", "vla", "served")
 FULL = dict(seconds=600.0, window_s=60.0, warmup_s=30.0, sample_s=5.0, runtime_requests=100_000,
             voice_s=600.0)
 QUICK = dict(seconds=60.0, window_s=10.0, warmup_s=30.0, sample_s=1.0,
@@ -159,6 +162,11 @@ def section_tp(quick: bool, cfg: dict) -> dict:
     return run_tp(quick, cfg["seconds"])
 
 
+def section_vla(quick: bool, cfg: dict) -> dict:
+    from soak_vla import run_vla
+    return run_vla(quick, cfg["seconds"])
+
+
 def section_served(quick: bool, cfg: dict) -> dict:
     from soak_served import run_served
     return run_served(quick, cfg["seconds"])
@@ -171,7 +179,7 @@ def _is_ratio(name: str) -> bool:
 RUNNERS = {"policy": section_policy, "speech": section_speech, "runtime": section_runtime,
            "voice": section_voice, "deadlines": section_deadlines, "placement": section_placement,
            "disagg": section_disagg, "omni": section_omni, "tp": section_tp,
-           "served": section_served}
+           "vla": section_vla, "served": section_served}
 
 
 def run_section(name: str, quick: bool, cfg: dict) -> dict:
@@ -231,8 +239,8 @@ def headline(sections: dict[str, dict]) -> tuple[dict, dict]:
     if "runtime" in fig:
         figures["runtime_live_at_end"] = fig["runtime"]["live_at_end"]
     for key in ("wrong_outputs", "shm_files_left", "workers_left"):
-        got = [f[key] for n, f in fig.items() if n in ("placement", "disagg", "omni", "tp", "served")
-               and key in f]
+        got = [f[key] for n, f in fig.items()
+               if n in ("placement", "disagg", "omni", "tp", "vla", "served") and key in f]
         if got:
             figures[key] = sum(got)
     figures["errors"] = (sum(int(f.get("errors", 0)) for f in fig.values())
