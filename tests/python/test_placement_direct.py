@@ -325,10 +325,11 @@ def test_a_worker_killed_mid_stream_fails_its_requests_and_frees_the_frames(kill
         assert rt.live["requests"] == 0
 
 
-def test_windows_answered_as_sent_keep_their_handles_until_the_request_ends():
+def test_windows_answered_as_sent_keep_their_handles_until_read():
     """The parent answers a window into a segment as it sends it (placement/stream_in.py),
     before the worker has read its handles' bytes: the ledger keeps those handles (so their
-    exports stay) until the request ends, or the reading worker dies."""
+    exports stay) until the worker says it copied them ('read'), the request ends, or the
+    reading worker dies."""
     from mstar_rt.placement.ledger import ItemLedger
 
     freed: list = []
@@ -345,3 +346,82 @@ def test_windows_answered_as_sent_keep_their_handles_until_the_request_ends():
     assert freed == [20, 10]
     ledger.clear()
     assert freed == [20, 10, 30] and ledger.kept == {}
+    freed.clear()
+    for item, key in ((4, 40), (5, 50), (6, 60)):
+        ledger.record(item, 9, "consume", [RemoteTensor([1, 0, key, 0, 4, 0, "float32", [1]],
+                                                        lambda g, k: freed.append(k))])
+    assert ledger.take([4, 5], keep=True) == {4, 5}
+    gone = ledger.read([5, 99])  # read: its handles go (to die outside the link's lock)
+    assert freed == []
+    del gone
+    assert freed == [50] and list(ledger.kept[9]) == [4]
+    gone = ledger.read([6])  # read before it was answered: nothing of it is kept then
+    del gone
+    assert freed == [50, 60] and ledger.take([6], keep=True) == {6} and list(ledger.kept[9]) == [4]
+    ledger.forget(9)
+    assert freed == [50, 60, 40] and ledger.kept == {} and ledger.kept_by_item == {}
+
+
+# ---- a long stream into a segment: windows acknowledged as read --------------------------------
+
+class Camera(NodeSubmodule):
+    """A 1 MiB frame per step (``x * arange(N)``), streamed, after ``pause`` seconds."""
+
+    def forward(self, batch: list[dict]) -> list[dict]:
+        time.sleep(float(batch[0]["pause"]))
+        return [{"x": b["x"] + 1, "f": b["x"] * torch.arange(N, dtype=torch.float32)}
+                for b in batch]
+
+
+class Look(NodeSubmodule):
+    """A talker-like step: its window of frames (one item, or none past the stream's end)."""
+
+    def forward(self, batch: list[dict]) -> list[dict]:
+        return [{"s": sum((f.sum() for f in b["f"].items), torch.zeros(()))} for b in batch]
+
+
+class Say(NodeSubmodule):
+    def forward(self, batch: list[dict]) -> list[dict]:
+        return [{"said": b["s"] * 2} for b in batch]
+
+
+class Watch(Model):
+    """``cam`` streams ``steps`` frames, one per window, into a loop of ``look`` and ``say``:
+    with the loop on a worker and ``cam`` on another, the loop is one segment the frames enter
+    window by window (placement/stream_in.py), each frame a handle into cam's arena."""
+
+    inputs = ("x", "pause")
+    input_defaults = {"pause": 0.0}
+
+    def __init__(self, steps: int = 24) -> None:
+        self.nodes = [GraphNode("cam", ["x", "pause"], ["x", StreamingGraphEdge(
+                          "look", "f", Fixed(1), continue_after_done=True)], submodule=Camera()),
+                      GraphNode("look", ["f"], ["s"], submodule=Look()),
+                      GraphNode("say", ["s"], [GraphEdge(EMIT, "said")], submodule=Say())]
+        self.walks = {"main": Parallel(Loop("cam", steps), Loop(Sequential("look", "say"), steps))}
+
+
+def watch(steps: int = 24) -> Watch:
+    return Watch(steps)
+
+
+def test_a_stream_longer_than_the_arena_enters_a_segment_worker_to_worker():
+    """24 MiB of frames through an 8 MiB export arena: the reading worker says which windows it
+    copied out ('read'), so the parent lets their handles go at once -- not when the request
+    ends -- and every frame crosses as a handle, none falling back to the parent for want of
+    room; outputs equal in-process, nothing held after."""
+    xs = [1.0, -2.5]
+    with Runtime(watch()) as local:
+        want = [[float(v) for _, v in local.submit({"x": torch.tensor(x)})] for x in xs]
+    with PlacedRuntime("test_placement_direct:watch",
+                       [NodeGroup(["cam"], rank=1), NodeGroup(["look", "say"], rank=2)],
+                       progress=False, shm_bytes=8 << 20) as rt:
+        assert rt.workers[1]["direct"] == ["f"]
+        assert any(n.startswith("segment:") for n in rt.node_names)
+        for x, w in zip(xs, want):
+            before = rt.workers[1]["exports"]
+            got = [float(v) for _, v in rt.submit({"x": torch.tensor(x), "pause": 0.02})]
+            assert got == w
+            assert rt.workers[1]["exports"] - before == 24  # every frame a handle
+        assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
+        assert rt.live["requests"] == 0

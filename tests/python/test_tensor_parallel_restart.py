@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 
 import pytest
 import torch
@@ -129,8 +130,44 @@ def test_manual_restart_and_spent_restarts_leave_the_group_failing_with_the_fix(
         assert "max_restarts 1" in (once.health() or "")
     finally:
         once.close()
-    with pytest.raises(ValueError, match="restart must be 'auto' or 'manual'"):
+    with pytest.raises(ValueError, match="restart must be 'auto', 'eager' or 'manual'"):
         load_llama_tp(checkpoint, 2, restart="always")
+
+
+def _watchers() -> int:
+    return sum(t.name == "mstar-tp-watch" for t in threading.enumerate())
+
+
+def test_eager_rebuilds_as_soon_as_a_rank_is_lost_not_at_the_next_step(checkpoint):
+    """restart="eager": the group is rebuilt while nothing runs, so the next request does not
+    wait for a follower's start; lost K/V is refused as with "auto"; max_restarts holds; close
+    ends the watcher."""
+    one = load_llama(checkpoint, progress=False)
+    before = _watchers()
+    m = load_llama_tp(checkpoint, 2, restart="eager", max_restarts=2)
+    try:
+        assert _watchers() == before + 1
+        cache = PagedKVCache(m.kv_layout(), page_size=4, num_pages=32)
+        step(m, cache, [("main", PROMPT)])
+        pid = kill_follower(m)
+        assert wait_until(lambda: m.restarts == 1 and m.broken is None and len(m.followers) == 1
+                          and follower_pids(m)[0] != pid, 60)  # no step asked for it
+        assert m.health() is None
+        with pytest.raises(RuntimeError, match="built before"):
+            step(m, cache, [("main", [4])])
+        got = step(m, cache, [("fresh", PROMPT)])
+        assert m.restarts == 1  # the step found the group whole
+        assert (got - run_steps(one, [[("fresh", PROMPT)]])[0]).abs().max().item() < TOL
+        kill_follower(m)
+        assert wait_until(lambda: m.restarts == 2 and m.broken is None, 60)
+        kill_follower(m)  # restarts spent: the watcher leaves it broken, saying so
+        assert wait_until(lambda: "max_restarts 2" in (m.health() or ""), 30)
+        assert m.restarts == 2
+        with pytest.raises(RuntimeError, match=r"restarted 2 times \(max_restarts 2\)"):
+            step(m, cache, [("next", PROMPT)])
+    finally:
+        m.close()
+    assert wait_until(lambda: _watchers() == before, 5)
 
 
 def test_a_rebuild_that_cannot_start_says_why_and_the_next_step_tries_again(checkpoint,

@@ -17,7 +17,8 @@ A follower that dies or fails breaks the group: the step in flight raises with a
 the rank and what it said, and its requests fail; the Runtime stays up. With ``restart="auto"``
 (the default) the next step first rebuilds the group (new followers, a new process group; rank
 0's weights and cache stay), and a request whose K/V was built before that fails alone when it
-next reads it (distributed/kv_loss.py); with ``"manual"``, or after ``max_restarts`` rebuilds,
+next reads it (distributed/kv_loss.py); ``"eager"`` rebuilds it as soon as the loss is seen
+(distributed/tp_watch.py); with ``"manual"``, or after ``max_restarts`` rebuilds,
 every later step fails until the model is loaded again. Followers exit when the driver is
 closed, collected or dies.
 """
@@ -43,6 +44,7 @@ from mstar_rt.distributed.group import TPGroup, open_store
 from mstar_rt.distributed.kv_loss import LostPages
 from mstar_rt.distributed.launch import RayFollowers, ray_followers
 from mstar_rt.distributed.split import TensorSplit
+from mstar_rt.distributed.tp_watch import watch_group
 from mstar_rt.engines.kv_engine import KVStep
 from mstar_rt.engines.paged_kv import KVLayout
 
@@ -201,6 +203,7 @@ class TensorParallelLM(nn.Module):
         self.dropped: list[int] = []
         self.cache_numbers = itertools.count()
         self.finalizer = weakref.finalize(self, stop_followers, followers)
+        self.watcher = watch_group(self) if restart == "eager" else None
 
     @property
     def group(self) -> TPGroup:
@@ -292,7 +295,18 @@ class TensorParallelLM(nn.Module):
         self.rebuild()
 
     def may_restart(self) -> bool:
-        return self.restart == "auto" and self.restarts < self.max_restarts
+        return self.restart in ("auto", "eager") and self.restarts < self.max_restarts
+
+    def heal(self) -> None:
+        """Rebuilds now a group that lost a rank, when it may be (``restart="eager"``'s watcher
+        calls it; a step in flight finishes first)."""
+        if self.broken is None and all(f.proc.poll() is None for f in self.followers):
+            return
+        if self.broken is not None and not self.may_restart():
+            return
+        with self.lock:
+            if not self.closed:
+                self.check_usable()
 
     def rebuild(self) -> None:
         """A new group in place of the broken one: fresh followers and process group; rank 0
@@ -331,7 +345,7 @@ class TensorParallelLM(nn.Module):
 
     def remedy(self) -> str:
         if self.may_restart():
-            return "the next step restarts it"
+            return "the next step restarts it" if self.restart == "auto" else "being restarted"
         if self.restart == "manual":
             return ("a group with restart='manual' cannot take a rank back: close this model "
                     "and load it again")
@@ -355,6 +369,8 @@ class TensorParallelLM(nn.Module):
     def close(self) -> None:
         """Stops the followers (waits for a step in flight) and lets the process group go (its
         threads and sockets end with it, not with this object); later steps raise."""
+        if self.watcher is not None:
+            self.watcher.set()
         with self.lock:
             self.closed = True
             self.finalizer()
@@ -378,10 +394,11 @@ def load_tp(path: Union[str, os.PathLike], tp_size: int, loader: str, name: str,
     stopped answering), ``start_timeout_s`` the followers' start. ``num_threads``: torch threads
     in each follower (default: 1 on a CPU with at most 4 cores, else torch's). ``restart``:
     ``"auto"`` rebuilds a group that lost a rank at its next step (at most ``max_restarts``
-    times), ``"manual"`` leaves it failing until loaded again."""
+    times), ``"eager"`` as soon as the loss is seen (distributed/tp_watch.py), ``"manual"``
+    leaves it failing until loaded again."""
     path = os.fspath(path)
-    if restart not in ("auto", "manual"):
-        raise ValueError(f"restart must be 'auto' or 'manual', not {restart!r}")
+    if restart not in ("auto", "eager", "manual"):
+        raise ValueError(f"restart must be 'auto', 'eager' or 'manual', not {restart!r}")
     if num_threads is None and torch.device(device).type == "cpu":
         num_threads = 1 if (os.cpu_count() or 1) <= 4 else None
     spec = GroupSpec(os.path.abspath(path), tp_size, loader, name,

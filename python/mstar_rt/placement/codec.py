@@ -247,6 +247,7 @@ class Decoder:
         # remote_arena(header) -> (arena, offset) (a worker that reads it); neither: it may not
         # come here.
         self.remote, self.remote_arena = remote, remote_arena
+        self.fetched = 0  # remote tensors copied out of their makers' arenas so far
 
     def unpack(self, data: bytes) -> Any:
         try:
@@ -289,7 +290,9 @@ class Decoder:
                                  "offset, nbytes, kind, dtype, shape(, endpoint)]")
             if self.remote_arena is not None:
                 arena, offset = self.remote_arena(h)
-                return self._tensor([h[5], h[6], h[7], offset, h[4]], arena)
+                out = self._tensor([h[5], h[6], h[7], offset, h[4]], arena)
+                self.fetched += 1
+                return out
             if self.remote is not None:
                 self._tensor([h[5], h[6], h[7], h[3], h[4]], check_only=True)
                 return self.remote(h)

@@ -22,9 +22,11 @@ class ItemLedger:
         self.by_request: dict[int, set[int]] = {}        # request -> its items in flight
         self.known: dict[int, str] = {}                  # request -> last node
         self.opened: set[int] = set()                    # requests whose 'open' was sent
-        # request -> RemoteTensors of items answered before the worker read them (windows
-        # into a segment, placement/stream_in.py): held until the request ends
-        self.kept: dict[int, list] = {}
+        # request -> {item: its RemoteTensors} of items answered before the worker read them
+        # (windows into a segment, placement/stream_in.py): held until the worker says it
+        # copied their bytes (read) or the request ends
+        self.kept: dict[int, dict[int, list]] = {}
+        self.kept_by_item: dict[int, int] = {}  # item -> request, for read
 
     def record(self, item: int, rid: int, node: str, holds: list) -> None:
         """Notes an item handed to the worker."""
@@ -60,7 +62,8 @@ class ItemLedger:
                 continue
             taken.add(i)
             if keep and entry[2]:
-                self.kept.setdefault(entry[0], []).extend(entry[2])
+                self.kept.setdefault(entry[0], {})[i] = entry[2]
+                self.kept_by_item[i] = entry[0]
             pending = self.by_request.get(entry[0])
             if pending is not None:
                 pending.discard(i)
@@ -68,9 +71,28 @@ class ItemLedger:
                     del self.by_request[entry[0]]
         return taken
 
+    def read(self, items: Iterable[int]) -> list:
+        """The worker copied the bytes of these items' RemoteTensors: the handles it returns may
+        die (outside the caller's lock: their deaths queue 'unexport' messages). An item not
+        answered yet (the worker's word outran the answer) loses its handles too."""
+        gone = []
+        for i in items:
+            rid = self.kept_by_item.pop(i, None)
+            if rid is not None:
+                mine = self.kept[rid]
+                gone += mine.pop(i)
+                if not mine:
+                    del self.kept[rid]
+            elif i in self.inflight:
+                entry = self.inflight[i]
+                gone += entry[2]
+                self.inflight[i] = (entry[0], entry[1], [])
+        return gone
+
     def forget(self, rid: int) -> tuple[bool, set[int]]:
         """The request ended: (whether the worker held state for it, its items in flight)."""
-        self.kept.pop(rid, None)
+        for i in self.kept.pop(rid, {}):
+            self.kept_by_item.pop(i, None)
         if rid not in self.known:
             return False, set()
         del self.known[rid]
@@ -84,5 +106,5 @@ class ItemLedger:
         """The worker died: everything it held, (inflight, known); the ledger starts empty."""
         inflight, known = self.inflight, self.known
         self.inflight, self.by_request, self.known, self.opened = {}, {}, {}, set()
-        self.kept = {}
+        self.kept, self.kept_by_item = {}, {}
         return inflight, known

@@ -16,6 +16,7 @@ actor anywhere in a cluster (placement/ray_rank.py; ``tcp://``, tensors inline o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -102,8 +103,7 @@ class WorkerLink:
         base = f"{self._tag}_r{self.rank}_g{gen}"
         p2w, w2p = ((InlineArena(), InlineArena()) if not self._local
                     else arena_pair(base, self.shm_bytes))
-        out = (self.exports.create(base, self.shm_bytes)
-               if self._local else None)  # a Ray actor makes its own (peer_bytes.py)
+        out = self.exports.create(base, self.shm_bytes) if self._local else None  # (Ray: its own)
         to_worker, from_worker, bell = (worker_mail(base, f"{self._workdir}/rank{self.rank}-g{gen}"
                                                     ".bell") if self._local else (None,) * 3)
         if to_worker is not None:  # messages through shared memory; its socket serves its peers
@@ -179,8 +179,7 @@ class WorkerLink:
     def _fail_start(self, gen: int) -> None:
         with self._lock:
             if self.gen == gen and self.state == "starting":
-                self.state = "down"
-                self.last_exit = "failed to start"
+                self.state, self.last_exit = "down", "failed to start"
             self._cond.notify_all()
 
     def restart(self) -> None:
@@ -233,10 +232,8 @@ class WorkerLink:
         if not self._channel.detach(gen) or not self.inbox.detach(gen, self.exports.remove):
             return
         if self.endpoint.startswith("ipc://"):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.endpoint.removeprefix("ipc://"))
-            except OSError:
-                pass
 
     # ---- death ---------------------------------------------------------------------------------
 
@@ -275,8 +272,7 @@ class WorkerLink:
             inflight, known = self._ledger.clear()
             self._cond.notify_all()
         rt = self.rt
-        fix = ("it is being restarted" if restart
-               else f"restart it with restart_worker({self.rank})")
+        fix = "it is being restarted" if restart else f"restart it with restart_worker({self.rank})"
         # Fail first: the promise is within a second of the death.
         fail_for_death(rt, f"worker process rank {self.rank} (pid {proc.pid}) {how}", fix,
                        inflight, known)
@@ -449,6 +445,10 @@ class WorkerLink:
                                 msg.get("named") is True, field(msg, "request", int, True))
         elif kind == "emit":
             deliver_emits(self.rt, msg)
+        elif kind == "read":
+            with self._lock:
+                gone = self._ledger.read(int_list(msg, "items"))
+            gone.clear()  # the handles die here, outside the lock: each queues an 'unexport'
         elif kind == "ready":
             nodes, walks = field(msg, "nodes", list), field(msg, "walks", list)
             if nodes != self.rt.node_names or walks != self.rt.walk_names:

@@ -41,6 +41,8 @@ worker -> parent (its mailbox, or the parent's PULL socket)::
                                               request: a segment run fed by streams failed
                                               before its last window: stream_in.py)
     emit     rank gen emits=[[request, name, value]] items=[item]   (a segment's EMITs)
+    read     rank gen items=[item]            (windows into a segment whose tensors from other
+                                              workers were copied out: their handles may go)
     stats    rank gen token stats={..}
     error    rank gen message                 (it got a malformed message)
 """
@@ -57,7 +59,8 @@ TO_WORKER_HEADER = struct.Struct("<IQ")     # generation, span end of the parent
 TO_PARENT_HEADER = struct.Struct("<IIQ")    # rank, generation, span end of the worker's arena
 
 TO_WORKER = ("batch", "release", "unexport", "stats", "shutdown", "kv_send", "kv_recv")
-TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error", "heartbeat", "emit")
+TO_PARENT = ("ready", "fatal", "done", "failed", "stats", "error", "heartbeat", "emit",
+             "read")
 
 
 class ProtocolError(ValueError):
@@ -100,6 +103,23 @@ def int_list(msg: dict, name: str) -> list[int]:
         raise ProtocolError(f"field '{name}' of a '{msg.get('kind')}' message must list "
                             "non-negative integers")
     return values
+
+
+def check_opens(opens: dict) -> dict:
+    """A batch's ``open`` map (request -> {inputs, state, order}), checked."""
+    for rid, o in opens.items():
+        if type(rid) is not int or not isinstance(o, dict):
+            raise ProtocolError("'open' maps request ids to {inputs, state}")
+        inputs, state = o.get("inputs"), o.get("state") or {}
+        order = o.get("order", [2**63 - 1, 0])
+        if not isinstance(inputs, (dict, type(None))) or not isinstance(state, dict):
+            raise ProtocolError("'open' entries hold inputs (a map or nil) and state")
+        # the ready queue orders by a 64-bit deadline and a 32-bit priority
+        if not (isinstance(order, list) and len(order) == 2 and all(type(v) is int for v in order)
+                and -2**63 <= order[0] < 2**63 and -2**31 <= order[1] < 2**31):
+            raise ProtocolError("'open' order must be [deadline_ns, priority], a 64-bit and a "
+                                "32-bit signed integer")
+    return opens
 
 
 def _as_tuple(types: Any) -> tuple:

@@ -34,7 +34,7 @@ from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.mailbox import Bell, Mailbox, MailboxError, MailboxSocket
 from mstar_rt.placement.outbox import Outbox
 from mstar_rt.placement.peer_bytes import DirectEnds
-from mstar_rt.placement.protocol import (PARENT_ID, TO_WORKER, TO_WORKER_HEADER,
+from mstar_rt.placement.protocol import (PARENT_ID, TO_WORKER, TO_WORKER_HEADER, check_opens,
                                          VERSION, ProtocolError, check_header, field, int_list)
 
 
@@ -76,6 +76,7 @@ class Worker:
         self.bad_messages = 0
         self.messages = 0
         self.alone = True  # the message being handled came alone (serve)
+        self.fetched_now = False  # it carried tensors copied from other workers' arenas
         self.stopping = threading.Event()
 
     # ---- startup -----------------------------------------------------------------------------
@@ -237,7 +238,9 @@ class Worker:
                 try:
                     if self.inline:
                         self.p2w.receive(frames[2:])
+                    fetched = self.decoder.fetched
                     msg = self.decoder.unpack(frames[1])
+                    self.fetched_now = self.decoder.fetched != fetched
                 finally:  # copied out (or unusable): free the parent's arena up to here
                     try:
                         self.p2w.free_to(span)
@@ -332,26 +335,16 @@ class Worker:
                                         "{input: value}, chunk or None] with the node's inputs")
                 chunk = _chunk(it[4], stream_input, node_name)
                 work.append(_core.WorkItem((it[0], it[1], it[2], it[3], chunk)))
-            opens = field(msg, "open", dict)
-            for rid, o in opens.items():
-                if type(rid) is not int or not isinstance(o, dict):
-                    raise ProtocolError("'open' maps request ids to {inputs, state}")
-                inputs_ = o.get("inputs")
-                state = o.get("state") or {}
-                order = o.get("order", [2**63 - 1, 0])
-                if not isinstance(inputs_, (dict, type(None))) or not isinstance(state, dict):
-                    raise ProtocolError("'open' entries hold inputs (a map or nil) and state")
-                # the ready queue orders by a 64-bit deadline and a 32-bit priority
-                if not (isinstance(order, list) and len(order) == 2
-                        and all(type(v) is int for v in order)
-                        and -2**63 <= order[0] < 2**63 and -2**31 <= order[1] < 2**31):
-                    raise ProtocolError("'open' order must be [deadline_ns, priority], a 64-bit "
-                                        "and a 32-bit signed integer")
+            opens = check_opens(field(msg, "open", dict))
             self.only_parent(from_parent, "batch")
         except (ProtocolError, CodecError) as e:
             if from_parent and ids:  # tell the parent so those items do not wait forever
                 self.outbox.send("failed", items=ids, message=f"malformed batch: {e}")
             raise
+        if segment is not None and segment.takes and self.fetched_now:
+            # Windows the parent answered as it sent them: it holds their handles (the makers'
+            # bytes) only until told that they were copied out (ItemLedger.read).
+            self.outbox.send("read", items=ids)
         for rid, o in opens.items():
             host.open(rid, o.get("inputs"), o.get("state") or {},
                       tuple(o.get("order", (2**63 - 1, 0))))
