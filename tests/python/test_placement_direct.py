@@ -425,3 +425,27 @@ def test_a_stream_longer_than_the_arena_enters_a_segment_worker_to_worker():
             assert rt.workers[1]["exports"] - before == 24  # every frame a handle
         assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
         assert rt.live["requests"] == 0
+
+
+@pytest.mark.parametrize("killed", [1, 2])
+def test_a_worker_killed_while_frames_enter_a_segment_fails_its_requests_and_frees_them(killed):
+    """The camera's worker (1) or the watching segment's (2) SIGKILLed mid-stream: the requests
+    fail naming it (or finish exactly), the restarted worker serves the next exactly, and the
+    producer's export arena empties (handles not yet read go with the reader's death)."""
+    with Runtime(watch()) as local:
+        want = [float(v) for _, v in local.submit({"x": torch.tensor(3.0)})]
+    with PlacedRuntime("test_placement_direct:watch",
+                       [NodeGroup(["cam"], rank=1), NodeGroup(["look", "say"], rank=2)],
+                       progress=False, shm_bytes=8 << 20, restart="auto") as rt:
+        handles = [rt.submit({"x": torch.tensor(3.0), "pause": 0.05}) for _ in range(2)]
+        assert wait_until(lambda: rt.workers[1]["exports"] >= 4, T)
+        os.kill(rt.workers[killed]["pid"], signal.SIGKILL)
+        for h in handles:
+            try:
+                assert [float(v) for _, v in h] == want
+            except RequestFailed as e:
+                assert f"rank {killed}" in str(e)
+        assert wait_until(lambda: rt.workers[killed]["state"] == "up", T)
+        assert [float(v) for _, v in rt.submit({"x": torch.tensor(3.0)})] == want
+        assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
+        assert rt.live["requests"] == 0
