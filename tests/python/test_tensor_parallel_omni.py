@@ -27,14 +27,14 @@ from mstar_rt.models.qwen3_omni.omni import Qwen3Omni  # noqa: E402
 from mstar_rt.models.qwen3_omni.thinker_tp import load_thinker_tp, thinker_share  # noqa: E402
 
 import omni_tiny as ot  # noqa: E402
-from tp_support import alive, children, follower_pids, run_steps  # noqa: E402
+from omni_tp_support import omni_answers, omni_requests, thinker_steps  # noqa: E402
+from tp_support import alive, children, follower_pids  # noqa: E402
 from walk_models import close_within, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 TOL = 1e-4
 T = 60.0
-GREEDY = {"temperature": 0.0, "max_tokens": 40}
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +58,6 @@ def split(checkpoint):
 
 # ---- step by step ------------------------------------------------------------------------------
 
-def _steps(module, script, hidden_layer):
-    """tp_support.run_steps, each step's (final hidden, hidden at ``hidden_layer``, logits of
-    its last tokens)."""
-    def call(ids, kv, step):
-        final, at = module(ids, kv, hidden_layer=hidden_layer)
-        return final, at, module.logits(final[step.last_token])
-
-    return run_steps(module, script, call)
-
-
 def test_the_split_thinker_equals_the_whole_one_step_by_step(checkpoint, split):
     tp = split.weights.thinker
     assert isinstance(tp, TensorParallelLM) and tp.tp_size == 2
@@ -81,8 +71,8 @@ def test_the_split_thinker_equals_the_whole_one_step_by_step(checkpoint, split):
               [("c", ids(1)), ("a", ids(3))],                  # c's write copies a page
               [("b", ids(1)), ("c", ids(1)), ("a", ids(1))]]
     layer = split.config.accept_hidden_layer
-    for (f1, a1, l1), (f2, a2, l2) in zip(_steps(one, script, layer),
-                                          _steps(tp, script, layer)):
+    for (f1, a1, l1), (f2, a2, l2) in zip(thinker_steps(one, script, layer),
+                                          thinker_steps(tp, script, layer)):
         assert (f1 - f2).abs().max() < TOL
         assert (a1 - a2).abs().max() < TOL  # what the talker reads
         assert (l1 - l2).abs().max() < TOL
@@ -104,7 +94,7 @@ def test_dense_layers_and_attention_biases_split_too(tmp_path):
         g = torch.Generator().manual_seed(2)
         script = [[("a", torch.randint(0, ot.THINKER_VOCAB, (7,), generator=g).tolist())],
                   [("a", [5])], [("a", [6])]]
-        for (f1, a1, l1), (f2, a2, l2) in zip(_steps(one, script, 1), _steps(tp, script, 1)):
+        for (f1, a1, l1), (f2, a2, l2) in zip(thinker_steps(one, script, 1), thinker_steps(tp, script, 1)):
             assert (f1 - f2).abs().max() < TOL and (a1 - a2).abs().max() < TOL
             assert (l1 - l2).abs().max() < TOL
     finally:
@@ -141,32 +131,8 @@ def test_a_split_that_does_not_divide_the_thinker_is_refused_before_anything_sta
 
 # ---- through the runtime -----------------------------------------------------------------------
 
-def _requests():
-    features = torch.as_tensor(ot.mel(230))
-    return [{"prompt": ot.chat_prompt([72, 105, 33]), "speaker": "ethan",
-             "thinker_sampling": {"max_tokens": 10}, "talker_sampling": GREEDY},
-            {"prompt": ot.chat_prompt([1, 2, 3, 4, 5, 6], audio_frames=230), "speaker": "chelsie",
-             "audio_features": [features.numpy()], "thinker_sampling": {"max_tokens": 12},
-             "talker_sampling": GREEDY},
-            {"prompt": ot.chat_prompt([9, 8]), "return_audio": False,
-             "thinker_sampling": {"max_tokens": 6}}]
-
-
-def _answers(model, inputs):
-    with mstar_rt.Runtime(model) as rt:
-        handles = [rt.submit(i) for i in inputs]  # at once: the engines batch them
-        out = []
-        for h in handles:
-            items = list(h)
-            audio = [v for k, v in items if k == "audio"]
-            out.append(([v for k, v in items if k == "token"],
-                        np.concatenate(audio) if audio else np.zeros(0, np.float32)))
-        assert rt.engines["thinker"].cache.free_pages == rt.engines["thinker"].cache.num_pages
-    return out
-
-
 def test_the_split_thinker_answers_and_speaks_as_the_whole_one(whole, split):
-    got, want = _answers(split, _requests()), _answers(whole, _requests())
+    got, want = omni_answers(split, omni_requests()), omni_answers(whole, omni_requests())
     for (tokens, audio), (ref_tokens, ref_audio) in zip(got, want):
         assert tokens == ref_tokens and len(tokens) > 0
         assert audio.shape == ref_audio.shape
@@ -178,8 +144,8 @@ def test_the_split_thinker_answers_and_speaks_as_the_whole_one(whole, split):
 def test_a_killed_follower_fails_its_requests_and_a_rebuilt_group_answers_the_next(whole, split):
     tp = split.weights.thinker
     before = tp.restarts
-    ref = _answers(whole, _requests()[:1])[0]
-    long = {**_requests()[2], "thinker_sampling": {"max_tokens": 400, "ignore_eos": True}}
+    ref = omni_answers(whole, omni_requests()[:1])[0]
+    long = {**omni_requests()[2], "thinker_sampling": {"max_tokens": 400, "ignore_eos": True}}
     with mstar_rt.Runtime(split) as rt:
         h = rt.submit(long)
         assert wait_until(lambda: len(h.stats()) >= 4, T)
@@ -191,7 +157,7 @@ def test_a_killed_follower_fails_its_requests_and_a_rebuilt_group_answers_the_ne
             h.result(timeout=T)
         assert time.monotonic() - t0 < 15, "the failure took as long as a collective timeout"
         assert rt.health() is None  # the next step restarts it
-        again = rt.submit(_requests()[0])
+        again = rt.submit(omni_requests()[0])
         items = list(again)
         assert [v for k, v in items if k == "token"] == ref[0]
         audio = np.concatenate([v for k, v in items if k == "audio"] or [np.zeros(0)])
@@ -214,12 +180,12 @@ def test_a_placed_thinker_group_with_tp_size_drives_its_own_followers(checkpoint
     thinker = [n for n in nodes if n.startswith(("text_", "thinker_", "audio_encoder"))]
     groups = [NodeGroup(thinker, rank=1, tp_size=2),
               NodeGroup([n for n in nodes if n not in thinker], rank=2)]
-    want = _answers(whole, _requests())
+    want = omni_answers(whole, omni_requests())
     with PlacedRuntime("placement_models:tiny_omni", groups, progress=False,
                        model_kwargs={"directory": checkpoint}) as rt:
         assert len(worker_children(rt.workers[1]["pid"], b"mstar_rt")) == 1  # its follower
         assert not worker_children(rt.workers[2]["pid"], b"mstar_rt")
-        handles = [rt.submit(r) for r in _requests()]
+        handles = [rt.submit(r) for r in omni_requests()]
         for h, (ref_tokens, ref_audio) in zip(handles, want):
             items = list(h)
             audio = np.concatenate([v for k, v in items if k == "audio"] or [np.zeros(0)])

@@ -2,7 +2,9 @@
 
 Megatron-style: attention heads (query and KV alike) and MLP columns are divided evenly over
 ``size`` ranks; each rank's output projections (``o_proj``, ``down_proj``) produce partial sums
-that ``reduce`` adds up across ranks. Embeddings, norms and the LM head are replicated.
+that ``reduce`` adds up across ranks. Embeddings, norms and the LM head are replicated. A
+mixture of experts may split by whole experts instead (expert parallelism, ``experts``): each
+rank holds an even block of them, and its partial sum is its experts' share of each token.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import torch
 @dataclass(frozen=True)
 class TensorSplit:
     """Rank ``rank`` of ``size``; ``reduce`` sums a tensor over the ranks in place and returns
-    it (None when ``size`` is 1: nothing to sum)."""
+    it (None when ``size`` is 1: nothing to sum); ``experts``: the routed experts of each MoE
+    layer, when they split by whole experts (0: every expert's columns split)."""
 
     rank: int = 0
     size: int = 1
     reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    experts: int = 0
 
     def part(self, total: int) -> tuple[int, int]:
         """``[start, stop)`` of this rank's even share of ``total`` rows."""

@@ -34,9 +34,13 @@ class SwiGLU(nn.Module):
 class FusedExperts(nn.Module):
     """``E`` SwiGLU experts in two stacked tensors, run grouped by expert."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0,
+                 routed: Optional[int] = None) -> None:
         super().__init__()
         self.num_experts, self.intermediate = num_experts, intermediate
+        # Expert parallelism: these are routed experts [first, first + num_experts) of
+        # ``routed``; tokens routed elsewhere are another rank's (their share here is zero).
+        self.first, self.routed = first, num_experts if routed is None else routed
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
@@ -46,7 +50,14 @@ class FusedExperts(nn.Module):
         ``[T, H]``, the weighted sum of each token's experts."""
         k = experts.shape[1]
         flat = experts.reshape(-1)
+        pairs = None
+        if self.num_experts != self.routed:  # only the (token, slot) pairs routed here
+            flat = flat - self.first
+            pairs = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)
+            flat = flat[pairs]
         order = flat.argsort(stable=True)            # (token, slot) pairs grouped by expert
+        if pairs is not None:
+            order = pairs[order]
         tokens = order // k
         counts = torch.bincount(flat, minlength=self.num_experts)
         h = self._grouped(x[tokens], counts)
@@ -92,14 +103,18 @@ class SparseMoE(nn.Module):
     ``shared_expert_gate``; names follow the HF checkpoints, except the fused experts."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
-                 norm_topk_prob: bool, shared_intermediate: int = 0) -> None:
+                 norm_topk_prob: bool, shared_intermediate: int = 0,
+                 block: Optional[tuple[int, int]] = None) -> None:
+        """``block``: ``[start, stop)`` of the routed experts this one holds (expert
+        parallelism: the router stays whole), else all of them."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts "
                              f"{num_experts}]")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = FusedExperts(num_experts, hidden, intermediate)
+        start, stop = block or (0, num_experts)
+        self.experts = FusedExperts(stop - start, hidden, intermediate, start, num_experts)
         self.shared_expert: Optional[SwiGLU] = None
         if shared_intermediate:
             self.shared_expert = SwiGLU(hidden, shared_intermediate)

@@ -190,17 +190,22 @@ class Qwen3Omni(Model):
     @staticmethod
     def from_pretrained(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
                         device: str = "cpu", progress: bool = True, tp_size: int = 1,
-                        tp_restart: str = "auto", **kwargs: Any) -> "Qwen3Omni":
+                        tp_restart: str = "auto", expert_parallel: bool = False,
+                        **kwargs: Any) -> "Qwen3Omni":
         """Loads a Qwen3-Omni checkpoint directory (``config.json``, safetensors in the hub
         layout, and ``tokenizer.json`` when present). ``tp_size`` > 1 splits the thinker over
         that many processes (:func:`~mstar_rt.models.qwen3_omni.thinker_tp.load_thinker_tp`,
-        ``tp_restart`` its ``restart``; docs/tensor_parallel.md); :meth:`close` stops them."""
+        ``tp_restart`` its ``restart``, ``expert_parallel`` whole experts per rank;
+        docs/tensor_parallel.md); :meth:`close` stops them."""
         thinker = None
         if tp_size != 1:
             from mstar_rt.models.qwen3_omni.thinker_tp import load_thinker_tp
 
             thinker = load_thinker_tp(path, tp_size, dtype=dtype, device=device,
-                                      restart=tp_restart)
+                                      restart=tp_restart, expert_parallel=expert_parallel)
+        elif expert_parallel:
+            raise ValueError("expert_parallel=True splits the thinker's experts over tp_size "
+                             "processes; give tp_size > 1 as well")
         try:
             weights = load_qwen3_omni(path, dtype=dtype, device=device, progress=progress,
                                       thinker=thinker)

@@ -171,9 +171,10 @@ class Attention(QKNormAttention):
 
 class DecoderLayer(nn.Module):
     """One layer, or ``split``'s share of it: its heads, and every expert's (or the dense MLP's)
-    share of the columns, the router whole. Each share's attention and MLP outputs are partial
-    sums, added up over the ranks by ``split.reduce`` (a sigmoid-gated shared expert too: the
-    gate scales every partial sum alike)."""
+    share of the columns -- or a block of whole experts (``split.experts``) -- the router
+    whole. Each share's attention and MLP outputs are partial sums, added up over the ranks by
+    ``split.reduce`` (a sigmoid-gated shared expert too: the gate scales every partial sum
+    alike)."""
 
     def __init__(self, c: TextLMConfig, layer: int, split: TensorSplit = WHOLE) -> None:
         super().__init__()
@@ -182,10 +183,12 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module
         if layer in c.dense_layers:
             self.mlp = SwiGLU(c.hidden_size, c.intermediate_size // split.size)
-        else:
+        else:  # every expert's share of the columns, or whole experts (expert parallelism)
+            ep = split.experts > 0
             self.mlp = SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok,
-                                 c.moe_intermediate_size // split.size, c.norm_topk_prob,
-                                 c.shared_expert_intermediate_size // split.size)
+                                 c.moe_intermediate_size // (1 if ep else split.size),
+                                 c.norm_topk_prob, c.shared_expert_intermediate_size // split.size,
+                                 split.part(c.num_experts) if ep else None)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -8,10 +8,18 @@ and of every expert's columns (gate and up rows, down columns) or of a dense lay
 routers, norms, embeddings and LM head are whole on every rank, so each rank routes every token
 to the same experts and the partial sums add up exactly. The hub checkpoint keeps one tensor per
 expert; a rank reads only the thinker's tensors and keeps its slice of each.
+
+With ``expert_parallel`` the experts split by whole experts instead: rank r holds the r-th even
+block of each MoE layer's experts (all their columns; the others' tensors are not even kept) and
+computes only the (token, expert) pairs routed to them; the same all-reduce adds the ranks'
+shares. Fewer, larger GEMMs per rank than every expert's column slice (Qwen3-Omni-30B's experts
+are 768 wide: 384 columns each at tp_size 2) and the same bytes on the wire; the load per rank
+follows the router (a batch's tokens may favour one rank's experts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Optional, Union
@@ -26,6 +34,10 @@ from mstar_rt.models.qwen3_omni.checkpoint import (Qwen3OmniConfig, checkpoint_d
 from mstar_rt.models.qwen3_omni.thinker import ThinkerLM
 
 LOADER = "mstar_rt.models.qwen3_omni.thinker_tp:load_thinker_shard"
+LOADER_EP = "mstar_rt.models.qwen3_omni.thinker_tp:load_thinker_shard_ep"
+#: an expert's tensors (hub: one per expert) and the fused ones ([E, ...]), by expert
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 #: thinker key (after ``thinker.``) -> how it splits: rows, columns, or the fused experts.
 _RULES = (
     (re.compile(r"\.self_attn\.[qkv]_proj\.(weight|bias)$"), "rows"),
@@ -38,8 +50,17 @@ _RULES = (
 )
 
 
-def thinker_share(key: str, tensor: torch.Tensor, split: TensorSplit) -> torch.Tensor:
-    """Rank ``split.rank``'s slice of thinker tensor ``key`` (whole when it is not split)."""
+def thinker_share(key: str, tensor: torch.Tensor, split: TensorSplit
+                  ) -> Optional[torch.Tensor]:
+    """Rank ``split.rank``'s slice of thinker tensor ``key`` (whole when it is not split; None
+    for an expert another rank holds, with ``split.experts``)."""
+    if split.experts:
+        start, stop = split.part(split.experts)
+        one = _EXPERT.search(key)
+        if one is not None:
+            return tensor if start <= int(one.group(1)) < stop else None
+        if _FUSED.search(key):
+            return tensor[start:stop]
     rule = next((r for pattern, r in _RULES if pattern.search(key)), None)
     if rule == "rows":
         a, b = split.part(tensor.shape[0])
@@ -56,12 +77,18 @@ def thinker_share(key: str, tensor: torch.Tensor, split: TensorSplit) -> torch.T
     return tensor
 
 
-def checked_config(path: Union[str, os.PathLike], tp_size: int) -> Qwen3OmniConfig:
+def checked_config(path: Union[str, os.PathLike], tp_size: int,
+                   expert_parallel: bool = False) -> Qwen3OmniConfig:
     """The checkpoint's config, refused when ``tp_size`` does not split the thinker evenly."""
     source = os.path.join(os.fspath(path), "config.json")
     config = Qwen3OmniConfig.from_hf(read_config(path), source)
     t = config.thinker
-    widths = [t.moe_intermediate_size] if t.num_experts else []
+    if expert_parallel and t.num_experts % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide num_experts {t.num_experts} of the "
+                         f"thinker of {source}: with expert_parallel every rank holds an equal "
+                         f"block of whole experts; use a tp_size that divides {t.num_experts}, "
+                         "or expert_parallel=False")
+    widths = [t.moe_intermediate_size] if t.num_experts and not expert_parallel else []
     if t.dense_layers:
         widths.append(t.intermediate_size)
     for width in widths or [t.intermediate_size]:
@@ -76,19 +103,29 @@ def load_thinker_shard(path: str, split: TensorSplit, dtype: torch.dtype,
     return load_thinker(path, split, dtype, device)
 
 
+def load_thinker_shard_ep(path: str, split: TensorSplit, dtype: torch.dtype,
+                          device: str = "cpu") -> ThinkerLM:
+    """Rank ``split.rank``'s thinker with its block of whole experts (expert parallelism)."""
+    experts = checked_config(path, split.size, expert_parallel=True).thinker.num_experts
+    return load_thinker(path, dataclasses.replace(split, experts=experts), dtype, device)
+
+
 def load_thinker_tp(path: Union[str, os.PathLike], tp_size: int,
                     dtype: Optional[torch.dtype] = None, device: str = "cpu",
                     timeout_s: float = 60.0, start_timeout_s: float = 300.0,
                     num_threads: Optional[int] = None, restart: str = "auto",
-                    max_restarts: int = 3) -> TensorParallelLM:
+                    max_restarts: int = 3, expert_parallel: bool = False) -> TensorParallelLM:
     """The thinker of the Qwen3-Omni checkpoint at ``path`` split over ``tp_size`` ranks
     (refused before anything starts when ``tp_size`` does not divide its heads, KV heads and
-    expert width); the arguments are :func:`~mstar_rt.distributed.tp_driver.load_tp`'s. The
-    result has :class:`ThinkerLM`'s face: ``Qwen3Omni`` serves it unchanged."""
+    expert width -- or, with ``expert_parallel``, its number of experts); the other arguments
+    are :func:`~mstar_rt.distributed.tp_driver.load_tp`'s. The result has :class:`ThinkerLM`'s
+    face: ``Qwen3Omni`` serves it unchanged."""
     path = os.fspath(path)
-    checked_config(path, tp_size)
-    return load_tp(path, tp_size, LOADER, "Qwen3-Omni thinker", checkpoint_dtype(path, dtype),
-                   device, timeout_s, start_timeout_s, num_threads, restart, max_restarts)
+    checked_config(path, tp_size, expert_parallel)
+    return load_tp(path, tp_size, LOADER_EP if expert_parallel else LOADER, "Qwen3-Omni thinker",
+                   checkpoint_dtype(path, dtype), device, timeout_s, start_timeout_s,
+                   num_threads, restart, max_restarts)
 
 
-__all__ = ["checked_config", "load_thinker_shard", "load_thinker_tp", "thinker_share"]
+__all__ = ["checked_config", "load_thinker_shard", "load_thinker_shard_ep", "load_thinker_tp",
+           "thinker_share"]
