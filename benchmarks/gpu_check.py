@@ -16,7 +16,9 @@ few kernels as it can):
   3. full-size pi0 and 4. full-size SmolVLA (random bf16 weights) through the Runtime:
      action-chunk latency at 1 robot and chunks/s at 8, flow steps eager vs CUDA graphs
      (benchmarks/gpu_check_vla.py);
-  5. decode speed at batch 1/4/16 through mstar_rt.Runtime: eager and CUDA graphs, torch and
+  5. CUDA tensors between two worker processes placed on the GPU, worker to worker and through
+     the parent: arriving on the reader's device, equal to in process (gpu_check_placement.py);
+  6. decode speed at batch 1/4/16 through mstar_rt.Runtime: eager and CUDA graphs, torch and
      FlashInfer attention, vs transformers generate on the same weights.
 Writes benchmarks/results/gpu_check.json after every section (a run cut short keeps what it
 measured) and exits 1 when a correctness check failed. Sections past --budget-s are skipped.
@@ -44,6 +46,7 @@ from bench_common import machine, use_source_tree  # benchmarks/ is on sys.path
 from gpu_check_attention import attention_check
 from gpu_check_common import Report
 from gpu_check_decode import build_models, graph_check, speed
+from gpu_check_placement import placement_check
 from gpu_check_vla import pi0_check, smolvla_check
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +110,8 @@ def main() -> int:
     ap.add_argument("--no-flashinfer", action="store_true", help="torch backend only")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     ap.add_argument("--only", default="",
-                    help="comma-separated sections to run (attention, model, graphs, speed, pi0, smolvla)")
+                    help="comma-separated sections to run (attention, model, graphs, pi0, smolvla, "
+                         "placement, speed)")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="skip sections that would start after this many seconds")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -143,6 +147,7 @@ def main() -> int:
     # the VLAs before decode speed: their tables are what the open issues ask of a GPU
     sections.append(("pi0", lambda: pi0_check(report)))
     sections.append(("smolvla", lambda: smolvla_check(report)))
+    sections.append(("placement", lambda: placement_check(report)))
     sections.append(("speed", lambda: speed(report, models["ours"], models["hf"], use_fi)))
     only = {s for s in args.only.split(",") if s}
     if only & {"graphs", "speed"}:

@@ -33,3 +33,20 @@ def test_gpu_check_vla_sections_dry_run_on_the_cpu(tmp_path):
                                      ("pi0", "smolvla") for what in ("speedup_1robot",
                                                                      "throughput_8robots")}
     assert "== attention" not in proc.stdout  # --only ran those sections alone
+
+
+def test_gpu_check_placement_section_dry_runs_on_the_cpu(tmp_path):
+    """The section that sends CUDA tensors between two workers, on the CPU: its checks pass
+    (equal to in process, inputs where the reading node is, the large tensor worker to worker)."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           "--dry-run-cpu", "--only", "placement", "--quick", "--out", str(out)],
+                          env=child_env(ROOT / "benchmarks"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["failed"] == []
+    assert {k for k in result["checks"] if k.startswith("placement_")} == {
+        "placement_inputs_not_on_the_nodes_device", "placement_output_vs_in_process_rel",
+        "placement_large_tensor_not_worker_to_worker"}
+    assert result["figures"]["placement_ms_per_request_placed"] > 0

@@ -115,6 +115,40 @@ def test_a_tensor_twice_in_one_message_crosses_once(arena):
     assert same(a, x) and same(b, x) and same(got["y"], x) and a is not b
 
 
+@pytest.mark.parametrize("inline_bytes", [0, INLINE_BYTES])
+def test_a_cuda_tensor_keeps_its_kind_across_host_hops(arena, inline_bytes):
+    """(No GPU here: the marked host copy of a CUDA tensor stands in for one, and "cpu" for a
+    worker's CUDA device; gpu_check.py's placement section runs the real thing.) It crosses
+    as kind CUDA: a process without a device keeps the host copy, marked, so it leaves that
+    process as CUDA again (a hop through the parent); a worker on a device puts it there."""
+    from mstar_rt.placement.codec import _CUDA, _WAS_CUDA
+
+    made = torch.arange(300.0)  # a CUDA tensor's host copy, as the parent would hold it
+    setattr(made, _WAS_CUDA, True)
+    plain = torch.arange(300.0)
+    payload = Encoder(arena, inline_bytes=inline_bytes).pack({"made": made, "plain": plain})
+    kinds = [h[0] for h in _headers(payload)]
+    assert kinds == [_CUDA, 0]
+    span = arena.publish()
+    parent = Decoder(arena).unpack(payload)  # no device: host copies, one marked
+    assert same(parent["made"], made) and getattr(parent["made"], _WAS_CUDA, False)
+    assert not getattr(parent["plain"], _WAS_CUDA, False)
+    worker = Decoder(arena, cuda="cpu").unpack(payload)  # on its device: no mark needed
+    arena.free_to(span)
+    assert same(worker["made"], made) and not getattr(worker["made"], _WAS_CUDA, False)
+    payload = Encoder(arena, inline_bytes=inline_bytes).pack(parent)  # the parent sends it on
+    assert [h[0] for h in _headers(payload)] == [_CUDA, 0]
+    arena.free_to(arena.publish())
+
+
+def _headers(payload: bytes) -> list:
+    """The tensor headers of a packed map of tensors, in order."""
+    out = []
+    msgpack.unpackb(payload, strict_map_key=False,
+                    ext_hook=lambda code, data: out.append(msgpack.unpackb(data)))
+    return out
+
+
 def test_codec_refuses_what_it_cannot_carry_and_says_what_to_send(arena):
     class Opaque:
         pass

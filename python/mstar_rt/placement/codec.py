@@ -16,9 +16,11 @@ dict) is msgpack itself; a few extension types carry the rest:
 * remote tensor: ``[rank, gen, key, offset, nbytes, kind, dtype, shape]`` -- bytes left in
   worker ``rank``'s export arena for another worker to read (placement/direct.py).
 
-GPU tensors cross as host copies today; a CUDA IPC handle (``torch.multiprocessing``'s
-``share_cuda``) or a torch.distributed send would be one more tensor ``kind`` (see
-docs/placement.md).
+A CUDA tensor crosses as a host copy of kind ``_CUDA``: a worker whose group is on a CUDA device
+puts it back on that device as it decodes it, so a node sees its input where the node that made
+it left it; a process without one (the parent, a CPU worker) keeps the host copy, marked, so
+that it leaves again as ``_CUDA`` (a hop through the parent keeps the kind). A CUDA IPC handle
+or a torch.distributed send would spare the host copy (see docs/placement.md).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from mstar_rt.placement.direct import Export, ExportArena, RemoteTensor
 
 EXT_TENSOR, EXT_TUPLE, EXT_DATACLASS, EXT_NPSCALAR, EXT_REMOTE, EXT_INLINE = 1, 2, 3, 4, 5, 6
 INLINE_BYTES = 1024  # tensors up to this size travel inside the message (measured: cheaper)
-_TORCH, _NUMPY = 0, 1
+_TORCH, _NUMPY, _CUDA = 0, 1, 2  # tensor kinds: _CUDA is a torch tensor made on a CUDA device
+_WAS_CUDA = "_mstar_was_cuda"  # the mark on a host copy of a CUDA tensor (this module's own)
 
 _NUMPY_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -173,6 +176,9 @@ class Encoder:
         """``t`` into the export arena (None: no room or not a plain CPU tensor -- it then
         goes through the parent)."""
         dt = _TORCH_NAMES.get(t.dtype) or (_torch_dtypes() and _TORCH_NAMES.get(t.dtype))
+        kind = _kind(t)
+        if t.is_cuda:  # its host copy is what crosses
+            t = t.detach().cpu()
         if (self.exports is None or dt is None or t.device.type != "cpu" or not t.is_contiguous()
                 or t.is_conj() or t.is_neg()):
             return None
@@ -183,7 +189,7 @@ class Encoder:
         key, offset = got
         self.exported.append(key)
         ctypes.memmove(self.exports.arena.address(offset), t.data_ptr(), nbytes)
-        header = [self.rank, self.gen, key, offset, nbytes, _TORCH, dt, list(t.shape)]
+        header = [self.rank, self.gen, key, offset, nbytes, kind, dt, list(t.shape)]
         if self.exports.at:  # fetched over tcp by a worker on another machine
             header.append(self.exports.at)
         return msgpack.ExtType(EXT_REMOTE, msgpack.packb(header))
@@ -203,10 +209,10 @@ class Encoder:
         torch = sys.modules["torch"]
         if t.layout != torch.strided:
             raise CodecError(f"cannot send a {t.layout} tensor; make it dense first")
-        src = t
+        src, kind = t, _kind(t)
         # A contiguous CPU tensor (the common case) is copied straight from its memory: one
         # memmove, no torch op (each would take and drop the GIL among busy threads).
-        if not src.is_cpu:  # host copy today; CUDA IPC would be another kind
+        if not src.is_cpu:  # a host copy (CUDA IPC would spare it)
             src = src.detach().cpu()
         if src.is_conj() or src.is_neg():
             src = src.detach().resolve_conj().resolve_neg()
@@ -215,10 +221,10 @@ class Encoder:
         nbytes = src.nbytes
         if nbytes <= self.inline_bytes:
             raw = ctypes.string_at(src.data_ptr(), nbytes) if nbytes else b""
-            return msgpack.ExtType(EXT_INLINE, msgpack.packb([_TORCH, dt, list(t.shape), raw]))
+            return msgpack.ExtType(EXT_INLINE, msgpack.packb([kind, dt, list(t.shape), raw]))
         offset = self._alloc(nbytes)
         ctypes.memmove(self.arena.address(offset), src.data_ptr(), nbytes)
-        return msgpack.ExtType(EXT_TENSOR, msgpack.packb([_TORCH, dt, list(t.shape), offset,
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb([kind, dt, list(t.shape), offset,
                                                           nbytes]))
 
     def _pack_numpy(self, a: np.ndarray) -> msgpack.ExtType:
@@ -241,8 +247,10 @@ class Decoder:
 
     def __init__(self, arena: Optional[ShmArena],
                  remote: Optional[Callable[[list], Any]] = None,
-                 remote_arena: Optional[Callable[[list], tuple[Any, int]]] = None) -> None:
+                 remote_arena: Optional[Callable[[list], tuple[Any, int]]] = None,
+                 cuda: Optional[str] = None) -> None:
         self.arena = arena
+        self.cuda = cuda  # where tensors made on a CUDA device go (None: stay on the host)
         # A remote tensor becomes remote(header) (the parent's handle), or is copied out of
         # remote_arena(header) -> (arena, offset) (a worker that reads it); neither: it may not
         # come here.
@@ -316,7 +324,17 @@ class Decoder:
         if kind == _NUMPY:
             return arr
         out = sys.modules["torch"].from_numpy(arr)
-        return out if dt in _NP_OF_TORCH else out.view(dtype)
+        return self._placed(kind, out if dt in _NP_OF_TORCH else out.view(dtype))
+
+    def _placed(self, kind: int, t: Any) -> Any:
+        """A torch tensor where it belongs: a CUDA one's host copy back on this process's
+        device, or marked so that it leaves again as one."""
+        if kind != _CUDA:
+            return t
+        if self.cuda is not None:
+            return t.to(self.cuda)
+        setattr(t, _WAS_CUDA, True)
+        return t
 
     def _tensor(self, h: Any, arena: Optional[ShmArena] = None, check_only: bool = False) -> Any:
         if not (isinstance(h, list) and len(h) == 5):
@@ -343,13 +361,18 @@ class Decoder:
         if kind == _NUMPY:
             return arr
         out = sys.modules["torch"].from_numpy(arr)
-        return out if dt in _NP_OF_TORCH else out.view(dtype)
+        return self._placed(kind, out if dt in _NP_OF_TORCH else out.view(dtype))
+
+
+def _kind(t: Any) -> int:
+    """A torch tensor's kind in a header: _CUDA for one on a CUDA device or the host copy of one."""
+    return _CUDA if t.is_cuda or getattr(t, _WAS_CUDA, False) else _TORCH
 
 
 def _checked(kind: Any, dt: Any, shape: Any, nbytes: Any) -> tuple[Any, int]:
     """(dtype, element count) of a tensor of ``kind``, ``dt`` and ``shape`` holding ``nbytes``."""
     count = 1
-    if kind in (_TORCH, _NUMPY) and type(dt) is str and type(shape) is list:
+    if kind in (_TORCH, _NUMPY, _CUDA) and type(dt) is str and type(shape) is list:
         for d in shape:
             if type(d) is not int or d < 0:
                 break

@@ -98,7 +98,9 @@ class Worker:
         self.exports = self.direct.exports
         self.outbox = Outbox(sock, self.w2p, self.rank, self.gen, self.exports,
                              frozenset(cfg.get("direct") or ()), int(cfg.get("direct_bytes", 0)))
-        self.decoder, self.plain = Decoder(self.p2w, remote_arena=self.direct.reader), Decoder(None)
+        cuda = "cuda" if str(cfg["device"]).startswith("cuda") else None  # (its visible GPU)
+        self.decoder = Decoder(self.p2w, remote_arena=self.direct.reader, cuda=cuda)
+        self.plain = Decoder(None)
         say(f"building {cfg['factory']} for nodes {cfg['nodes']} on {cfg['device']}")
         model = ModelSpec(cfg["factory"], cfg["kwargs"]).build()
         from mstar_rt.placement.host import WorkerHost
