@@ -1,9 +1,10 @@
 """The tensor-parallel soak section: a small random Llama checkpoint served at tp_size 2 in this
 process (rank 0 here, rank 1 a follower process) under chaos -- cancels at random points and
 the follower SIGKILLed every few seconds -- while the group rebuilds itself at its next step
-(restart auto, distributed/llama_tp.py). Every finished request's greedy tokens are checked
-against the same checkpoint at tp_size 1 in this process: a request that read K/V built before
-a rebuild would get wrong tokens, not an error, if that K/V were not refused.
+(restart auto, distributed/llama_tp.py; with ``MSTAR_SOAK_TP_RESTART=eager`` at once, by its
+watcher). Every finished request's greedy tokens are checked against the same checkpoint at
+tp_size 1 in this process: a request that read K/V built before a rebuild would get wrong
+tokens, not an error, if that K/V were not refused.
 
 Allowed outcomes: the reference's tokens; a cancel; RequestFailed naming the broken group or
 K/V built before the rebuild. After the chaos: the group serving again, 50 clean requests, no
@@ -85,7 +86,9 @@ def run_tp(quick: bool, seconds: float) -> dict:
     from mstar_rt.distributed.group import open_store
     open_store(2, 5.0)  # libuv's process-wide pipe pair opens with the first store, never closes
     start = snapshot(os.getpid())
-    module = load_llama_tp(directory, 2, max_restarts=1_000_000)
+    # MSTAR_SOAK_TP_RESTART=eager: the group rebuilt by its watcher, between steps
+    restart = os.environ.get("MSTAR_SOAK_TP_RESTART", "auto")
+    module = load_llama_tp(directory, 2, max_restarts=1_000_000, restart=restart)
     rt = Runtime(make_lm(module, page_size=4, num_pages=PAGES, emit_logits=False))
     one = greedy_one(ref, _killed, 0.02, _request)
 

@@ -12,6 +12,28 @@ import omni_tiny as ot
 from tp_support import run_steps
 
 GREEDY = {"temperature": 0.0, "max_tokens": 40}
+TOL = 1e-4
+
+
+def with_dense_layer_and_biases(seed: int):
+    """A tiny HF Qwen3-Omni whose thinker has a dense MLP layer (1) among the MoE ones and
+    biases on q/k/v/o, drawn at random (transformers starts them at zero)."""
+    hf = ot.model(seed=seed, thinker_text={"mlp_only_layers": [1], "attention_bias": True})
+    with torch.no_grad():
+        for name, p in hf.thinker.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return hf
+
+
+def assert_same_steps(one, split, script, hidden_layer) -> None:
+    """The split thinker's final hidden states, layer ``hidden_layer`` (what the talker reads)
+    and logits, step by step, within TOL of the whole one's."""
+    for (f1, a1, l1), (f2, a2, l2) in zip(thinker_steps(one, script, hidden_layer),
+                                          thinker_steps(split, script, hidden_layer)):
+        assert (f1 - f2).abs().max() < TOL
+        assert (a1 - a2).abs().max() < TOL
+        assert (l1 - l2).abs().max() < TOL
 
 
 def thinker_steps(module, script, hidden_layer):

@@ -1,6 +1,7 @@
-"""benchmarks/gpu_check.py's VLA sections (pi0, SmolVLA) run on the CPU (--dry-run-cpu: the
-fixtures' tiny policies, graphs eagerly) before they ever spend GPU time: every figure, ratio
-and check they report on a GPU comes out, and the checks pass."""
+"""benchmarks/gpu_check.py's VLA sections (pi0, SmolVLA) and its placement section run on the
+CPU (--dry-run-cpu: the fixtures' tiny policies, graphs eagerly; workers on the CPU) before they
+ever spend GPU time: every figure, ratio and check they report on a GPU comes out, and the checks
+pass."""
 
 import json
 import subprocess
@@ -12,15 +13,22 @@ from child_env import child_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_check_vla_sections_dry_run_on_the_cpu(tmp_path):
+def dry_run(tmp_path: Path, only: str) -> tuple[dict, str]:
+    """gpu_check.py --dry-run-cpu --quick of sections ``only``: (its JSON, its output); it
+    must exit 0 with no failed check."""
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
-                           "--dry-run-cpu", "--only", "pi0,smolvla", "--quick", "--out", str(out)],
+                           "--dry-run-cpu", "--only", only, "--quick", "--out", str(out)],
                           env=child_env(ROOT / "benchmarks"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["failed"] == []
+    return result, proc.stdout
+
+
+def test_gpu_check_vla_sections_dry_run_on_the_cpu(tmp_path):
+    result, stdout = dry_run(tmp_path, "pi0,smolvla")
     f = result["figures"]
     for name in ("pi0", "smolvla"):
         assert result["checks"][f"{name}_graph_chunk_vs_eager_rel"]["ok"]
@@ -32,20 +40,13 @@ def test_gpu_check_vla_sections_dry_run_on_the_cpu(tmp_path):
     assert set(result["ratios"]) == {f"{name}_graphs_over_eager_{what}" for name in
                                      ("pi0", "smolvla") for what in ("speedup_1robot",
                                                                      "throughput_8robots")}
-    assert "== attention" not in proc.stdout  # --only ran those sections alone
+    assert "== attention" not in stdout  # --only ran those sections alone
 
 
 def test_gpu_check_placement_section_dry_runs_on_the_cpu(tmp_path):
     """The section that sends CUDA tensors between two workers, on the CPU: its checks pass
     (equal to in process, inputs where the reading node is, the large tensor worker to worker)."""
-    out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
-                           "--dry-run-cpu", "--only", "placement", "--quick", "--out", str(out)],
-                          env=child_env(ROOT / "benchmarks"), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert result["failed"] == []
+    result, _ = dry_run(tmp_path, "placement")
     assert {k for k in result["checks"] if k.startswith("placement_")} == {
         "placement_inputs_not_on_the_nodes_device", "placement_output_vs_in_process_rel",
         "placement_large_tensor_not_worker_to_worker"}

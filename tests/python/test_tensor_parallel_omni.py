@@ -27,7 +27,8 @@ from mstar_rt.models.qwen3_omni.omni import Qwen3Omni  # noqa: E402
 from mstar_rt.models.qwen3_omni.thinker_tp import load_thinker_tp, thinker_share  # noqa: E402
 
 import omni_tiny as ot  # noqa: E402
-from omni_tp_support import omni_answers, omni_requests, thinker_steps  # noqa: E402
+from omni_tp_support import (assert_same_steps, omni_answers, omni_requests,  # noqa: E402
+                              with_dense_layer_and_biases)
 from tp_support import alive, children, follower_pids  # noqa: E402
 from walk_models import close_within, wait_until  # noqa: E402
 
@@ -70,23 +71,13 @@ def test_the_split_thinker_equals_the_whole_one_step_by_step(checkpoint, split):
               ("fork", "a", "c"),                              # c shares a's pages
               [("c", ids(1)), ("a", ids(3))],                  # c's write copies a page
               [("b", ids(1)), ("c", ids(1)), ("a", ids(1))]]
-    layer = split.config.accept_hidden_layer
-    for (f1, a1, l1), (f2, a2, l2) in zip(thinker_steps(one, script, layer),
-                                          thinker_steps(tp, script, layer)):
-        assert (f1 - f2).abs().max() < TOL
-        assert (a1 - a2).abs().max() < TOL  # what the talker reads
-        assert (l1 - l2).abs().max() < TOL
+    assert_same_steps(one, tp, script, split.config.accept_hidden_layer)
 
 
 def test_dense_layers_and_attention_biases_split_too(tmp_path):
     """A thinker with a dense MLP layer among the MoE ones and biases on q/k/v/o (o_proj's
     bias must be added once, not once per rank)."""
-    hf = ot.model(seed=1, thinker_text={"mlp_only_layers": [1], "attention_bias": True})
-    with torch.no_grad():  # transformers starts biases at zero: make them matter
-        for name, p in hf.thinker.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    path = ot.save(hf, str(tmp_path))
+    path = ot.save(with_dense_layer_and_biases(seed=1), str(tmp_path))
     one = load_thinker(path)
     assert one.config.dense_layers == (1,) and one.config.attention_bias
     tp = load_thinker_tp(path, 2)
@@ -94,9 +85,7 @@ def test_dense_layers_and_attention_biases_split_too(tmp_path):
         g = torch.Generator().manual_seed(2)
         script = [[("a", torch.randint(0, ot.THINKER_VOCAB, (7,), generator=g).tolist())],
                   [("a", [5])], [("a", [6])]]
-        for (f1, a1, l1), (f2, a2, l2) in zip(thinker_steps(one, script, 1), thinker_steps(tp, script, 1)):
-            assert (f1 - f2).abs().max() < TOL and (a1 - a2).abs().max() < TOL
-            assert (l1 - l2).abs().max() < TOL
+        assert_same_steps(one, tp, script, 1)
     finally:
         tp.close()
 

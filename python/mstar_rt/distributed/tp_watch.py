@@ -5,8 +5,9 @@ With ``"auto"`` the first step after a loss starts the new followers (about 2 s 
 CPU), so the first request after the loss waits for them. Here a thread looks at the followers
 every WATCH_S and, once one is gone, takes the group's step lock and rebuilds it (the same
 rebuild a step would make: rank 0's weights and cache kept, the K/V built before marked lost,
-at most ``max_restarts`` times). A step that comes meanwhile waits for the lock, as it would
-have waited for its own rebuild. Opt-in: a server that counts restarts per step, or that would
+at most ``max_restarts`` times; a rebuild that cannot start is tried again after a wait that
+doubles up to BACKOFF_MAX_S). A step that comes meanwhile waits for the lock, as it would have
+waited for its own rebuild. Opt-in: a server that counts restarts per step, or that would
 rather not spend the CPU before anyone asks, keeps ``"auto"``.
 
 The thread holds the model only weakly and ends with its :meth:`close` or its collection."""
@@ -18,6 +19,7 @@ import weakref
 from typing import Any
 
 WATCH_S = 0.2  # how often the followers are looked at (a process poll each: cheap)
+BACKOFF_MAX_S = 5.0  # after failed rebuilds, the wait before the next (doubling up to this)
 
 
 def watch_group(lm: Any) -> threading.Event:
@@ -30,14 +32,17 @@ def watch_group(lm: Any) -> threading.Event:
 
 
 def _watch(ref: "weakref.ref[Any]", stop: threading.Event) -> None:
-    while not stop.wait(WATCH_S):
+    wait = WATCH_S
+    while not stop.wait(wait):
         lm = ref()
         if lm is None:
             return
         try:
             lm.heal()
-        except Exception:  # a rebuild that could not start: the next look (or step) tries again
-            pass
+            wait = WATCH_S
+        except Exception:  # a rebuild that could not start: the next look (or step) tries
+            # again, later each time, so a lasting cause does not spend max_restarts at once
+            wait = min(2 * wait, BACKOFF_MAX_S)
         del lm
 
 

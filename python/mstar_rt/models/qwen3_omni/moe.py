@@ -54,6 +54,8 @@ class FusedExperts(nn.Module):
         if self.num_experts != self.routed:  # only the (token, slot) pairs routed here
             flat = flat - self.first
             pairs = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)
+            if not pairs.numel():  # none: its share is zero (and a grouped GEMM of no rows)
+                return torch.zeros_like(x)
             flat = flat[pairs]
         order = flat.argsort(stable=True)            # (token, slot) pairs grouped by expert
         if pairs is not None:
