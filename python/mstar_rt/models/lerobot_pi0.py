@@ -85,8 +85,8 @@ class PrefixNode(KVNodeSubmodule):
         m, c = self.policy.module, self.policy.config
         r = check_request(self.policy.processor, inputs, m.device, self.rtc)
         with torch.inference_mode():
-            # image tokens made on another worker's GPU arrive here on the CPU (placement moves
-            # tensors through host memory): onto this module's device
+            # image tokens made elsewhere may be on another device (a placed parent keeps a
+            # CUDA tensor's host copy; a worker on a GPU gets them on its own): onto this one's
             prefix = torch.cat([inputs["image_tokens"].to(m.device), m.prompt_tokens(r.ids)])
             state = None
             if c.family == "pi0":

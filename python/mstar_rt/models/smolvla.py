@@ -98,7 +98,7 @@ class PrefixNode(KVNodeSubmodule):
         r = check_request(self.policy, inputs, self.rtc)
         ctx.request.state["request"] = r  # the flow steps' guidance reads delay and prev
         with torch.inference_mode():
-            m = self.policy.module  # image tokens from another worker arrive on the CPU
+            m = self.policy.module  # image tokens made elsewhere may be on another device
             x = m.prefix_embeds(inputs["image_embs"].to(m.device), r.prompt, r.state)
         n = x.shape[0]
         # Image and task tokens see each other both ways; the state token (last) sees all.
