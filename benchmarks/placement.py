@@ -48,7 +48,7 @@ from mstar_rt import (EMIT, DynamicLoop, GraphEdge, GraphNode, Loop, Model,  # n
                       NodeSubmodule, Runtime, Sequential)
 from mstar_rt.placement import NodeGroup, PlacedRuntime  # noqa: E402
 from placement_kv import kv_decode, omni_split  # noqa: E402
-from placement_stream import stream_direct_vs_star  # noqa: E402
+from placement_stream import LONG as LONG_ITEMS, stream_direct_vs_star  # noqa: E402
 
 DECODE_STEPS = 256
 
@@ -330,6 +330,7 @@ def main() -> None:
     # with only its own two runtimes open (the figure moved 0.44 -> 1.3-1.5 when the others left)
     figures.update(direct_vs_star(30 * scale))
     figures.update(stream_direct_vs_star(10 * scale))
+    figures.update(stream_direct_vs_star(4 * scale, segment=True))
     figures.update(kv_decode(5 * scale))
     figures.update(kv_decode(5 * scale, disagg=True))
     figures.update(omni_split(4 * scale))
@@ -349,6 +350,8 @@ def main() -> None:
                                           / figures["direct_us_per_hop_1mib"])
     ratios["stream_direct_over_star_speedup"] = (figures["stream_star_us_per_item_1mib"]
                                                  / figures["stream_direct_us_per_item_1mib"])
+    ratios["stream_in_direct_over_star_speedup"] = (figures["stream_in_star_us_per_item_1mib"]
+                                                    / figures["stream_in_direct_us_per_item_1mib"])
     for n in (1, 8):
         ratios[f"kv_placed_over_inproc_per_token_{n}req"] = (
             figures[f"kv_segments_us_per_token_{n}req"] / figures[f"kv_inproc_us_per_token_{n}req"])
@@ -379,6 +382,12 @@ def main() -> None:
           f"{figures['stream_star_us_per_item_1mib']:.0f} µs, worker to worker "
           f"{figures['stream_direct_us_per_item_1mib']:.0f} µs per item; "
           f"stream_direct_over_star_speedup {ratios['stream_direct_over_star_speedup']:.2f}")
+    print(f"{LONG_ITEMS} such items per request into a two-node loop segment (16 MiB arena): "
+          f"through the parent {figures['stream_in_star_us_per_item_1mib']:.0f} µs, worker to "
+          f"worker {figures['stream_in_direct_us_per_item_1mib']:.0f} µs per item "
+          f"({figures['stream_in_items_exported']:.0f} of {figures['stream_in_items_timed']:.0f} "
+          "as handles); stream_in_direct_over_star_speedup "
+          f"{ratios['stream_in_direct_over_star_speedup']:.2f}")
     if args.ray:
         print(f"the same between Ray actors (tcp): through the parent "
               f"{figures['ray_star_us_per_hop_1mib']:.0f} µs, fetched from the maker "

@@ -450,3 +450,22 @@ def test_a_worker_killed_while_frames_enter_a_segment_fails_its_requests_and_fre
         assert got == pytest.approx(want, rel=1e-6)
         assert wait_until(lambda: rt.worker_stats(1)["export_bytes_in_use"] == 0, T)
         assert rt.live["requests"] == 0
+
+
+def test_unexports_hurry_once_a_quarter_of_the_arena_waits_on_them():
+    """Dead handles' unexports wait for the worker's next batch or the hub's idle moment; a
+    long stream keeps the hub busy, so once the dead handles hold ``hurry_bytes`` they are sent
+    at once (``hurry``), before the maker's arena fills."""
+    from mstar_rt.placement.direct import LinkExports
+
+    held, hurried = [], []
+    exports = LinkExports(1, ["f"], 1, lambda g, name, value: held.append(value),
+                          lambda: hurried.append(len(held)), hurry_bytes=3 << 20)
+    handles = [exports.handle(0, [1, 0, key, 0, 1 << 20, 0, "float32", [1 << 18]])
+               for key in range(7)]
+    del handles[:2]
+    assert sorted(held) == [0, 1] and hurried == []
+    del handles[0]  # the third MiB
+    assert hurried == [3]
+    del handles[:]
+    assert sorted(held) == list(range(7)) and hurried == [3, 6]

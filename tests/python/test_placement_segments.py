@@ -291,3 +291,23 @@ def test_a_node_hung_inside_a_segment_is_seen_by_node_timeout():
         assert time.monotonic() - t0 < 1.0 + 2.5
         assert wait_until(lambda: rt.workers[1]["state"] == "up", T)
         assert len(rt.submit(inputs(1)).result(T)["tok"]) == 4
+
+
+def test_replies_queued_together_coalesce_up_to_a_bound_of_tensor_bytes():
+    """A segment's replies queued while its sender was busy leave as one message -- tokens of
+    a fast loop -- but large tensors only up to COALESCE_BYTES a message: twenty 1 MiB stream
+    items in one message outgrew a 16 MiB arena and failed their request."""
+    from mstar_rt.placement.segment_runner import COALESCE_BYTES, coalesce
+
+    tokens = [("emit", {"emits": [[7, "tok", torch.tensor(i)]], "items": [1]}) for i in range(50)]
+    (one,) = coalesce(tokens)
+    assert [float(e[2]) for e in one[1]["emits"]] == list(range(50))
+    frames = [("emit", {"emits": [[7, "f", torch.zeros(1 << 18)]], "items": [1]})
+              for _ in range(20)]
+    out = coalesce(frames)
+    assert sum(len(m[1]["emits"]) for m in out) == 20
+    assert all(sum(e[2].nbytes for e in m[1]["emits"]) <= COALESCE_BYTES for m in out)
+    assert len(out) == 20 * (1 << 20) // COALESCE_BYTES
+    big = [("done", {"node": 3, "items": [i], "outputs": [{"y": torch.zeros(1 << 21)}],
+                     "states": {}, "stops": None}) for i in range(3)]  # 8 MiB each: alone
+    assert [m[1]["items"] for m in coalesce(big)] == [[0], [1], [2]]

@@ -150,6 +150,13 @@ class SendChannel:
         self._held_to_pending()
         self.flush()
 
+    def hurry_held(self) -> None:
+        """The held fields are due now: queued as messages of their own, sent at once, or (on
+        the hub's thread) once it has handled the reply in hand."""
+        self._held_to_pending()
+        if not deferring():
+            self.flush()
+
     def _held_to_pending(self) -> None:
         gen = self.gen
         for name, values in self.take_held(gen).items():

@@ -165,11 +165,16 @@ class RemoteTensor:
 class LinkExports:
     """The parent's side for one worker: its direct value names, its export arena (one per
     generation, made before the worker starts, removed with it) and the handles it hands out;
-    ``hold(gen, field, value)`` queues an ``unexport`` for its next message."""
+    ``hold(gen, field, value)`` queues an ``unexport`` for its next message (or the hub's idle
+    moment). Once the handles that died since the last ``hurry()`` held ``hurry_bytes`` (a
+    quarter of the arena, by default), ``hurry()`` sends the held unexports now: a long stream
+    keeps the hub busy, and the maker's arena would fill while they wait for a quiet moment."""
 
     def __init__(self, rank: int, names: list[str], min_bytes: int,
-                 hold: Callable[[int, str, Any], None]) -> None:
+                 hold: Callable[[int, str, Any], None],
+                 hurry: Callable[[], None] = lambda: None, hurry_bytes: int = 1 << 62) -> None:
         self.rank, self.names, self.min_bytes, self._hold = rank, list(names), min_bytes, hold
+        self._hurry, self.hurry_bytes, self.freed_bytes = hurry, hurry_bytes, 0
         self.arena: Optional[ShmArena] = None
         self.handed_out = 0  # handles made, for stats and tests
 
@@ -195,7 +200,14 @@ class LinkExports:
             raise CodecError(f"worker rank {self.rank} sent a remote tensor of rank {header[0]} "
                              f"generation {header[1]}; a worker hands out its own exports only")
         self.handed_out += 1
-        return RemoteTensor(header, lambda g, key: self._hold(g, "unexport", key))
+        return RemoteTensor(header, lambda g, key, n=header[4]: self._freed(g, key, n))
+
+    def _freed(self, gen: int, key: int, nbytes: int) -> None:
+        self._hold(gen, "unexport", key)
+        self.freed_bytes += nbytes  # (threads may race here: it only decides when to hurry)
+        if self.freed_bytes >= self.hurry_bytes:
+            self.freed_bytes = 0
+            self._hurry()
 
 
 class PeerArenas:

@@ -59,9 +59,9 @@ class WorkerLink:
             parent_endpoint, tag
         self.shm_bytes, self.ready_timeout_s, self.progress = shm_bytes, ready_timeout_s, progress
         self.engine_settings = dict(engines or {})
-        self.exports = LinkExports(self.rank, list(direct), direct_bytes,
-                                   lambda gen, name, value: self._channel.held.append(
-                                       (gen, name, value)))  # tensors to other workers
+        self.exports = LinkExports(self.rank, list(direct), direct_bytes, lambda gen, name, value:
+                                   self._channel.held.append((gen, name, value)),  # to workers
+                                   lambda: self._channel.hurry_held(), max(1, shm_bytes // 4))
         self.state = "new"  # new | starting | up | down | closed
         self.gen = -1
         self._local = ray is None

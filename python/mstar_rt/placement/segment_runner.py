@@ -143,7 +143,7 @@ class SegmentRunner:
             batch = list(self._outbox)
             self._outbox.clear()
         try:
-            for kind, fields in _coalesce(batch):
+            for kind, fields in coalesce(batch):
                 self._send(kind, **fields)
         finally:
             with self._wake:
@@ -162,7 +162,7 @@ class SegmentRunner:
                 self._outbox.clear()
                 self._busy = True
             try:
-                for kind, fields in _coalesce(batch):
+                for kind, fields in coalesce(batch):
                     self._send(kind, **fields)
             finally:
                 with self._wake:
@@ -412,12 +412,20 @@ class SegmentRunner:
             self._sender.join(timeout=5)
 
 
-def _coalesce(batch: list) -> list:
+COALESCE_BYTES = 4 << 20  # tensor bytes past which replies leave as messages of their own
+
+
+def coalesce(batch: list) -> list:
     """Consecutive replies of one kind leave as one message: outputs (``emit``) and ends of
-    runs of one segment (``done``)."""
+    runs of one segment (``done``) -- up to COALESCE_BYTES of tensors in a message: a fast
+    decode loop's tokens gain from it, large items nothing, and a message holding many of them
+    could outgrow the arena it must fit (a stream of 1 MiB frames queued while the sender was
+    busy failed its request so with a 16 MiB arena)."""
     out: list = []
+    held = 0  # tensor bytes of out[-1]
     for kind, fields in batch:
-        last = out[-1] if out else None
+        size = _tensor_bytes(fields)
+        last = out[-1] if out and held + size <= COALESCE_BYTES else None
         if last is not None and last[0] == kind == "emit":
             last[1]["emits"] += fields["emits"]
             last[1]["items"] = sorted(set(last[1]["items"]) | set(fields["items"]))
@@ -432,7 +440,22 @@ def _coalesce(batch: list) -> list:
             out.append((kind, {k: (list(v) if isinstance(v, list) else
                                    dict(v) if isinstance(v, dict) else v)
                                for k, v in fields.items()}))
+            held = 0
+        held += size
     return out
 
 
-__all__ = ["SegmentRunner"]
+def _tensor_bytes(fields: dict) -> int:
+    """The bytes of the tensors (and arrays) a reply's outputs and emits hold, lists included."""
+    values = [e[2] for e in fields.get("emits") or () if len(e) > 2]
+    values += [v for out in fields.get("outputs") or () if isinstance(out, dict)
+               for v in out.values()]
+    total = 0
+    for v in values:
+        for x in (v if type(v) in (list, tuple) else (v,)):
+            n = getattr(x, "nbytes", 0)
+            total += n if type(n) is int else 0
+    return total
+
+
+__all__ = ["COALESCE_BYTES", "SegmentRunner", "coalesce"]
