@@ -109,6 +109,9 @@ def test_splits_that_do_not_divide_are_refused_before_any_process_starts(checkpo
     with pytest.raises(ValueError, match=r"tp_size 3 does not divide num_attention_heads 4, "
                                          r"num_key_value_heads 2 .*\(one of \[1, 2\]\)"):
         CausalLM.from_pretrained(checkpoint, tp_size=3)
+    with pytest.raises(ValueError, match=r"expert_parallel=True splits a mixture of experts .* "
+                                         r"has none: drop expert_parallel"):
+        CausalLM.from_pretrained(checkpoint, tp_size=2, expert_parallel=True)
     assert set(children()) == before
     with pytest.raises(ValueError, match="tensor-parallel .* drop cuda_graphs"):
         CausalLM(tp2, cuda_graphs=True)

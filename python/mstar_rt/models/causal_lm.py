@@ -278,11 +278,16 @@ class CausalLM(Model):
     @staticmethod
     def from_pretrained(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None,
                         device: str = "cpu", progress: bool = True, tp_size: int = 1,
-                        tp_restart: str = "auto", **kwargs: Any) -> "CausalLM":
+                        tp_restart: str = "auto", expert_parallel: bool = False,
+                        **kwargs: Any) -> "CausalLM":
         """Loads a Llama-architecture HF checkpoint directory and serves it. ``tp_size`` > 1
         splits it over that many processes (:func:`~mstar_rt.distributed.llama_tp.load_llama_tp`;
         docs/tensor_parallel.md; ``tp_restart``: its ``restart``); :meth:`close` then stops
-        them."""
+        them. (``expert_parallel`` is refused: a Llama has no experts.)"""
+        if expert_parallel:
+            raise ValueError(f"expert_parallel=True splits a mixture of experts by whole experts "
+                             f"(Qwen3-Omni's thinker); the Llama at {os.fspath(path)} has none: "
+                             "drop expert_parallel (tp_size alone splits its heads and MLP)")
         if tp_size != 1:
             from mstar_rt.distributed.llama_tp import load_llama_tp
 
