@@ -31,6 +31,11 @@ class TensorSplit:
         share = total // self.size
         return self.rank * share, (self.rank + 1) * share
 
+    def expert_block(self) -> Optional[tuple[int, int]]:
+        """``[start, stop)`` of the routed experts this rank holds whole (None: no expert
+        parallelism, every rank holds every expert's share of the columns)."""
+        return self.part(self.experts) if self.experts else None
+
 
 WHOLE = TensorSplit()
 

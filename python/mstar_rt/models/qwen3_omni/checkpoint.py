@@ -224,8 +224,9 @@ def _load(path: Union[str, os.PathLike], raw: Mapping[str, Any], config: Qwen3Om
                 tensor = shard(key[len("thinker."):], tensor, split)
                 if tensor is None:  # an expert another rank holds (expert parallelism)
                     continue
-                if part is not None and split.experts:  # its index in this rank's block
-                    part = (part[0], part[1] - split.part(split.experts)[0])
+                block = split.expert_block()
+                if part is not None and block is not None:  # its index in this rank's block
+                    part = (part[0], part[1] - block[0])
             _copy(params[component][name], part, tensor)
     skipped = ("thinker.visual.",) + tuple(p for p, c in PREFIXES if c in skip)
     for m in modules.values():

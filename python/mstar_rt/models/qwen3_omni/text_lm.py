@@ -184,11 +184,11 @@ class DecoderLayer(nn.Module):
         if layer in c.dense_layers:
             self.mlp = SwiGLU(c.hidden_size, c.intermediate_size // split.size)
         else:  # every expert's share of the columns, or whole experts (expert parallelism)
-            ep = split.experts > 0
+            block = split.expert_block()
             self.mlp = SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok,
-                                 c.moe_intermediate_size // (1 if ep else split.size),
+                                 c.moe_intermediate_size // (1 if block else split.size),
                                  c.norm_topk_prob, c.shared_expert_intermediate_size // split.size,
-                                 split.part(c.num_experts) if ep else None)
+                                 block)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -54,8 +54,9 @@ def thinker_share(key: str, tensor: torch.Tensor, split: TensorSplit
                   ) -> Optional[torch.Tensor]:
     """Rank ``split.rank``'s slice of thinker tensor ``key`` (whole when it is not split; None
     for an expert another rank holds, with ``split.experts``)."""
-    if split.experts:
-        start, stop = split.part(split.experts)
+    block = split.expert_block()
+    if block is not None:
+        start, stop = block
         one = _EXPERT.search(key)
         if one is not None:
             return tensor if start <= int(one.group(1)) < stop else None
