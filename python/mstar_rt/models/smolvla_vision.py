@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar_rt.models.siglip import gelu_tanh
 from mstar_rt.models.smolvla_config import SmolVLMVisionSizes
 
 
@@ -56,6 +57,8 @@ class VisionEmbeddings(nn.Module):
         return x + self.position_embedding(ids)
 
 
+# siglip.py's layers again (the hub's weights are SigLIP's), kept apart because SmolVLM
+# registers the modules in another order, and a state dict's order is LeRobot's here too.
 class VisionAttention(nn.Module):
     def __init__(self, v: SmolVLMVisionSizes) -> None:
         super().__init__()
@@ -79,7 +82,7 @@ class VisionMLP(nn.Module):
         self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(gelu_tanh(self.fc1(x)))
 
 
 class VisionLayer(nn.Module):
