@@ -1,7 +1,8 @@
 """The CEM planner walk: its batched rollouts (with a shared history broadcast into every
 sample) equal the world model's full-recompute loop per candidate; the same seed gives the same
-plan and a different seed different samples; planning lowers the energy; bad inputs are refused
-at submit naming the input; several planning requests run side by side."""
+plan, a different seed different samples, no seed a fresh draw per request; planning lowers the
+energy; bad inputs are refused at submit naming the input; several planning requests run side
+by side."""
 
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ def test_same_seed_same_plan_different_seed_different_samples(serve, predictor):
     assert all(torch.equal(x, y) for x, y in zip(seen[:3], seen[3:6]))
     assert not any(torch.allclose(x, y) for x, y in zip(seen[:3], seen[6:]))
     assert not torch.allclose(a["plan"][0], other["plan"][0])
+    # without a seed a request draws its own: its iterations differ from each other and
+    # from every other request's, as a fresh draw should
+    seen.clear()
+    rt.submit(obs).result(timeout=TIMEOUT), rt.submit(obs).result(timeout=TIMEOUT)
+    assert len(seen) == 6 and len({float(x.sum()) for x in seen}) == 6
     assert settled(rt) == ZERO_LIVE
 
 

@@ -112,6 +112,48 @@ def test_a_corrupt_or_incomplete_directory_is_refused(tmp_path):
         load("pi05", dst)
 
 
+def _edit_stats(dst: Path, change) -> None:
+    """``change(stats)`` applied to the checkpoint's state statistics file."""
+    file = next(dst.glob("policy_preprocessor_step_*normalizer_processor.safetensors"))
+    stats = load_file(str(file))
+    change(stats)
+    save_file(stats, str(file))
+
+
+def _edit_config(dst: Path, change) -> None:
+    config = json.loads((dst / "config.json").read_text())
+    change(config)
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("edit, words", [
+    # the statistics and config.json disagree: refused at load, not in every request
+    (lambda d: _edit_stats(d, lambda s: s.update({k: v[:5] for k, v in s.items()
+                                                  if k.startswith("observation.state.")})),
+     r"'observation.state' statistic '\w+' has shape \[5\], but config.json gives "
+     r"'observation.state' 6 values"),
+    (lambda d: _edit_config(d, lambda c: c["input_features"]["observation.state"].update(
+        shape=[7])), "config.json gives 'observation.state' 7 values"),
+    (lambda d: _edit_config(d, lambda c: c.pop("output_features")),  # LeRobot: max_action_dim
+     "config.json gives 'action' 32 values"),
+    (lambda d: _edit_stats(d, lambda s: s.update({k: torch.full_like(v, float("inf"))
+                                                  for k, v in s.items()})),
+     "NaN or infinite values .* save the policy with its dataset's statistics"),
+    (lambda d: (d / "model.safetensors").unlink(),  # the processor files are no weights
+     "holds no .safetensors weights"),
+    (lambda d: (d / "tokenizer").mkdir() or (d / "tokenizer" / "tokenizer.json").write_text(
+        "{\"model\": 1}"), "tokenizer.json is not a readable tokenizer"),
+])
+def test_statistics_config_weights_or_tokenizer_that_do_not_fit_are_refused(tmp_path, edit,
+                                                                            words):
+    dst = copy_with(tmp_path, "pi0", lambda s: None)
+    edit(dst)
+    tokenizer = dst / "tokenizer"
+    tokenizer = tokenizer if tokenizer.exists() else FIXTURES / "pi0" / "tokenizer"
+    with pytest.raises((ValueError, FileNotFoundError), match=words):
+        load("pi0", dst, tokenizer=tokenizer)
+
+
 @pytest.mark.parametrize("family", ["pi0", "pi05"])
 def test_openpis_converted_layout_loads_the_same_weights(tmp_path, family):
     """No ``model.`` prefix, openpi's head names, no text embedding (its lm_head stands in);

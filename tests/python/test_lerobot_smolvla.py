@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -181,6 +182,7 @@ def test_flow_steps_read_the_prefix_pages_without_writing_them(serve, policy, io
     (dict(images={}), ["'images'", "no camera"]),
     (dict(images=[torch.full((3, 8, 8), 2.0)]), ["image 'observation.images.camera1'",
                                                  "[0, 1]"]),
+    (dict(images=[np.zeros((0, 0, 3), np.uint8)]), ["H, W >= 1", "[0, 0, 3]"]),
     (dict(task=list(range(49))), ["'task'", "at most 48"]),
     (dict(state=torch.full((6,), float("nan"))), ["'state'", "NaN"]),
 ])
@@ -238,6 +240,31 @@ def test_missing_statistics_and_backbone_folder_are_named(tmp_path):
     (path / "policy_postprocessor.json").unlink()
     with pytest.raises(FileNotFoundError, match="policy_postprocessor.json"):
         load_lerobot_smolvla(path, vlm_dir=str(VLM), progress=False)
+
+
+@pytest.mark.parametrize("step, words", [
+    ({"registry_name": "my_crop_processor"}, "processor step 'my_crop_processor' is not one"),
+    ({"registry_name": "rename_observations_processor",
+      "config": {"rename_map": {"cam": "observation.images.camera1"}}}, "rename map"),
+])
+def test_a_processor_step_not_reproduced_here_is_refused(tmp_path, step, words):
+    path = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINT, path)
+    pre = json.loads((path / "policy_preprocessor.json").read_text())
+    pre["steps"].insert(0, step)
+    (path / "policy_preprocessor.json").write_text(json.dumps(pre))
+    with pytest.raises(ValueError, match=words):
+        load_lerobot_smolvla(path, vlm_dir=str(VLM), progress=False)
+
+
+def test_a_missing_tokenizer_is_named_when_a_task_comes_as_text(tmp_path, capsys):
+    vlm = tmp_path / "vlm"
+    shutil.copytree(VLM, vlm)
+    (vlm / "tokenizer.json").unlink()
+    policy = load_lerobot_smolvla(CHECKPOINT, vlm_dir=str(vlm))
+    assert f"no {vlm / 'tokenizer.json'}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=f"{vlm / 'tokenizer.json'} is missing"):
+        policy.tokenize("pick up the cube")
 
 
 def test_a_config_that_does_not_match_the_weights_is_refused(tmp_path):

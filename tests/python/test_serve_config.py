@@ -159,6 +159,18 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path, capsys):
     assert "not valid YAML" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("path, name", [
+    ("ckpt/llama-tiny", "llama-tiny"),
+    ("hub/models--lerobot--pi0/snapshots/0123abcd", "lerobot/pi0"),
+    ("outputs/train/pick_cube/checkpoints/005000/pretrained_model", "pick_cube/005000"),
+])
+def test_a_checkpoints_served_name_is_what_a_client_would_recognise(path, name):
+    from mstar_rt.config import ModelSpec
+
+    assert ModelSpec.model_validate({"checkpoint": path}).name == name
+    assert ModelSpec.model_validate({"checkpoint": path, "name": "mine"}).name == "mine"
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_cli_serves_with_progress_lines_and_an_api_key_then_stops_on_a_signal(stop):
     env = child_env()

@@ -7,6 +7,7 @@ given, and to a direct submit otherwise."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -80,12 +81,23 @@ def test_the_default_mapping_takes_lerobot_keys_and_jpeg_cameras(tmp_path):
     config = load_config(_config(tmp_path, "pi0"))
     model = build_model(config)
     obs, _ = _observation("pi0", with_noise=False)
+    obs["seed"] = np.int64(7)  # as openpi_client sends an integer: the same chunk again
     direct_inputs = {"images": {k: v for k, v in obs.items() if k.startswith("observation.images")},
-                     "state": obs["observation.state"], "task": obs["task"]}
+                     "state": obs["observation.state"], "task": obs["task"], "seed": 7}
     with serving(model, name="pi0") as s:  # the policy mapping comes from the checkpoint
         want = s.rt.submit(direct_inputs).result(60)["actions"][0].numpy()
         client = WebsocketClientPolicy("127.0.0.1", s.port)
         assert np.abs(client.infer(obs)["actions"] - want).max() < TOL
+        # without a seed every chunk starts from fresh noise, as LeRobot's and openpi's do
+        unseeded = {k: v for k, v in obs.items() if k != "seed"}
+        a, b = (client.infer(unseeded)["actions"] for _ in range(2))
+        assert np.abs(a - b).max() > 1e-3 and np.abs(a - want).max() > 1e-3
+        # any camera may be missing (LeRobot masks it out): the chunk of the one camera given
+        first, *others = [k for k in obs if k.startswith("observation.images")]
+        one_camera = {k: v for k, v in obs.items() if k not in others}
+        want_one = s.rt.submit({**direct_inputs, "images": {first: obs[first]}}).result(60)
+        assert np.abs(client.infer(one_camera)["actions"]
+                      - want_one["actions"][0].numpy()).max() < TOL
         png = {k: cv2.imencode(".png", v[..., ::-1])[1].tobytes()  # lossless: the same pixels
                for k, v in obs.items() if k.startswith("observation.images")}
         assert np.abs(client.infer({**obs, **png})["actions"] - want).max() < TOL
@@ -156,3 +168,63 @@ def test_left_over_actions_are_refused_by_name_where_guidance_is_disabled(tmp_pa
             client.infer({**obs, "prev_actions": np.zeros((4, 6), np.float32)})
         client.infer(obs)  # the connection still serves
         assert settled(s)["requests"] == 0
+
+
+@pytest.mark.parametrize("family", ["pi0", "smolvla"])
+def test_config_args_are_checked_before_loading_and_read_as_a_config_means_them(tmp_path,
+                                                                                 family):
+    """A misspelled arg, an unknown dtype or a CUDA device without CUDA: named before anything
+    loads. A dtype as text is that dtype; a relative tokenizer / SmolVLM folder is read from
+    the config's folder, as the checkpoint is."""
+    import torch
+
+    path = _config(tmp_path, family, max_batchh=4)
+    with pytest.raises(ValueError, match=r"takes no \['max_batchh'\]; it takes \[.*'max_batch'"):
+        build_model(load_config(path))
+    with pytest.raises(ValueError, match="'float8' is not one of"):
+        build_model(load_config(_config(tmp_path, family, dtype="float8")))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda:0', but torch sees no CUDA device"):
+            build_model(load_config(_config(tmp_path, family, device="cuda:0")))
+    config = yaml.safe_load(_config(tmp_path, family, dtype="bfloat16").read_text())
+    args = config["model"]["args"]
+    key = "tokenizer" if family != "smolvla" else "vlm_dir"
+    shutil.copytree(args[key], tmp_path / "assets" / key)
+    args[key] = str(Path("..") / "assets" / key)  # from configs/, not from the working folder
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "serve.yaml").write_text(yaml.safe_dump(config))
+    model = build_model(load_config(folder / "serve.yaml"))  # run from another folder
+    # (pi0 in bfloat16 is LeRobot's mixed precision: some parameters stay float32)
+    assert torch.bfloat16 in {p.dtype for p in model.policy.module.parameters()}
+
+
+def test_the_servers_warm_up_runs_a_lerobot_policy_and_its_graph_buckets(tmp_path):
+    """Cameras, prev_actions, seed and noise are optional keys and the cameras declare no size:
+    the warm-up still runs the policy (black frames of WARM_UP_IMAGE) at every batch size, and
+    first lets the model capture its flow steps' buckets (model.warm_up)."""
+    from mstar_rt.serve.warmup import warm_up
+
+    model = build_model(load_config(_config(tmp_path, "pi0", cuda_graphs=True)))
+    with serving(model, name="pi0", max_concurrent_requests=2) as s:
+        done = warm_up(s.state.deployment)
+        assert done.skipped is None, done.describe()
+        assert done.sizes["denoise"] == [1, 2] and not done.missing
+        # every bucket, not only the sizes the bursts formed
+        assert model.graphs.built == model.graphs.buckets
+        assert settled(s)["requests"] == 0
+
+
+@pytest.mark.parametrize("policy_type", ["act", None])
+def test_a_lerobot_policy_of_another_type_is_named_not_read_as_a_llama(tmp_path, policy_type):
+    d = tmp_path / "checkpoint"
+    shutil.copytree(FIXTURES / "pi0" / "checkpoint", d)
+    config = json.loads((d / "config.json").read_text())
+    config.pop("type")
+    if policy_type is not None:
+        config["type"] = policy_type
+    (d / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"model": {"checkpoint": str(d)}}))
+    with pytest.raises(ValueError, match=f"a LeRobot policy of type {policy_type!r}"):
+        build_model(load_config(path))

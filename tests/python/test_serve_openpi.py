@@ -241,6 +241,41 @@ def test_a_waiting_request_never_blocks_other_connections_or_health(robot):
     assert reply[0]["actions"].shape == (20, 2)
 
 
+def test_a_client_that_leaves_while_its_observation_is_served_cancels_it(robot):
+    node = robot.rt.model.submodules["mlp"]
+    forward = node.forward
+    release, entered = threading.Event(), threading.Event()
+
+    def slow(batch):
+        entered.set()
+        release.wait(20)
+        return forward(batch)
+
+    def cancelled() -> float:
+        return robot.state.metrics.requests.value("policy", "cancelled")
+
+    before = cancelled()
+    node.forward = slow
+    client = _client(robot)
+
+    def ask() -> None:
+        with pytest.raises(websockets.exceptions.ConnectionClosed):
+            client.infer({"observation/state": _state(0)})
+
+    t = threading.Thread(target=ask, daemon=True)
+    try:
+        t.start()
+        assert entered.wait(20)
+        client._ws.close()  # gone while its forward still runs: cancelled now, not after it
+        wait_until(lambda: cancelled() == before + 1, "the request cancelled")
+    finally:
+        release.set()
+        node.forward = forward
+        t.join(20)
+    settled(robot)
+    assert _client(robot).infer({"observation/state": _state(1)})["actions"].shape == (20, 2)
+
+
 # ---- API key, health, limits -------------------------------------------------------------------
 
 @pytest.mark.parametrize("key", [None, "wrong"])

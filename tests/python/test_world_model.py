@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from child_env import child_env
 import torch
@@ -53,6 +54,7 @@ def test_rollouts_of_different_horizons_batched_together_equal_full_recompute(se
     rt = serve(model)
     cases = [(1, 3), (2, 5), (3, 1), (1, 8), (2, 30)]  # (observed frames, horizon)
     requests = [rollout_inputs(c, ctx, h, seed) for seed, (ctx, h) in enumerate(cases)]
+    requests[1]["horizon"] = np.int64(5)  # as openpi_client sends an integer
     handles = [rt.submit(r) for r in requests]
     for r, h in zip(requests, handles):
         out = h.result(timeout=TIMEOUT)

@@ -66,7 +66,7 @@ class ModelSpec(Section):
         if "name" not in data and isinstance(factory, str) and ":" in factory:
             data = {**data, "name": factory.rpartition(":")[2]}
         elif "name" not in data and isinstance(data.get("checkpoint"), str):
-            data = {**data, "name": Path(data["checkpoint"]).name or "model"}
+            data = {**data, "name": checkpoint_name(data["checkpoint"])}
         return data
 
     @field_validator("factory", mode="before")
@@ -104,17 +104,9 @@ class ModelSpec(Section):
             ckpt = Path(base_dir) / self.checkpoint
             if not ckpt.is_dir():
                 raise ConfigError(f"model.checkpoint: {str(ckpt)!r} is not a directory")
-            from mstar_rt.models.lerobot import lerobot_family, load_lerobot_policy
+            from mstar_rt.models.checkpoint_dirs import load_checkpoint_dir
 
-            if lerobot_family(ckpt) is not None:  # a LeRobot pi0 / pi0.5 / SmolVLA policy
-                return load_lerobot_policy(ckpt, **kwargs)
-            if _model_type(ckpt) == "qwen3_omni_moe":  # speech in, speech out
-                from mstar_rt.models.qwen3_omni.omni import Qwen3Omni
-
-                return Qwen3Omni.from_pretrained(str(ckpt), **kwargs)
-            from mstar_rt.models.causal_lm import CausalLM
-
-            return CausalLM.from_pretrained(str(ckpt), **kwargs)
+            return load_checkpoint_dir(ckpt, kwargs, base_dir)
         assert self.factory is not None
         fn = resolve_factory(self.factory, base_dir, self.search_path(base_dir))
         try:  # a signature that refuses the args is the config's fault; a failure inside is not
@@ -128,6 +120,19 @@ class ModelSpec(Section):
             raise NotAModel(f"model.class: {self.factory} returned {type(model).__name__}, not "
                             "an mstar_rt.Model")
         return model
+
+
+def checkpoint_name(path: str) -> str:
+    """The id clients see for a checkpoint directory: ``org/name`` inside a Hugging Face cache
+    (``models--org--name/snapshots/<hash>``), ``run/step`` for a LeRobot training output
+    (``<run>/checkpoints/<step>/pretrained_model``), else the folder's name."""
+    parts = Path(path).parts
+    hub = [p for p in parts if p.startswith("models--")]
+    if hub:
+        return hub[-1].removeprefix("models--").replace("--", "/")
+    if len(parts) >= 4 and parts[-1] == "pretrained_model" and parts[-3] == "checkpoints":
+        return f"{parts[-4]}/{parts[-2]}"
+    return Path(path).name or "model"
 
 
 def resolve_factory(factory: str, base_dir: str = ".",
@@ -176,14 +181,3 @@ def _import(module: str, base_dir: str) -> Any:
         raise
     return mod
 
-
-def _model_type(checkpoint: Path) -> Optional[str]:
-    """``model_type`` of the checkpoint's config.json (None if it has none or cannot be read:
-    the loader that follows says what is wrong)."""
-    import json
-
-    try:
-        value = json.loads((checkpoint / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None

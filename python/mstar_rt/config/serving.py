@@ -111,9 +111,10 @@ class PolicySpec(Section):
     """How the openpi websocket drives the model: ``observation`` maps observation keys to model
     inputs (empty: keys named like the inputs), ``images`` are observation keys that may arrive
     as encoded bytes (JPEG/PNG), ``shapes`` / ``dtypes`` check and cast inputs by model input
-    name (``null`` in a shape = any size), ``actions`` is the EMIT returned as ``actions``,
-    ``outputs`` maps further EMITs to reply keys, ``metadata`` is sent on connect. A target
-    ``input/key`` puts the value under ``key`` of a dict input (a LeRobot policy's cameras).
+    name (``null`` in a shape = any size; dtype ``str`` = text, e.g. an instruction),
+    ``actions`` is the EMIT returned as ``actions``, ``outputs`` maps further EMITs to reply
+    keys, ``metadata`` is sent on connect. A target ``input/key`` puts the value under ``key``
+    of a dict input (a LeRobot policy's cameras).
     ``optional`` observation keys may be left out (the model's default applies), e.g. the
     previous chunk's left-over actions that ask for real-time chunking."""
 

@@ -4,7 +4,8 @@
 
 ``context`` runs the observed history once; each iteration ``sample`` draws S candidate action
 sequences from the current Gaussian (a generator seeded by the request's ``seed`` and the
-iteration, so a plan is reproducible), ``evaluate`` rolls all S out as one batch through the
+iteration, so a plan with a seed is reproducible; without one a request draws its own),
+``evaluate`` rolls all S out as one batch through the
 predictor and scores them (L1 distance of the final predicted state to ``goal_state``),
 ``update`` refits mean and std to the top-k -- all on the predictor's device. ``act`` EMITs the
 first action of the final mean (``action``), the whole mean (``plan``) and its energy.
@@ -27,6 +28,7 @@ import torch
 
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, WorkContext
+from mstar_rt.models.sampling import request_seed
 from mstar_rt.models.world_model import check_rollout_inputs
 from mstar_rt.models.world_model_layers import (ACPredictor, BatchedRolloutKV, ContextKV,
                                                 block_causal_mask)
@@ -138,6 +140,14 @@ def energy(final_states: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
     return (final_states - goal).abs().sum(-1)
 
 
+def plan_seed(ctx: WorkContext, seed: Any) -> int:
+    """The seed of a request's candidates: its own, or one drawn at its first iteration and
+    kept for the rest (each iteration's draw is then still its own)."""
+    if seed is not None:
+        return int(seed)
+    return ctx.request.state.setdefault("cem_seed", request_seed(None))
+
+
 def sample_generator(seed: int, iteration: int, device: Any) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed((int(seed) * 1_000_003 + iteration) % (2 ** 63))
@@ -166,13 +176,13 @@ class ContextNode(_PlanNode):
 
 class SampleNode(_PlanNode):
     def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> Any:
-        return inputs, ctx.iteration
+        return inputs, ctx.iteration, plan_seed(ctx, inputs["seed"])
 
     def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
         c, outs = self.planner.config, []
-        for inputs, iteration in batch:
+        for inputs, iteration, seed in batch:
             mean, std = inputs["mean"], inputs["std"]
-            g = sample_generator(inputs["seed"], iteration, mean.device)
+            g = sample_generator(seed, iteration, mean.device)
             noise = torch.randn((c.samples, *mean.shape), generator=g, device=mean.device,
                                 dtype=mean.dtype)
             cand = mean + std * noise
@@ -223,7 +233,7 @@ class CEMPlanner(Model):
     plan's ``energy``."""
 
     inputs = ("frames", "states", "past_actions", "goal_state", "seed")
-    input_defaults = {"past_actions": None, "seed": 0}
+    input_defaults = {"past_actions": None, "seed": None}
 
     def __init__(self, predictor: ACPredictor, config: Optional[CEMConfig] = None) -> None:
         self.predictor = predictor.eval()
@@ -250,8 +260,6 @@ class CEMPlanner(Model):
         self.engines = {n: "planner" for n in self.submodules}
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
-        seed = inputs.get("seed")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"'seed' must be an integer >= 0; got {seed!r}")
+        request_seed(inputs.get("seed"))  # checked; a request without one draws its own
         plan_context(self.predictor, inputs["frames"], inputs["states"], inputs["past_actions"],
                      inputs["goal_state"], self.config.horizon, check_only=True)

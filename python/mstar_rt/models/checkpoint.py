@@ -41,6 +41,10 @@ def _json(file: str, what: str) -> Any:
         raise ValueError(f"{file} is not valid JSON ({type(e).__name__}: {e})") from None
 
 
+#: LeRobot's normalizer state files beside a policy's weights (``policy_preprocessor_step_5_...``)
+PROCESSOR_FILES = ("policy_preprocessor", "policy_postprocessor")
+
+
 def checkpoint_files(path: Union[str, os.PathLike]) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -54,7 +58,9 @@ def checkpoint_files(path: Union[str, os.PathLike]) -> list[str]:
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
-    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    # a LeRobot policy's processor statistics are safetensors too, but never weights
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")
+                   and not f.startswith(PROCESSOR_FILES))
     if not found:
         raise FileNotFoundError(f"{path} holds no .safetensors weights (expected model.safetensors "
                                 "or model.safetensors.index.json and its shards)")

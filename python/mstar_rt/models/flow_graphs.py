@@ -165,6 +165,11 @@ class FlowGraphs:
         self.forget()
 
     @property
+    def built(self) -> tuple[int, ...]:
+        """The buckets run (captured, compiled) at least once."""
+        return tuple(sorted(self._buckets))
+
+    @property
     def holding(self) -> int:
         """Buckets still holding a batch's requests (and their prefixes' copies)."""
         return sum(b.attention.key is not None for b in self._buckets.values())

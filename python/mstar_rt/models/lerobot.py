@@ -63,14 +63,22 @@ def openpi_defaults(config: Any, family: str, rtc: Any = None) -> dict[str, Any]
     chunk as LeRobot's ``predict_action_chunk(inference_delay=, prev_chunk_left_over=)`` does
     with ``rtc`` (the model's guidance settings: the checkpoint's ``rtc_config``, else LeRobot's
     defaults; the metadata gives them). Without them a chunk is plain; with them on a model
-    whose guidance is disabled the request is refused by name."""
+    whose guidance is disabled the request is refused by name.
+
+    Each chunk starts from fresh noise, as LeRobot's and openpi's do; a client that wants a
+    chunk reproduced gives ``seed`` (an integer) or ``noise`` itself (``[chunk_size,
+    max_action_dim]``, float32)."""
     observation = {cam: f"images/{cam}" for cam in config.cameras}
     observation.update({"observation.state": "state", "task": "task",
-                        "prev_actions": "prev_actions", "inference_delay": "delay"})
+                        "prev_actions": "prev_actions", "inference_delay": "delay",
+                        "seed": "seed", "noise": "noise"})
     return {"observation": observation, "images": tuple(config.cameras),
-            "optional": ("prev_actions", "inference_delay"),
-            "shapes": {"state": (config.state_dim,), "prev_actions": (None, config.action_dim)},
-            "dtypes": {"state": "float32", "prev_actions": "float32"},
+            # any camera may be missing (LeRobot masks it out; one at least is asked for)
+            "optional": (*config.cameras, "prev_actions", "inference_delay", "seed", "noise"),
+            "shapes": {"state": (config.state_dim,), "prev_actions": (None, config.action_dim),
+                       "noise": (config.chunk_size, config.max_action_dim)},
+            "dtypes": {"state": "float32", "prev_actions": "float32", "noise": "float32",
+                       "task": "str"},
             "actions": "actions",
             "metadata": {"policy": family, "cameras": list(config.cameras),
                          "state_dim": config.state_dim, "action_dim": config.action_dim,

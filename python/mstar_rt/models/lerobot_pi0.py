@@ -41,9 +41,9 @@ from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
 from mstar_rt.models.flow_graphs import (FlowGraphs, TimeEmbeddings, policy_graphs,
                                         same_batch)
-from mstar_rt.models.lerobot_inputs import camera_images
+from mstar_rt.models.lerobot_inputs import camera_images, unit_image
 from mstar_rt.models.lerobot_pi0_graphs import PiFlowStep
-from mstar_rt.models.lerobot_pi0_io import preprocess_image, unit_image
+from mstar_rt.models.lerobot_pi0_io import preprocess_image
 from mstar_rt.models.lerobot_pi0_load import LeRobotPi0, load_lerobot_pi0
 from mstar_rt.models.lerobot_pi0_request import PiRequest, check_request
 from mstar_rt.models.lerobot_pi0_suffix import SuffixAttention, prefix_snapshot
@@ -225,7 +225,7 @@ class LeRobotPi0Policy(Model):
     """
 
     inputs = ("images", "state", "task", "noise", "seed", "delay", "prev_actions")
-    input_defaults = {"noise": None, "seed": 0, "delay": 0, "prev_actions": None}
+    input_defaults = {"noise": None, "seed": None, "delay": 0, "prev_actions": None}
 
     def __init__(self, policy: LeRobotPi0, engine: Optional[KVCacheEngine] = None,
                  max_batch: int = 32, rtc: Optional[RtcSettings] = None,

@@ -23,35 +23,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mstar_rt.models.lerobot_inputs import unit_image
+from mstar_rt.models.lerobot_processor import processor_steps
 from mstar_rt.models.lerobot_pi0_config import PiConfig
 
 PathLike = Union[str, os.PathLike]
 #: Processor steps whose effect is reproduced here (or that do nothing at inference).
-KNOWN_STEPS = {"rename_observations_processor", "to_batch_processor", "device_processor",
-               "pi0_new_line_processor", "tokenizer_processor", "normalizer_processor",
-               "pi05_prepare_state_tokenizer_processor_step", "relative_actions_processor",
-               "unnormalizer_processor", "absolute_actions_processor"}
+PI_STEPS = frozenset({"rename_observations_processor", "to_batch_processor", "device_processor",
+                      "pi0_new_line_processor", "tokenizer_processor", "normalizer_processor",
+                      "pi05_prepare_state_tokenizer_processor_step", "relative_actions_processor",
+                      "unnormalizer_processor", "absolute_actions_processor"})
 
 
 # ---- images ------------------------------------------------------------------------------------
-
-def unit_image(image: Any, where: str = "image") -> torch.Tensor:
-    """An image as float32 ``[3, H, W]`` in [0, 1]: float ``[3, H, W]`` / ``[H, W, 3]`` is taken
-    as it is, uint8 is divided by 255."""
-    x = torch.as_tensor(np.asarray(image) if not isinstance(image, torch.Tensor) else image)
-    if x.dim() != 3 or 3 not in (x.shape[0], x.shape[-1]) or min(x.shape) < 1:
-        raise ValueError(f"{where} must be [3, H, W] or [H, W, 3]; got {list(x.shape)}")
-    if x.shape[0] != 3:
-        x = x.permute(2, 0, 1)
-    if x.dtype == torch.uint8:
-        return x.float() / 255
-    if not x.dtype.is_floating_point:
-        raise ValueError(f"{where} must be uint8 or float in [0, 1]; got {x.dtype}")
-    x = x.float()
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{where} holds NaN or infinite values")
-    return x
-
 
 def resize_with_pad(image: torch.Tensor, size: int) -> torch.Tensor:
     """``[3, H, W]`` in [0, 1] -> ``[3, size, size]``: bilinear resize keeping the aspect ratio
@@ -85,7 +69,7 @@ class Normalizer:
     """One feature's normalisation (LeRobot's ``NormalizerProcessorStep`` rules)."""
 
     def __init__(self, mode: str, stats: Mapping[str, torch.Tensor], eps: float = 1e-8,
-                 name: str = "feature") -> None:
+                 name: str = "feature", size: Optional[int] = None) -> None:
         if mode not in NORM_STATS:
             raise ValueError(f"normalization mode {mode!r} of '{name}' is not one of "
                              f"{sorted(NORM_STATS)}")
@@ -93,6 +77,16 @@ class Normalizer:
         if missing:
             raise ValueError(f"'{name}' is normalised with {mode} but its statistics lack "
                              f"{missing}")
+        for k in NORM_STATS[mode]:  # at load, not as a shape error in every request
+            t = stats[k]
+            if size is not None and tuple(t.shape) != (size,):
+                raise ValueError(f"the '{name}' statistic '{k}' has shape {list(t.shape)}, but "
+                                 f"config.json gives '{name}' {size} values; the statistics "
+                                 "and the config must come from the same training run")
+            if not bool(torch.isfinite(t.float()).all()):
+                raise ValueError(f"the '{name}' statistic '{k}' holds NaN or infinite values "
+                                 "(LeRobot's placeholder for statistics never computed); "
+                                 "save the policy with its dataset's statistics")
         self.mode, self.eps, self.name = mode, eps, name
         self.stats = [stats[k].float() for k in NORM_STATS[mode]]
 
@@ -127,32 +121,6 @@ class Normalizer:
         return (y + 1.0) * self._span(lo, hi) / 2.0 + lo
 
 
-def _steps(path: PathLike, name: str) -> list[Mapping[str, Any]]:
-    file = os.path.join(path, name)
-    try:
-        with open(file) as f:
-            steps = json.load(f).get("steps")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{file} is missing; LeRobot saves it beside the weights "
-                                "(make_pre_post_processors(...) then save_pretrained)") from None
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{file} is not a LeRobot processor file ({e})") from None
-    if not isinstance(steps, list) or not all(isinstance(s, Mapping) for s in steps):
-        raise ValueError(f"{file} must hold a list of 'steps'")
-    for s in steps:
-        reg, cfg = s.get("registry_name"), s.get("config") or {}
-        if reg not in KNOWN_STEPS:
-            raise ValueError(f"{file}: processor step {reg!r} is not one mstar_rt reproduces "
-                             f"({sorted(KNOWN_STEPS)}); its actions would differ from LeRobot's")
-        if reg in ("relative_actions_processor", "absolute_actions_processor") and \
-                cfg.get("enabled"):
-            raise ValueError(f"{file}: {reg} is enabled (relative actions); not supported")
-        if reg == "rename_observations_processor" and cfg.get("rename_map"):
-            raise ValueError(f"{file}: the observation rename map {cfg['rename_map']} is not "
-                             "supported; give the images under the policy's own camera names")
-    return steps
-
-
 def _stats(path: PathLike, step: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -178,8 +146,8 @@ class PiProcessor:
     @staticmethod
     def from_dir(path: PathLike, config: PiConfig, tokenizer: Optional[PathLike] = None
                  ) -> "PiProcessor":
-        pre = _steps(path, "policy_preprocessor.json")
-        post = _steps(path, "policy_postprocessor.json")
+        pre = processor_steps(path, "policy_preprocessor.json", PI_STEPS)
+        post = processor_steps(path, "policy_postprocessor.json", PI_STEPS)
         norm = next((s for s in pre if s["registry_name"] == "normalizer_processor"), None)
         unnorm = next((s for s in post if s["registry_name"] == "unnormalizer_processor"), None)
         tok = next((s for s in pre if s["registry_name"] == "tokenizer_processor"), None)
@@ -190,9 +158,9 @@ class PiProcessor:
         state_mode = (ncfg.get("norm_map") or {}).get("STATE", config.state_norm)
         action_mode = (ucfg.get("norm_map") or {}).get("ACTION", config.action_norm)
         state = Normalizer(state_mode, _stats(path, norm, "observation.state."),
-                           float(ncfg.get("eps", 1e-8)), "observation.state")
+                           float(ncfg.get("eps", 1e-8)), "observation.state", config.state_dim)
         action = Normalizer(action_mode, _stats(path, unnorm, "action."),
-                            float(ucfg.get("eps", 1e-8)), "action")
+                            float(ucfg.get("eps", 1e-8)), "action", config.action_dim)
         if tcfg.get("padding_side", "right") != "right":
             raise ValueError(f"{path}: the tokenizer pads on the {tcfg['padding_side']}; "
                              "only right padding is supported")
@@ -260,7 +228,11 @@ def load_tokenizer(path: PathLike, tokenizer: Optional[PathLike], name: Optional
         if os.path.isdir(file):
             file = os.path.join(file, "tokenizer.json")
         if os.path.isfile(file):
-            tk = Tokenizer.from_file(file)
+            try:
+                tk = Tokenizer.from_file(file)
+            except Exception as e:  # the tokenizers library raises a bare Exception
+                raise ValueError(f"{file} is not a readable tokenizer: {type(e).__name__}: "
+                                 f"{e}") from None
             pad = "<pad>"
             cfg = os.path.join(folder, "tokenizer_config.json")
             if os.path.isfile(cfg):

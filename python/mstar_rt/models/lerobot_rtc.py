@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mstar_rt.models.checkpoint import ConfigFields
-from mstar_rt.models.lerobot_inputs import whole_number
+from mstar_rt.models.sampling import whole_number
 
 #: LeRobot's ``RTCAttentionSchedule``: how the prefix weights fall from d to the horizon.
 RTC_SCHEDULES = ("ZEROS", "ONES", "LINEAR", "EXP")

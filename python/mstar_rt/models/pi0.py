@@ -40,6 +40,7 @@ from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
 from mstar_rt.models.pi0_layers import Pi0Module, load_pi0
 from mstar_rt.models.pi0_rtc import (RTC_MODES, action_times, euler_step, guided_step,
                                      prefix_weights)
+from mstar_rt.models.sampling import request_seed
 from mstar_rt.models.siglip import preprocess_image
 
 
@@ -126,7 +127,7 @@ def check_pi0_inputs(module: Pi0Module, inputs: Mapping[str, Any]) -> Pi0Request
     shape = (c.action_horizon, c.action_dim)
     noise = inputs.get("noise")
     if noise is None:
-        g = torch.Generator().manual_seed(_int(inputs.get("seed", 0), "seed", 0))
+        g = torch.Generator().manual_seed(request_seed(inputs.get("seed")))
         noise = torch.randn(shape, generator=g)
     noise = torch.as_tensor(noise).to(device=dev, dtype=dt)
     if tuple(noise.shape) != shape:
@@ -272,7 +273,7 @@ class Pi0Policy(Model):
     """
 
     inputs = ("images", "prompt", "state", "noise", "seed", "delay", "prev_actions")
-    input_defaults = {"images": None, "noise": None, "seed": 0, "delay": 0, "prev_actions": None}
+    input_defaults = {"images": None, "noise": None, "seed": None, "delay": 0, "prev_actions": None}
 
     def __init__(self, module: Pi0Module, engine: Optional[KVCacheEngine] = None,
                  max_batch: int = 32, rtc: str = "trained", guidance_beta: float = 5.0) -> None:

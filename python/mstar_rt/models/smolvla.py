@@ -260,7 +260,7 @@ class SmolVLAPolicy(Model):
     """
 
     inputs = ("images", "state", "task", "noise", "seed", "delay", "prev_actions")
-    input_defaults = {"noise": None, "seed": 0, "delay": 0, "prev_actions": None}
+    input_defaults = {"noise": None, "seed": None, "delay": 0, "prev_actions": None}
 
     def __init__(self, policy: LeRobotSmolVLA, engine: Optional[KVCacheEngine] = None,
                  max_batch: int = 32, rtc: Optional[RtcSettings] = None,

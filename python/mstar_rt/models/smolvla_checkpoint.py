@@ -15,7 +15,6 @@ config does not give is a ValueError naming the key and the file.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
@@ -24,6 +23,7 @@ import torch
 
 from mstar_rt.models.checkpoint import (check_weights, checkpoint_files, load_weights,
                                         meta_module, read_config)
+from mstar_rt.models.lerobot_processor import processor_steps
 from mstar_rt.models.smolvla_config import (ACTION_KEY, STATE_KEY, SmolVLAConfig,
                                             smolvla_config)
 from mstar_rt.models.smolvla_layers import SmolVLAModule, parameter_count
@@ -72,19 +72,16 @@ class Normalizer:
         return (x + 1.0) * span / 2.0 + a
 
 
+#: SmolVLA's processor steps reproduced here (or that do nothing at inference).
+SMOLVLA_STEPS = frozenset({"rename_observations_processor", "to_batch_processor",
+                           "smolvla_new_line_processor", "tokenizer_processor",
+                           "device_processor", "normalizer_processor", "unnormalizer_processor"})
+
+
 def _processor_step(path: str, pipeline: str, registry: str) -> tuple[dict, str]:
     file = os.path.join(path, f"{pipeline}.json")
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{file} is missing; a LeRobot SmolVLA checkpoint holds the "
-                                "processor pipelines with the normalization statistics (save "
-                                "them with PolicyProcessorPipeline.save_pretrained)")
-    with open(file) as f:
-        try:
-            steps = json.load(f).get("steps", [])
-        except (ValueError, AttributeError) as e:
-            raise ValueError(f"{file} is not a processor pipeline ({e})") from None
-    for step in steps:
-        if isinstance(step, Mapping) and step.get("registry_name") == registry:
+    for step in processor_steps(path, f"{pipeline}.json", SMOLVLA_STEPS):
+        if step.get("registry_name") == registry:
             return dict(step.get("config") or {}), os.path.join(path, step.get("state_file", ""))
     raise ValueError(f"{file} has no '{registry}' step; SmolVLA needs it for the statistics")
 
@@ -269,12 +266,15 @@ class LeRobotSmolVLA:
     tokenizer: Any
     state_normalizer: Normalizer
     action_normalizer: Normalizer
+    tokenizer_file: str = ""  # where the tokenizer was looked for (named when it is missing)
 
     def tokenize(self, task: str) -> list[int]:
         """LeRobot's preprocessing of the task: a newline appended (unless there), then the
         backbone's tokenizer (its own special tokens, truncated to ``tokenizer_max_length``)."""
         if self.tokenizer is None:
-            raise ValueError("this SmolVLA has no tokenizer; pass the task as token ids")
+            where = self.tokenizer_file or "the SmolVLM folder's tokenizer.json"
+            raise ValueError(f"this SmolVLA has no tokenizer ({where} is missing): put "
+                             "SmolVLM's tokenizer.json there, or pass the task as token ids")
         text = task if task.endswith("\n") else task + "\n"
         return list(self.tokenizer.encode(text).ids)
 
@@ -320,12 +320,16 @@ def load_lerobot_smolvla(path: Union[str, os.PathLike], dtype: Optional[torch.dt
                                  config, legacy)
     action_norm = load_normalizer(path, "policy_postprocessor", "unnormalizer_processor",
                                   ACTION_KEY, config, legacy)
+    tokenizer_file = os.path.join(vlm_path, "tokenizer.json")
     tokenizer = load_tokenizer(vlm_path, config.tokenizer_max_length) if os.path.exists(
-        os.path.join(vlm_path, "tokenizer.json")) else None
+        tokenizer_file) else None
     if progress:
         print(f"SmolVLA {path}: {describe_memory(config, len(full.state_dict()))}")
+        if tokenizer is None:
+            print(f"SmolVLA {path}: no {tokenizer_file}: a task must come as token ids")
     with torch.device("meta"):  # sizes already checked by meta_module above
         module = SmolVLAModule(config, lm_head=False)
     module = module.to(dtype or torch.float32).to_empty(device=device)
     load_weights(module, path, progress=progress, ignore=(LM_HEAD, *legacy))
-    return LeRobotSmolVLA(module.eval(), config, tokenizer, state_norm, action_norm)
+    return LeRobotSmolVLA(module.eval(), config, tokenizer, state_norm, action_norm,
+                          tokenizer_file)

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from mstar_rt.models.lerobot_inputs import camera_images as camera_pairs, flow_noise
+from mstar_rt.models.lerobot_inputs import camera_images as camera_pairs, flow_noise, unit_image
 from mstar_rt.models.lerobot_rtc import RtcSettings, guidance_inputs
 from mstar_rt.models.smolvla_checkpoint import LeRobotSmolVLA
 from mstar_rt.models.smolvla_vision import resize_with_pad
@@ -42,25 +42,7 @@ def camera_images(policy: LeRobotSmolVLA, images: Any) -> list[torch.Tensor]:
     An image is float ``[3, H, W]`` in [0, 1] (LeRobot's layout) or uint8 ``[3, H, W]`` /
     ``[H, W, 3]``."""
     cams = policy.config.cameras
-    return [_image(cams[i], im) for i, im in camera_pairs(cams, images)]
-
-
-def _image(key: str, image: Any) -> torch.Tensor:
-    x = torch.as_tensor(np.asarray(image) if not isinstance(image, torch.Tensor) else image)
-    if x.dtype == torch.uint8:
-        if x.ndim == 3 and x.shape[0] != 3 and x.shape[-1] == 3:
-            x = x.permute(2, 0, 1)
-        if x.ndim != 3 or x.shape[0] != 3:
-            raise ValueError(f"image '{key}' must be uint8 [3, H, W] or [H, W, 3]; got "
-                             f"{list(x.shape)}")
-        return x.float() / 255
-    if not x.dtype.is_floating_point or x.ndim != 3 or x.shape[0] != 3:
-        raise ValueError(f"image '{key}' must be float [3, H, W] in [0, 1] or uint8; got "
-                         f"{x.dtype} {list(x.shape)}")
-    x = x.float()
-    if not bool(torch.isfinite(x).all()) or float(x.min()) < 0 or float(x.max()) > 1:
-        raise ValueError(f"image '{key}' (float) must hold values in [0, 1]")
-    return x
+    return [unit_image(im, f"image '{cams[i]}'") for i, im in camera_pairs(cams, images)]
 
 
 def pixels(policy: LeRobotSmolVLA, image: torch.Tensor) -> torch.Tensor:

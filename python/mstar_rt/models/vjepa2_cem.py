@@ -15,7 +15,8 @@ set to 0, its first step as ``action [7]``, and the plan's ``energy``; each iter
 
 The candidates roll out in lockstep over dense K/V buffers, sharing the history before the last
 observed frame (``cem.rollout_batch``). Samples come from a generator seeded by the request's
-``seed`` and the iteration, so a plan is reproducible (upstream draws from the global RNG).
+``seed`` and the iteration, so a plan with a seed is reproducible (upstream draws from the
+global RNG; a request without a seed draws its own, sampling.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch
 
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, WorkContext
-from mstar_rt.models.cem import PlanContext, history_kv, rollout_batch, sample_generator
+from mstar_rt.models.cem import (PlanContext, history_kv, plan_seed, rollout_batch,
+                                 sample_generator)
+from mstar_rt.models.sampling import request_seed
 from mstar_rt.models.vjepa2_encoder import VJEPA2FrameEncoder, check_images
 from mstar_rt.models.vjepa2_predictor import VJEPA2ACPredictor
 from mstar_rt.models.vjepa2_world_model import EncoderNode, check_encoder_fits
@@ -141,13 +144,13 @@ class ContextNode(_Node):
 
 class SampleNode(_Node):
     def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> Any:
-        return inputs, ctx.iteration
+        return inputs, ctx.iteration, plan_seed(ctx, inputs["seed"])
 
     def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
         c, outs = self.planner.config, []
-        for inputs, iteration in batch:
+        for inputs, iteration, seed in batch:
             mean, std = inputs["mean"], inputs["std"]
-            g = sample_generator(inputs["seed"], iteration, mean.device)
+            g = sample_generator(seed, iteration, mean.device)
             noise = torch.randn((c.samples, *mean.shape), generator=g, device=mean.device,
                                 dtype=mean.dtype)
             moves = noise * std + mean
@@ -203,7 +206,7 @@ class VJEPA2Planner(Model):
     ``goal_image`` (see ``vjepa2_encoder.check_images``) --, ``states [C, 7]``, ``past_actions
     [C - 1, 7]`` (optional with one frame) and ``seed``."""
 
-    input_defaults = {"past_actions": None, "seed": 0}
+    input_defaults = {"past_actions": None, "seed": None}
 
     def __init__(self, predictor: VJEPA2ACPredictor, config: Optional[VJEPA2CEMConfig] = None,
                  encoder: Optional[VJEPA2FrameEncoder] = None) -> None:
@@ -249,9 +252,7 @@ class VJEPA2Planner(Model):
         self.walks = {"plan": Sequential(*steps)}
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
-        seed = inputs.get("seed")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"'seed' must be an integer >= 0; got {seed!r}")
+        request_seed(inputs.get("seed"))  # checked; a request without one draws its own
         c = self.predictor.config
         frames, goal = inputs.get("frames"), inputs.get("goal")
         if self.encoder is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
+import numpy as np
 import torch
 
 from mstar_rt.engines.kv_engine import KVCacheEngine, KVNodeSubmodule, KVStep, KVWork
@@ -92,7 +93,8 @@ def check_rollout_inputs(config: WorldModelConfig, inputs: Mapping[str, Any],
     available = actions.shape[0] - (ctx - 1)
     horizon = inputs.get("horizon")
     horizon = available if horizon is None else horizon
-    if isinstance(horizon, torch.Tensor) and horizon.numel() == 1:
+    if (isinstance(horizon, torch.Tensor) and horizon.numel() == 1) or isinstance(
+            horizon, np.integer):  # as openpi_client sends an integer
         horizon = int(horizon)
     if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
         raise ValueError(f"'horizon' must be an integer >= 1; got {horizon!r}")

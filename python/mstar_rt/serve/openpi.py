@@ -14,6 +14,8 @@ error frame leaves the connection open for the next observation.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
 from typing import Any, Mapping, Optional
@@ -195,6 +197,11 @@ def check_input(spec: PolicySpec, name: str, value: Any, where: str) -> Any:
     shape, dtype = spec.shapes.get(name), spec.dtypes.get(name)
     if shape is None and dtype is None:
         return value
+    if dtype == "str":  # text (an instruction), not an array of characters
+        if not isinstance(value, str):
+            raise ObservationError(f"{where} must be text (a string); got "
+                                   f"{type(value).__name__}")
+        return value
     try:
         if dtype is not None and np.dtype(dtype).kind != "c" and np.iscomplexobj(value):
             raise TypeError("complex values would lose their imaginary part")
@@ -312,14 +319,27 @@ def add_policy_routes(app: Any, state: Any) -> None:
             return
         await ws.accept()
         prev_total: Optional[float] = None
+        nxt: Optional[asyncio.Future] = None  # the next message, listened for while serving
+        serving: Optional[asyncio.Future] = None
         try:
             await ws.send_bytes(metadata)
             while True:
-                message = await ws.receive()
+                message = await (nxt or ws.receive())
+                nxt = None
                 if message["type"] == "websocket.disconnect":
                     return
                 t0 = time.monotonic()
-                reply, error = await _serve_one(message, adapter, bridge, state)
+                # a client that leaves while its observation is served cancels it at once
+                serving = asyncio.ensure_future(_serve_one(message, adapter, bridge, state))
+                nxt = asyncio.ensure_future(ws.receive())
+                await asyncio.wait({serving, nxt}, return_when=asyncio.FIRST_COMPLETED)
+                if not serving.done() and _gone(nxt):
+                    serving.cancel()
+                    with contextlib.suppress(BaseException):
+                        await serving
+                    metrics.requests.inc(endpoint, "cancelled")
+                    return
+                reply, error = await serving
                 if error is not None:
                     await ws.send_text(error)
                     continue
@@ -338,6 +358,19 @@ def add_policy_routes(app: Any, state: Any) -> None:
                 prev_total = time.monotonic() - t0
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client left, possibly while its observation was served
+        finally:  # (the handler cancelled too, e.g. at shutdown: so is what it waits for)
+            for task in (nxt, serving):
+                if task is not None and not task.done():
+                    task.cancel()
+
+
+def _gone(message: asyncio.Future) -> bool:
+    """Whether a received message says the client left (a receive that failed says so too)."""
+    if not message.done():
+        return False
+    if message.cancelled() or message.exception() is not None:
+        return True
+    return message.result()["type"] == "websocket.disconnect"
 
 
 async def _serve_one(message: dict, adapter: PolicyAdapter, bridge: Any, state: Any

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+WARM_UP_IMAGE = (224, 224, 3)  # a camera frame, where the policy declares no image size
 ROUNDS = 3  # bursts per size at most (a burst splits only if the switch interval interrupts it)
 
 
@@ -57,6 +58,9 @@ def warm_up(deployment: Any, budget_s: float = 60.0) -> WarmUp:
     graph_nodes = getattr(getattr(runtime, "graph", None), "nodes", None)
     if not graph_nodes:
         return WarmUp(skipped="the runtime has no compiled graph to read batch sizes from")
+    prepare = getattr(getattr(runtime, "model", None), "warm_up", None)
+    if callable(prepare):  # e.g. a flow policy's CUDA graphs / compiled buckets, every size
+        prepare()
     cap = max(1, int(deployment.max_concurrent_requests))
     wanted = {name: set(range(1, min(int(max_batch), cap) + 1))
               for name, _, max_batch, *_ in graph_nodes}
@@ -94,11 +98,21 @@ def warm_up(deployment: Any, budget_s: float = 60.0) -> WarmUp:
 
 def zero_observation(policy: Any, mapping: dict[str, str]) -> dict[str, Any]:
     """An observation of zeros, one array per key of ``mapping`` (observation key -> model
-    input) at the shape and dtype that ``policy`` declares for that input; a ValueError names
-    an input whose shape or dtype is not fully declared."""
+    input) at the shape and dtype that ``policy`` declares for that input (text: empty); an
+    optional key is left out, an image without a declared size is a black WARM_UP_IMAGE (a
+    policy resizes its images: the batch shapes are its own); a ValueError names an input
+    whose shape or dtype is not fully declared."""
     obs = {}
     for key, name in mapping.items():
+        if key in policy.images and policy.shapes.get(name) is None:
+            obs[key] = np.zeros(WARM_UP_IMAGE, np.uint8)
+            continue
+        if key in policy.optional:
+            continue
         shape, dtype = policy.shapes.get(name), policy.dtypes.get(name)
+        if dtype == "str":  # text: an empty instruction
+            obs[key] = ""
+            continue
         if shape is None or dtype is None or None in shape:
             raise ValueError(f"policy.shapes / policy.dtypes declare no fixed shape and dtype "
                              f"for model input {name!r}, so there is no observation to warm up "
