@@ -327,7 +327,7 @@ def _kill_decode_mid_run(lm: DisaggregatedLM) -> tuple[list, int]:
 
 def test_a_killed_decode_process_fails_its_requests_and_a_new_one_serves_the_next(colocated):
     before = set(children())
-    lm = start(decode_pages=64)
+    lm = start(decode_pages=64, max_restarts=1)  # the last restart allowed is waited for too
     try:
         long, pid = _kill_decode_mid_run(lm)
         t0 = time.monotonic()
@@ -369,3 +369,6 @@ def test_with_restart_manual_a_killed_decode_process_fails_every_later_request()
     assert set(children()) <= before
     with pytest.raises(ValueError, match="restart must be 'auto' or 'manual'"):
         start(restart="sometimes")
+    with pytest.raises(ValueError, match="tp_size=2: .*tensor-parallel cache.*give tp_size 1"):
+        DisaggregatedLM("never:built", {"tp_size": 2})  # before any process starts
+    assert set(children()) <= before

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -106,13 +107,16 @@ def test_each_worker_runs_its_walk_as_a_segment(split, reference):
 class _Link:
     """What ParentMoves would post to a worker."""
 
-    gen = 0
+    gen, state = 0, "up"
 
-    def __init__(self) -> None:
-        self.sent: list[str] = []
+    def __init__(self, rank: int = 1) -> None:
+        self.rank, self.sent, self.moved = rank, [], []
 
     def post(self, msg: dict, gen: int, wait: bool) -> None:
         self.sent.append(msg["kind"])
+
+    def moved_out(self, rid: int) -> None:
+        self.moved.append(rid)
 
 
 @pytest.mark.parametrize("alive", [True, False])
@@ -229,6 +233,64 @@ def test_a_killed_decode_worker_fails_its_requests_and_a_restart_serves_again(re
         both_idle(rt)
 
 
+def test_after_a_decode_worker_dies_the_next_requests_wait_for_its_restart_not_forever(
+        reference):
+    """The walk change of a request that prefilled while the decode worker was dead or
+    restarting: its K/V notices wait for the new generation (they went to the dead one and
+    the request hung for good, 8 runs in 19, until 2026-12-07)."""
+    with PlacedRuntime("placement_models:tiny_llama", SPLIT, progress=False, restart="auto",
+                       max_restarts=5, kv_timeout_s=20) as rt:
+        for _ in range(3):
+            first = rt.submit({"prompt": [3, 1, 4], "params": SamplingParams(
+                max_tokens=200, ignore_eos=True)})
+            tokens = (v for name, v in first if name == "token")
+            next(tokens), next(tokens), next(tokens)  # decoding on worker 2
+            os.kill(rt.workers[2]["pid"], signal.SIGKILL)
+            with pytest.raises(RequestFailed, match="worker process rank 2"):
+                first.result(T)
+            # submitted as the death is seen: they prefill while worker 2 is dead or starting
+            after = [rt.submit({"prompt": p, "params": SamplingParams(max_tokens=n)})
+                     for p, n in CASES[:3]]
+            assert_close([h.result(T) for h in after], reference[:3])
+        both_idle(rt)
+
+
+def test_a_dead_prefill_worker_spares_the_requests_that_moved_on_to_decode():
+    with PlacedRuntime("placement_models:tiny_llama", SPLIT, progress=False,
+                       restart="auto") as rt:
+        params = SamplingParams(max_tokens=60, ignore_eos=True)
+        handles = [rt.submit({"prompt": [3, 1, 4, 1, 5][:k + 1], "params": params})
+                   for k in range(3)]
+        for h in handles:  # a few tokens decoded on worker 2: nothing of theirs is on worker 1
+            tokens = (v for name, v in h if name == "token")
+            next(tokens), next(tokens), next(tokens)
+        os.kill(rt.workers[1]["pid"], signal.SIGKILL)
+        assert [len(h.result(T)["token"]) for h in handles] == [60] * 3
+        assert wait_until(lambda: rt.workers[1]["state"] == "up", timeout=T)  # restarted
+        both_idle(rt)
+
+
+def test_a_move_to_a_worker_that_is_restarting_waits_and_to_one_that_is_down_fails():
+    links = {1: _Link(1), 2: _Link(2)}
+    links[2].state = "starting"
+    failed: list = []
+    moves = ParentMoves({"lm": {"prefill": 1, "decode": 2}}, links, 5.0,
+                        fail=lambda rid, message: failed.append((rid, message)))
+    moves.begin(RequestContext(id=7, inputs={}), "prefill", "decode")
+    assert links[1].moved == [7]  # worker 1's death no longer fails it
+    time.sleep(0.2)
+    assert links[2].sent == [] and links[1].sent == []  # waiting for the new generation
+    links[2].gen, links[2].state = 1, "up"
+    assert wait_until(lambda: links[1].sent == ["kv_send"], timeout=T)
+    assert links[2].sent == ["kv_recv"]
+    links[2].state = "down"
+    moves.begin(RequestContext(id=8, inputs={}), "prefill", "decode")
+    assert wait_until(lambda: failed, timeout=T)
+    assert failed == [(8, "its K/V could not move from worker rank 1 to 2: worker rank 2 is "
+                          "down")]
+    moves.close()
+
+
 def test_a_request_the_decode_cache_can_never_hold_fails_alone(reference):
     small = [NodeGroup(["prefill"], rank=1),
              NodeGroup(["decode"], rank=2, model_kwargs={"num_pages": 6})]
@@ -295,3 +357,11 @@ def test_splits_that_cannot_move_kv_are_refused_naming_the_groups():
         PlacedRuntime("test_placement_disagg:no_handoff_lm", SPLIT, progress=False)
     with pytest.raises(ValueError, match="share engine 'lm'.*rank 0.*parent"):
         make_plan(pm.tiny_llama(num_pages=8), [NodeGroup(["prefill"], rank=1)])
+    with pytest.raises(ValueError, match=r"group \['decode'\] on rank 2 has tp_size 2.*give those "
+                                         "groups tp_size 1"):
+        make_plan(pm.tiny_llama(num_pages=8), [NodeGroup(["prefill"], rank=1),
+                                               NodeGroup(["decode"], rank=2, tp_size=2)])
+    with pytest.raises(ValueError, match=r"rank 1 \(nodes \['prefill'\] and \['decode'\]\) give "
+                                         r"different model_kwargs \(tp_size included\)"):
+        make_plan(pm.tiny_llama(num_pages=8), [NodeGroup(["prefill"], rank=1),
+                                               NodeGroup(["decode"], rank=1, tp_size=2)])

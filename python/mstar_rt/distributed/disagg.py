@@ -138,6 +138,10 @@ class DisaggregatedLM:
         if restart not in ("auto", "manual"):
             raise ValueError(f"restart must be 'auto' or 'manual', not {restart!r}")
         kwargs = dict(kwargs or {})
+        if kwargs.get("tp_size", 1) != 1:
+            raise ValueError(f"tp_size={kwargs['tp_size']}: a DisaggregatedLM moves a request's "
+                             "K/V pages between two processes, and a tensor-parallel cache is "
+                             "split over ranks that cannot export them; give tp_size 1")
         if num_threads is None and (os.cpu_count() or 1) <= 4:
             num_threads = 1
         self.lock = threading.RLock()
@@ -152,6 +156,7 @@ class DisaggregatedLM:
         self.stats_replies: queue.SimpleQueue = queue.SimpleQueue()
         self.worker_said = ""
         self.restart, self.max_restarts, self.restarts = restart, max_restarts, 0
+        self.restarting = False  # a new decode process is being started
         self.generation = 0  # of the decode process: a dead one's receiver breaks no newer one
         self.settings = dict(device=devices[1], timeout_s=timeout_s, factory=factory,
                              kwargs=kwargs, engine=dict(decode_engine or {}),
@@ -162,11 +167,13 @@ class DisaggregatedLM:
         built: list = []  # the prefill LM, built while the decode process builds its own
         self.open_link(lambda: built.append(dw.build_lm(factory, kwargs,
                                                         dict(prefill_engine or {}))))
+        self.lm = built[0]
         try:
-            self.side = PrefillSide(built[0], export_device=devices[0])
+            self.side = PrefillSide(self.lm, export_device=devices[0])
             self.runtime = PrefillRuntime(self.side, self)
         except BaseException:
             self.stop_process(wait_s=1.0)
+            self.close_lm()
             raise
         self.sender = threading.Thread(target=self.send_handoffs, daemon=True,
                                        name="mstar-disagg-send")
@@ -199,7 +206,10 @@ class DisaggregatedLM:
         self.receiver.start()
 
     def may_restart(self) -> bool:
-        return self.restart == "auto" and self.restarts < self.max_restarts and not self.closed
+        """Whether a dead decode process is (being) replaced: the last restart allowed counts
+        until it has failed, so requests meanwhile wait for it rather than fail."""
+        return self.restart == "auto" and not self.closed and (
+            self.restarting or self.restarts < self.max_restarts)
 
     def why(self) -> str:
         """What broke the link to the decode process, and what comes next."""
@@ -219,6 +229,7 @@ class DisaggregatedLM:
         if self.broken is None or not self.may_restart():
             return
         self.restarts += 1
+        self.restarting = True
         cause = self.broken
         try:
             self.open_link()
@@ -226,9 +237,10 @@ class DisaggregatedLM:
             with self.lock:
                 self.broken = (f"{cause}; restart {self.restarts} of {self.max_restarts} "
                                f"failed: {type(e).__name__}: {e}")
+                self.restarting = False
             return
         with self.lock:
-            self.broken = None
+            self.broken, self.restarting = None, False
 
     @staticmethod
     def from_pretrained(path: Union[str, os.PathLike], **kwargs: Any) -> "DisaggregatedLM":
@@ -452,6 +464,13 @@ class DisaggregatedLM:
         self.stop_process(wait_s=5.0)
         self.receiver.join(10)
         self.conn.close()
+        self.close_lm()
+
+    def close_lm(self) -> None:
+        """The prefill side's LM holds processes of its own when a factory made it so."""
+        close = getattr(self.lm, "close", None)
+        if callable(close):
+            close()
 
     def __enter__(self) -> "DisaggregatedLM":
         return self

@@ -77,8 +77,14 @@ def make_plan(model: Model, groups: Sequence[NodeGroup]) -> Plan:
                                            g.request_inputs, ray_options, followers)
             elif ((plan.device, plan.model_kwargs, plan.ray_options, plan.follower_options)
                   != (g.device, dict(g.model_kwargs), ray_options, followers)):
-                raise ValueError(f"node groups of rank {g.rank} give different devices, "
-                                 "model_kwargs or resources; one worker process builds one model")
+                what = [name for name, a, b in (
+                    ("device", plan.device, g.device),
+                    ("model_kwargs (tp_size included)", plan.model_kwargs, dict(g.model_kwargs)),
+                    ("resources", (plan.ray_options, plan.follower_options),
+                     (ray_options, followers))) if a != b]
+                raise ValueError(f"node groups of rank {g.rank} (nodes {plan.nodes} and "
+                                 f"{list(g.nodes)}) give different {' and '.join(what)}; one "
+                                 "worker process builds one model: make them equal")
             else:
                 plan.nodes.extend(g.nodes)
                 plan.request_inputs |= g.request_inputs

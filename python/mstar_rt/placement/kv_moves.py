@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 from typing import Any, Callable, Mapping, Optional
 
@@ -63,6 +64,14 @@ def plan_moves(model: Model, node_rank: Mapping[str, int], workers: set[int],
                              "worker process to another (rank 0 / process=False is the "
                              f"parent): give each walk a worker, or put them in one node "
                              f"group{where}")
+        split = [g for g in groups if getattr(g, "tp_size", 1) > 1 and set(g.nodes) & set(members)]
+        if split:
+            raise ValueError(f"nodes {members} share KV engine '{engine}' on ranks "
+                             f"{sorted(used)}, so a request's K/V move between walks, but "
+                             f"the group {list(split[0].nodes)} on rank {split[0].rank} has "
+                             f"tp_size {split[0].tp_size}: a tensor-parallel cache is split "
+                             f"over ranks and cannot be exported; give those groups tp_size 1"
+                             f"{where}")
         lacking = sorted({type(subs[n]).__name__ for n in members
                           if not all(hasattr(subs[n], a) for a in HANDOFF_API)})
         if lacking:
@@ -88,16 +97,19 @@ def plan_moves(model: Model, node_rank: Mapping[str, int], workers: set[int],
 
 class ParentMoves:
     """The parent's half: decides at each walk change whether a request's K/V move and tells
-    both workers. ``links``: rank -> WorkerLink (its ``gen`` and ``post``)."""
+    both workers. ``links``: rank -> WorkerLink (its ``gen``, ``state``, ``post`` and
+    ``moved_out``); ``fail(request, message)`` fails a request whose K/V cannot move."""
 
     def __init__(self, moves: Mapping[str, Mapping[str, int]], links: Mapping[int, Any],
                  timeout_s: float, host: str = "127.0.0.1",
-                 alive: Callable[[int], bool] = lambda rid: True) -> None:
+                 alive: Callable[[int], bool] = lambda rid: True,
+                 fail: Callable[[int, str], None] = lambda rid, message: None) -> None:
         from mstar_rt.distributed.group import open_store
 
         # host: where the workers reach this process's store (a Ray cluster: this node's address)
         self.moves, self.links, self.timeout_s, self.host = moves, links, timeout_s, host
         self.alive = alive  # whether a request has not ended (a cancel races the walk change)
+        self.fail = fail
         self.store = open_store(len(links) + 1, timeout_s)
         self.lock = threading.Lock()
         self.receivers: dict[int, set[int]] = {}  # request -> ranks it moved to
@@ -106,7 +118,8 @@ class ParentMoves:
         self.where: dict[tuple[int, str], int] = {}
         self.moved = 0  # requests whose K/V were told to move (tests, stats)
         # The notices leave from a thread of their own: a post right after a worker started is
-        # dropped while its socket connects, and the hub's thread must never wait for that.
+        # dropped while its socket connects, a worker restarting is waited for, and the hub's
+        # thread must never wait for either.
         self.outbox: "queue.Queue[Any]" = queue.Queue()
         threading.Thread(target=self.send_notices, daemon=True,
                          name="mstar-kv-notices").start()
@@ -116,9 +129,12 @@ class ParentMoves:
             job = self.outbox.get()
             if job is None:
                 return
-            link, gen, msg = job
             try:
-                link.post(msg, gen, wait=True)
+                if job[0] == "move":
+                    self.notify(*job[1:])
+                else:
+                    _, link, gen, msg = job
+                    link.post(msg, gen, wait=True)
             except Exception:  # a closed link: its worker's death failed the requests
                 traceback.print_exc()
 
@@ -134,10 +150,6 @@ class ParentMoves:
                     self.where[(request.id, engine)] = dst
             if src is None or dst is None or src == dst:
                 continue
-            a, b = self.links[src], self.links[dst]
-            key = f"{src}g{a.gen}-{dst}g{b.gen}"  # a restarted worker meets on a new channel
-            common = dict(request=request.id, engine=engine, key=key, port=self.store.port,
-                          host=self.host, timeout_s=self.timeout_s)
             request.state[MOVING] = src
             with self.lock:
                 self.receivers.setdefault(request.id, set()).add(dst)
@@ -148,8 +160,33 @@ class ParentMoves:
             if not self.alive(request.id):
                 self.ended(request.id)
                 return
-            self.outbox.put((b, b.gen, {"kind": "kv_recv", "peer": src, **common}))
-            self.outbox.put((a, a.gen, {"kind": "kv_send", "peer": dst, **common}))
+            # its state leaves the sender: the sender's death no longer concerns the request
+            self.links[src].moved_out(request.id)
+            self.outbox.put(("move", request.id, engine, src, dst))
+
+    def notify(self, rid: int, engine: str, src: int, dst: int) -> None:
+        """Tells both workers of a move (the notices' thread), on the channel of their current
+        generations: a worker restarting is waited for (within ``timeout_s``), so no notice
+        goes to a generation that is gone while the request's next items go to the new one."""
+        a, b = self.links[src], self.links[dst]
+        deadline = time.monotonic() + self.timeout_s
+        while a.state != "up" or b.state != "up":
+            down = [link for link in (a, b) if link.state in ("down", "closed")]
+            if down or time.monotonic() > deadline:
+                why = (f"worker rank {down[0].rank} is {down[0].state}" if down else
+                       f"the workers were not both up within kv_timeout_s={self.timeout_s:g}")
+                self.fail(rid, f"its K/V could not move from worker rank {src} to {dst}: {why}")
+                return
+            if not self.alive(rid):
+                return
+            time.sleep(0.02)
+        if not self.alive(rid):
+            return
+        key = f"{src}g{a.gen}-{dst}g{b.gen}"  # a restarted worker meets on a new channel
+        common = dict(request=rid, engine=engine, key=key, port=self.store.port,
+                      host=self.host, timeout_s=self.timeout_s)
+        b.post({"kind": "kv_recv", "peer": src, **common}, b.gen, wait=True)
+        a.post({"kind": "kv_send", "peer": dst, **common}, a.gen, wait=True)
 
     def ended(self, rid: int) -> None:
         """The request ended: a receiver that never got its items still frees its handoff."""
@@ -159,7 +196,8 @@ class ParentMoves:
                 self.where.pop((rid, engine), None)
         for rank in ranks:  # after its kv_recv (one queue): never a handoff left behind
             link = self.links[rank]
-            self.outbox.put((link, link.gen, {"kind": "release", "requests": [rid]}))
+            # (the generation when it leaves: the kv_recv may have waited for a restart)
+            self.outbox.put(("post", link, None, {"kind": "release", "requests": [rid]}))
 
     def close(self) -> None:
         self.outbox.put(None)
@@ -167,11 +205,12 @@ class ParentMoves:
 
 
 class _Entry:
-    __slots__ = ("arrived", "error", "held")
+    __slots__ = ("arrived", "error", "held", "since")
 
     def __init__(self) -> None:
         self.arrived, self.error = False, None
         self.held: list[tuple[int, int, list]] = []  # (node, walk, work items)
+        self.since = time.monotonic()
 
 
 class _Pair:
@@ -205,7 +244,9 @@ class _Pair:
             try:
                 if self.rank == 0:
                     description, kv = job
-                    if kv is None:
+                    if self.broken is not None:  # queued as it broke: never sent
+                        self.moves.send_failed(description, self.broken)
+                    elif kv is None:
                         channel.send(description)
                     else:
                         channel.send_kv(description, kv)
@@ -214,6 +255,9 @@ class _Pair:
             except Exception as e:  # the channel is broken for good (kv_transfer.py)
                 traceback.print_exc()
                 self.fail_all(str(e))
+                if self.rank == 0:  # a sender goes on: each job queued meanwhile fails too
+                    self.moves.send_failed(job[0], str(e))
+                    continue
                 return
             try:
                 self.moves.received(self, description, tensors)
@@ -236,16 +280,24 @@ class WorkerMoves:
     worker or one of its segments: the engine may serve either)."""
 
     def __init__(self, host: Any, rank: int, fail: Callable[[list[int], str], None],
-                 dispatch: Callable[[int, int, list], None]) -> None:
+                 dispatch: Callable[[int, int, list], None],
+                 fail_request: Callable[[int, str], None] = lambda rid, message: None) -> None:
         self.host, self.rank, self.fail_items, self.dispatch = host, rank, fail, dispatch
+        self.fail_request = fail_request
         self.lock = threading.Lock()
         self.incoming: dict[int, _Entry] = {}
         self.pairs: dict[str, _Pair] = {}
         self.sent = self.received_count = 0
+        self.timeout_s = 60.0  # the parent's kv_timeout_s, once a notice said it
 
     def pair(self, key: str, rank: int, msg: dict) -> _Pair:
         p = self.pairs.get(key)
         if p is None:
+            # a channel of the same two ranks in older generations is done with: a worker died
+            ranks = tuple(part.split("g")[0] for part in key.split("-"))
+            for old in [k for k in self.pairs
+                        if tuple(part.split("g")[0] for part in k.split("-")) == ranks]:
+                self.pairs.pop(old).jobs.put(None)
             p = self.pairs[key] = _Pair(self, key, rank, int(msg["port"]),
                                         float(msg["timeout_s"]), msg.get("host", "127.0.0.1"))
         return p
@@ -256,6 +308,7 @@ class WorkerMoves:
         field(msg, "port", int), field(msg, "timeout_s", (int, float))  # checked, read later
         if not isinstance(msg.get("host", ""), str):
             raise ProtocolError(f"'{kind}' field 'host' must be a string (the store's address)")
+        self.timeout_s = float(msg["timeout_s"])
         engines = self.host.every_engine
         if engine not in engines:
             raise ProtocolError(f"'{kind}' names engine '{engine}', which this worker does not "
@@ -279,6 +332,11 @@ class WorkerMoves:
             p.jobs.put(rid)
             return
         p = self.pair(key, 0, msg)
+        if p.broken is not None:  # the K/V could never leave: free them, fail the request
+            engines[engine].release(rid)
+            self.fail_request(rid, f"its K/V could not be sent to worker rank "
+                                   f"{msg.get('peer')}: {p.broken}")
+            return
         try:  # on the message loop, not the channel's thread: no later 'release' races it
             handle = self.host.requests.get(rid)
             if handle is None:
@@ -315,6 +373,24 @@ class WorkerMoves:
             self.received_count += 1
         for node, walk, items in held:
             self.dispatch(node, walk, items)
+
+    def send_failed(self, description: dict, why: str) -> None:
+        """A sender's channel broke before this request's K/V left (they were freed at export):
+        the request fails, named, rather than waiting on the receiver's side."""
+        rid = int(description.get("request", -1))
+        self.fail_request(rid, description.get("error") or
+                          f"its K/V could not be sent on the broken channel: {why}")
+
+    def expire(self) -> None:
+        """Fails the requests whose K/V have not arrived within the parent's kv_timeout_s (a
+        notice lost to a worker's death, a sender that never came): their items would
+        otherwise be held for good. Called every heartbeat."""
+        now = time.monotonic()
+        with self.lock:
+            late = [rid for rid, e in self.incoming.items()
+                    if not e.arrived and e.error is None and now - e.since > self.timeout_s]
+        for rid in late:
+            self.failed(rid, f"its K/V did not arrive within kv_timeout_s={self.timeout_s:g}")
 
     def failed(self, rid: int, message: str) -> None:
         with self.lock:

@@ -22,6 +22,9 @@ class ItemLedger:
         self.by_request: dict[int, set[int]] = {}        # request -> its items in flight
         self.known: dict[int, str] = {}                  # request -> last node
         self.opened: set[int] = set()                    # requests whose 'open' was sent
+        # known requests whose state moved to another worker (kv_moves.py): released at their
+        # end, but the worker's death no longer fails them
+        self.moved: set[int] = set()
         # request -> {item: its RemoteTensors} of items answered before the worker read them
         # (windows into a segment, placement/stream_in.py): held until the worker says it
         # copied their bytes (read) or the request ends
@@ -33,6 +36,12 @@ class ItemLedger:
         self.inflight[item] = (rid, node, holds)
         self.by_request.setdefault(rid, set()).add(item)
         self.known[rid] = node
+        self.moved.discard(rid)  # back here: its state is here again
+
+    def moved_out(self, rid: int) -> None:
+        """The request's state moved to another worker (its K/V, at a walk change)."""
+        if rid in self.known:
+            self.moved.add(rid)
 
     def unopened(self, requests: Iterable[int]) -> list[int]:
         """Those of ``requests`` the worker has not been sent: the batch about to go must
@@ -97,14 +106,17 @@ class ItemLedger:
             return False, set()
         del self.known[rid]
         self.opened.discard(rid)
+        self.moved.discard(rid)
         items = self.by_request.pop(rid, set())
         for i in items:
             self.inflight.pop(i, None)
         return True, items
 
     def clear(self) -> tuple[dict[int, tuple[int, str, list]], dict[int, str]]:
-        """The worker died: everything it held, (inflight, known); the ledger starts empty."""
-        inflight, known = self.inflight, self.known
+        """The worker died: everything it held, (inflight, known -- less the requests whose
+        state moved on); the ledger starts empty."""
+        inflight = self.inflight
+        known = {rid: node for rid, node in self.known.items() if rid not in self.moved}
         self.inflight, self.by_request, self.known, self.opened = {}, {}, {}, set()
-        self.kept, self.kept_by_item = {}, {}
+        self.kept, self.kept_by_item, self.moved = {}, {}, set()
         return inflight, known

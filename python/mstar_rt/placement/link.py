@@ -1,17 +1,12 @@
 """The parent's end of one worker process: start and restart it, send it batches, account for
-every work item it holds, and fail exactly those requests when it dies.
-
-Accounting: each work item handed to a :class:`RemoteEngine` is reported back exactly once
-(:class:`~mstar_rt.placement.ledger.ItemLedger`); a death fails the items and the requests the
-worker held state for; an ended request tells the worker to free its pages.
+every work item it holds (:class:`~mstar_rt.placement.ledger.ItemLedger`: each reported back
+exactly once), and when it dies fail exactly its items and the requests it held state for.
 
 Threads: engine threads call :meth:`send_batch`; the hub's receiver thread calls
-:meth:`on_message` and :meth:`release` (through the Runtime) and never waits for the worker
-(placement/channel.py); a monitor thread per process waits for it to exit, a pump thread
-forwards its output, a watchdog (placement/watchdog.py) declares it hung.
-
-Launchers: a local worker process (placement/process.py; ``ipc://``, shared memory) or a Ray
-actor anywhere in a cluster (placement/ray_rank.py; ``tcp://``, tensors inline or fetched).
+:meth:`on_message` and :meth:`release` and never waits for the worker (placement/channel.py); a
+monitor, a pump and a watchdog thread per process (placement/watchdog.py). Launchers: a local
+process (placement/process.py; ``ipc://``, shared memory) or a Ray actor anywhere in a cluster
+(placement/ray_rank.py; ``tcp://``, tensors inline or fetched).
 """
 
 from __future__ import annotations
@@ -379,6 +374,11 @@ class WorkerLink:
             self._channel.held.append((gen, "release", rid))
         else:
             self.post({"kind": "release", "requests": [rid]}, gen)
+
+    def moved_out(self, rid: int) -> None:
+        """The request's state moved to another worker (kv_moves.py): this one's death spares it."""
+        with self._lock:
+            self._ledger.moved_out(rid)
 
     def post(self, msg: dict, gen: Optional[int] = None, wait: bool = False) -> None:
         """A small message (release, kv_moves.py's); the hub's thread sends it after waking;

@@ -39,7 +39,8 @@ worker -> parent (its mailbox, or the parent's PULL socket)::
     failed   rank gen items=[item] message [named=true] [request=id]
                                               (named: the message says which node failed;
                                               request: a segment run fed by streams failed
-                                              before its last window: stream_in.py)
+                                              before its last window: stream_in.py; a
+                                              request whose K/V cannot move: kv_moves.py)
     emit     rank gen emits=[[request, name, value]] items=[item]   (a segment's EMITs)
     read     rank gen items=[item]            (windows into a segment whose tensors from other
                                               workers were copied out: their handles may go)

@@ -155,7 +155,7 @@ class PlacedRuntime(Runtime):
                              spin_default(0 if launcher == "ray" else len(plan.workers)))
         if launcher != "ray" and any(p.follower_options for p in plan.workers.values()):
             raise ValueError("tp_resources places tensor-parallel followers as Ray actors; "
-                             "set launcher='ray' (launcher: ray), or drop tp_resources")
+                             "set launcher='ray' (placement.launcher: ray), or drop tp_resources")
         local_engines, worker_engines = split_engines(self.user_model, plan, engines or {})
         direct = ({} if direct_bytes is None
                   else direct_names(self.user_model, plan.node_rank, set(plan.workers)))
@@ -202,7 +202,8 @@ class PlacedRuntime(Runtime):
 
                 self.kv_moves = placed.kv_moves = ParentMoves(
                     plan.kv_moves, self._links, kv_timeout_s, self._host,
-                    lambda rid: self.requests.get(rid) is not None)
+                    lambda rid: self.requests.get(rid) is not None,
+                    lambda rid, message: self.report(self.conductor.fail(rid, message)))
             super().__init__(placed, poll_s, {**remote, **local_engines})
             for seg in seg_plan.segments if seg_plan is not None else ():
                 if seg.takes:  # its windows not last are answered as sent (stream_in.py)

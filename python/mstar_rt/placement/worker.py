@@ -116,7 +116,8 @@ class Worker:
         # starts (from any thread, see run_items) and releases of requests take turns
         self._starting = threading.RLock()
         self.moves = WorkerMoves(self.host, self.rank, lambda ids, message: self.outbox.send(
-            "failed", items=ids, message=message), self.run_items)
+            "failed", items=ids, message=message), self.run_items, lambda rid, message:
+            self.outbox.send("failed", items=[], message=message, request=rid))
         engines = ", ".join(f"{n}: {type(e).__name__}" for n, e in self.host.every_engine.items())
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -133,6 +134,10 @@ class Worker:
         (placement/watchdog.py) and its model's health (one that cannot serve is replaced)."""
         period = float(self.cfg.get("heartbeat_s", 1.0))
         while not self.stopping.wait(period):
+            try:  # K/V that never came fail their requests (a bug here must not stop the beat)
+                self.moves.expire()
+            except Exception:
+                traceback.print_exc()
             try:
                 self.outbox.send("heartbeat", busy=self.host.busy(), health=self.host.model.health())
             except Exception:  # the socket closed under us at shutdown

@@ -54,7 +54,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"mstar-rt: [{done[0]}/4 {time.monotonic() - t0:5.1f} s] {what}", file=sys.stderr,
               flush=True)
 
-    runtime = None
+    from mstar_rt.placement.process import WorkerStartError
+
+    runtime = model = None
     try:
         step(f"reading {args.config}")
         config = load_config(args.config).with_server(host=args.host, port=args.port,
@@ -76,10 +78,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         deployment = Deployment.from_config(config, model, runtime)
         server = Server(create_app(deployment), server_spec.host, server_spec.port,
                         log_level=args.log_level)
-    except (ConfigError, ValueError, OSError) as e:
+    except (ConfigError, ValueError, OSError, WorkerStartError) as e:
         print(f"mstar-rt: {e}", file=sys.stderr)
         if runtime is not None:
             runtime.close()
+        elif callable(getattr(model, "close", None)):  # e.g. tensor-parallel followers
+            model.close()
         return 2
     if args.warm_up:
         from mstar_rt.serve.warmup import warm_up
