@@ -154,6 +154,27 @@ def test_statistics_config_weights_or_tokenizer_that_do_not_fit_are_refused(tmp_
         load("pi0", dst, tokenizer=tokenizer)
 
 
+def test_the_preprocessors_tokenizer_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
+    """No tokenizer= and none beside the weights: the one LeRobot's preprocessor names
+    (google/paligemma-3b-pt-224) is read from the Hugging Face cache, never downloaded."""
+    import huggingface_hub.constants
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--google--paligemma-3b-pt-224"
+    shutil.copytree(FIXTURES / "pi0" / "tokenizer", repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    policy = load("pi0", tokenizer=None)
+    want = load("pi0")
+    assert policy.processor.tokens("pick up the cube\n").tolist() == \
+        want.processor.tokens("pick up the cube\n").tolist()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="Hugging Face cache of "
+                                                "'google/paligemma-3b-pt-224'"):
+        load("pi0", tokenizer=None)
+
+
 @pytest.mark.parametrize("family", ["pi0", "pi05"])
 def test_openpis_converted_layout_loads_the_same_weights(tmp_path, family):
     """No ``model.`` prefix, openpi's head names, no text embedding (its lm_head stands in);

@@ -246,6 +246,10 @@ def test_missing_statistics_and_backbone_folder_are_named(tmp_path):
     ({"registry_name": "my_crop_processor"}, "processor step 'my_crop_processor' is not one"),
     ({"registry_name": "rename_observations_processor",
       "config": {"rename_map": {"cam": "observation.images.camera1"}}}, "rename map"),
+    ({"registry_name": "relative_actions_processor", "config": {"enabled": True}},
+     "relative_actions_processor is enabled"),
+    # newer LeRobot saves it in every SmolVLA pipeline, disabled: that one loads
+    ({"registry_name": "relative_actions_processor", "config": {"enabled": False}}, None),
 ])
 def test_a_processor_step_not_reproduced_here_is_refused(tmp_path, step, words):
     path = tmp_path / "checkpoint"
@@ -253,6 +257,9 @@ def test_a_processor_step_not_reproduced_here_is_refused(tmp_path, step, words):
     pre = json.loads((path / "policy_preprocessor.json").read_text())
     pre["steps"].insert(0, step)
     (path / "policy_preprocessor.json").write_text(json.dumps(pre))
+    if words is None:
+        load_lerobot_smolvla(path, vlm_dir=str(VLM), progress=False)
+        return
     with pytest.raises(ValueError, match=words):
         load_lerobot_smolvla(path, vlm_dir=str(VLM), progress=False)
 
@@ -265,6 +272,10 @@ def test_a_missing_tokenizer_is_named_when_a_task_comes_as_text(tmp_path, capsys
     assert f"no {vlm / 'tokenizer.json'}" in capsys.readouterr().out
     with pytest.raises(ValueError, match=f"{vlm / 'tokenizer.json'} is missing"):
         policy.tokenize("pick up the cube")
+    # served, its task comes as token ids: the websocket does not ask for text then
+    assert "task" not in SmolVLAPolicy(policy).openpi_defaults()["dtypes"]
+    with_text = load_lerobot_smolvla(CHECKPOINT, vlm_dir=str(VLM), progress=False)
+    assert SmolVLAPolicy(with_text).openpi_defaults()["dtypes"]["task"] == "str"
 
 
 def test_a_config_that_does_not_match_the_weights_is_refused(tmp_path):

@@ -110,10 +110,11 @@ class _Link:
     gen, state = 0, "up"
 
     def __init__(self, rank: int = 1) -> None:
-        self.rank, self.sent, self.moved = rank, [], []
+        self.rank, self.sent, self.moved, self.msgs = rank, [], [], []
 
     def post(self, msg: dict, gen: int, wait: bool) -> None:
         self.sent.append(msg["kind"])
+        self.msgs.append(msg)
 
     def moved_out(self, rid: int) -> None:
         self.moved.append(rid)
@@ -291,6 +292,59 @@ def test_a_move_to_a_worker_that_is_restarting_waits_and_to_one_that_is_down_fai
     moves.close()
 
 
+def test_moves_wait_apart_a_dead_sender_fails_at_once_and_a_broken_channel_is_retired():
+    links = {r: _Link(r) for r in (1, 2, 3)}
+    failed: list = []
+    moves = ParentMoves({"lm": {"prefill": 1, "decode": 2, "other": 3}}, links, 5.0,
+                        fail=lambda rid, message: failed.append((rid, message)))
+    links[2].state = "starting"
+    moves.begin(RequestContext(id=1, inputs={}), "prefill", "decode")  # waits for rank 2
+    moves.begin(RequestContext(id=2, inputs={}), "prefill", "other")  # not behind it
+    assert wait_until(lambda: links[3].sent == ["kv_recv"], timeout=T)
+    assert links[2].sent == [] and failed == []
+    links[2].state = "up"
+    assert wait_until(lambda: links[2].sent == ["kv_recv"], timeout=T)
+    assert links[2].msgs[0]["key"] == "1g0-2g0e0"
+    # the sender died between the walk change and the notice: failed now, not after a timeout
+    links[1].state = "starting"
+    moves.begin(RequestContext(id=3, inputs={}), "prefill", "decode")
+    links[1].gen = 1
+    assert wait_until(lambda: failed, timeout=T)
+    assert failed == [(3, "its K/V could not move from worker rank 1 to 2: worker rank 1 "
+                          "died at the walk change (starting)")]
+    links[1].state = "up"
+    # a request failed by a broken channel: the next move meets on a fresh one
+    moves.ended(1, RequestFailed("its K/V never arrived: the K/V channel broke (1g0-2g0e0)"))
+    moves.begin(RequestContext(id=4, inputs={}), "prefill", "decode")
+    assert wait_until(lambda: len(links[2].msgs) == 3, timeout=T)  # kv_recv, release, kv_recv
+    assert links[2].msgs[-1]["key"] == "1g1-2g0e1"
+    moves.close()
+
+
+def test_a_receiver_fails_items_whose_kv_never_come_within_kv_timeout_s():
+    """Items that overtook their move's notice are held; if the K/V never come (the notice
+    went to a generation that died), the heartbeat's expire() fails them by name."""
+    from types import SimpleNamespace
+
+    from mstar_rt.placement.kv_moves import MOVING, WorkerMoves
+
+    handle = SimpleNamespace(context=SimpleNamespace(state={MOVING: 1}))
+    host = SimpleNamespace(requests={7: handle}, every_engine={})
+    failed: list = []
+    moves = WorkerMoves(host, 2, lambda ids, message: failed.append((ids, message)),
+                        lambda *a: None)
+    item = SimpleNamespace(id=70, request=7)
+    assert moves.hold(3, 0, [item]) == []  # held: its K/V are on the way
+    moves.expire()
+    assert failed == [] and moves.stats()["kv_waiting"] == 1
+    moves.timeout_s = 0.05
+    time.sleep(0.1)
+    moves.expire()
+    assert failed == [([70], "its K/V did not arrive within kv_timeout_s=0.05")]
+    assert moves.hold(3, 0, [SimpleNamespace(id=71, request=7)]) == []  # later ones fail too
+    assert failed[-1][0] == [71]
+
+
 def test_a_request_the_decode_cache_can_never_hold_fails_alone(reference):
     small = [NodeGroup(["prefill"], rank=1),
              NodeGroup(["decode"], rank=2, model_kwargs={"num_pages": 6})]
@@ -361,6 +415,10 @@ def test_splits_that_cannot_move_kv_are_refused_naming_the_groups():
                                          "groups tp_size 1"):
         make_plan(pm.tiny_llama(num_pages=8), [NodeGroup(["prefill"], rank=1),
                                                NodeGroup(["decode"], rank=2, tp_size=2)])
+    with pytest.raises(ValueError, match=r"group \['decode'\] on rank 2 has tp_size 2"):
+        make_plan(pm.tiny_llama(num_pages=8), [  # the size given as the factory's argument too
+            NodeGroup(["prefill"], rank=1), NodeGroup(["decode"], rank=2,
+                                                      model_kwargs={"tp_size": 2})])
     with pytest.raises(ValueError, match=r"rank 1 \(nodes \['prefill'\] and \['decode'\]\) give "
                                          r"different model_kwargs \(tp_size included\)"):
         make_plan(pm.tiny_llama(num_pages=8), [NodeGroup(["prefill"], rank=1),

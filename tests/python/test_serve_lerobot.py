@@ -228,3 +228,30 @@ def test_a_lerobot_policy_of_another_type_is_named_not_read_as_a_llama(tmp_path,
     path.write_text(yaml.safe_dump({"model": {"checkpoint": str(d)}}))
     with pytest.raises(ValueError, match=f"a LeRobot policy of type {policy_type!r}"):
         build_model(load_config(path))
+
+
+def test_the_args_a_checkpoints_loader_passes_itself_are_not_taken_from_the_config():
+    from mstar_rt.models.checkpoint_dirs import accepted_args, signature_without
+    from mstar_rt.models.qwen3_omni.omni import Qwen3Omni
+
+    omni = accepted_args((Qwen3Omni.from_pretrained,
+                          signature_without(Qwen3Omni.__init__, "tokenizer")))
+    assert "tokenizer" not in omni and {"tp_size", "max_batch", "dtype"} <= set(omni)
+
+
+def test_a_model_warm_up_that_fails_skips_the_warm_up_and_the_server_serves(tmp_path):
+    from mstar_rt.serve.warmup import warm_up
+
+    model = build_model(load_config(_config(tmp_path, "pi0")))
+
+    def broken() -> None:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    model.warm_up = broken
+    with serving(model, name="pi0", max_concurrent_requests=2) as s:
+        done = warm_up(s.state.deployment)
+        assert done.skipped == ("the model's warm_up() failed (RuntimeError: CUDA out of memory "
+                                "(simulated))")
+        obs, _ = _observation("pi0", with_noise=False)
+        client = WebsocketClientPolicy("127.0.0.1", s.port)
+        assert client.infer(obs)["actions"].shape == (10, 6)

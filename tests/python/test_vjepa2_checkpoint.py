@@ -7,6 +7,8 @@ before any weight is allocated; the loader prints its memory per dtype."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -72,6 +74,13 @@ def test_saved_directory_round_trips_with_its_config(tmp_path, pair):
     same_outputs(up, loaded)
     half = load_vjepa2_predictor(tmp_path / "ac", dtype=torch.bfloat16, progress=False)
     assert half.dtype == torch.bfloat16
+    # a config.json that lost a field: the shape error names the field left to the default
+    config = json.loads((tmp_path / "ac" / "config.json").read_text())
+    del config["embed_dim"]
+    (tmp_path / "ac" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json gives no \['embed_dim'\]: the published "
+                                         "values were taken"):
+        load_vjepa2_predictor(tmp_path / "ac", progress=False)
 
 
 def _damage(state: dict, how: str) -> tuple[dict, str]:

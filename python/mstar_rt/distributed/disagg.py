@@ -165,8 +165,14 @@ class DisaggregatedLM:
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
 
         built: list = []  # the prefill LM, built while the decode process builds its own
-        self.open_link(lambda: built.append(dw.build_lm(factory, kwargs,
-                                                        dict(prefill_engine or {}))))
+        try:
+            self.open_link(lambda: built.append(dw.build_lm(factory, kwargs,
+                                                            dict(prefill_engine or {}))))
+        except BaseException:
+            for lm in built:  # the decode side failed after ours was built
+                if callable(getattr(lm, "close", None)):
+                    lm.close()
+            raise
         self.lm = built[0]
         try:
             self.side = PrefillSide(self.lm, export_device=devices[0])
@@ -228,8 +234,9 @@ class DisaggregatedLM:
         handoffs wait for it)."""
         if self.broken is None or not self.may_restart():
             return
-        self.restarts += 1
-        self.restarting = True
+        with self.lock:  # one step: may_restart() stays True from the first to the last
+            self.restarting = True
+            self.restarts += 1
         cause = self.broken
         try:
             self.open_link()

@@ -41,7 +41,7 @@ def model_type(path: Path) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-def _kind(path: Path) -> tuple[str, Callable[..., Any], tuple[Callable[..., Any], ...]]:
+def _kind(path: Path) -> tuple[str, Callable[..., Any], tuple[Any, ...]]:
     """(what the directory holds, its loader, the callables that share the loader's args)."""
     from mstar_rt.models.lerobot import lerobot_family, load_lerobot_policy
 
@@ -65,18 +65,25 @@ def _kind(path: Path) -> tuple[str, Callable[..., Any], tuple[Callable[..., Any]
         from mstar_rt.models.qwen3_omni.omni import Qwen3Omni
 
         return "a Qwen3-Omni checkpoint", Qwen3Omni.from_pretrained, (
-            Qwen3Omni.from_pretrained, Qwen3Omni.__init__)
+            Qwen3Omni.from_pretrained, signature_without(Qwen3Omni.__init__, "tokenizer"))
     from mstar_rt.models.causal_lm import CausalLM
 
     return "a Llama checkpoint", CausalLM.from_pretrained, (
         CausalLM.from_pretrained, CausalLM.__init__)
 
 
-def accepted_args(callables: tuple[Callable[..., Any], ...]) -> list[str]:
+def signature_without(fn: Callable[..., Any], *supplied: str) -> inspect.Signature:
+    """``fn``'s signature less the parameters its loader passes itself."""
+    sig = inspect.signature(fn)
+    return sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in supplied])
+
+
+def accepted_args(callables: tuple[Any, ...]) -> list[str]:
     """The named parameters a loader and the model it builds take from ``args``."""
     names: list[str] = []
     for fn in callables:
-        for p in inspect.signature(fn).parameters.values():
+        sig = fn if isinstance(fn, inspect.Signature) else inspect.signature(fn)
+        for p in sig.parameters.values():
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in SUPPLIED \
                     and p.name not in names:
                 names.append(p.name)
@@ -120,4 +127,5 @@ def load_checkpoint_dir(path: Path, args: Mapping[str, Any], base_dir: str = "."
     return load(str(path), **kwargs)
 
 
-__all__ = ["accepted_args", "checked_args", "load_checkpoint_dir", "model_type"]
+__all__ = ["accepted_args", "checked_args", "load_checkpoint_dir", "model_type",
+           "signature_without"]

@@ -51,7 +51,8 @@ def load_lerobot_policy(path: PathLike, **kwargs: Any) -> Any:
                      f"here ({', '.join(FAMILIES)}): its config.json has no such 'type'")
 
 
-def openpi_defaults(config: Any, family: str, rtc: Any = None) -> dict[str, Any]:
+def openpi_defaults(config: Any, family: str, rtc: Any = None,
+                    text_task: bool = True) -> dict[str, Any]:
     """The openpi websocket's mapping for a LeRobot policy (a PolicySpec's fields): the
     observation keys are LeRobot's own -- each camera key (an image: an array, or JPEG/PNG
     bytes) into the ``images`` input, ``observation.state`` into ``state``, ``task`` (the
@@ -77,8 +78,9 @@ def openpi_defaults(config: Any, family: str, rtc: Any = None) -> dict[str, Any]
             "optional": (*config.cameras, "prev_actions", "inference_delay", "seed", "noise"),
             "shapes": {"state": (config.state_dim,), "prev_actions": (None, config.action_dim),
                        "noise": (config.chunk_size, config.max_action_dim)},
+            # the task as text (a SmolVLA without a tokenizer takes token ids instead)
             "dtypes": {"state": "float32", "prev_actions": "float32", "noise": "float32",
-                       "task": "str"},
+                       **({"task": "str"} if text_task else {})},
             "actions": "actions",
             "metadata": {"policy": family, "cameras": list(config.cameras),
                          "state_dim": config.state_dim, "action_dim": config.action_dim,

@@ -218,11 +218,20 @@ class PiProcessor:
 def load_tokenizer(path: PathLike, tokenizer: Optional[PathLike], name: Optional[str]
                    ) -> tuple[Any, int]:
     """A ``tokenizers.Tokenizer`` from ``tokenizer`` (a folder or a tokenizer.json), else from
-    ``path/tokenizer/`` or ``path`` itself; and its pad id."""
+    ``path/tokenizer/``, ``path`` itself, or the preprocessor's tokenizer ``name`` in the
+    Hugging Face cache (no download); and its pad id."""
     from tokenizers import Tokenizer
 
-    candidates = [tokenizer] if tokenizer is not None else [os.path.join(path, "tokenizer"), path]
-    for c in candidates:
+    def candidates() -> Any:  # the cache is asked only when the folders hold none
+        if tokenizer is not None:
+            yield tokenizer
+            return
+        yield from (os.path.join(path, "tokenizer"), path)
+        cached = cached_tokenizer(name) if name else None
+        if cached:
+            yield cached
+
+    for c in candidates():
         file = os.fspath(c)
         folder = os.path.dirname(file) if file.endswith(".json") else file
         if os.path.isdir(file):
@@ -241,6 +250,18 @@ def load_tokenizer(path: PathLike, tokenizer: Optional[PathLike], name: Optional
                 pad = value.get("content", pad) if isinstance(value, dict) else (value or pad)
             pad_id = tk.token_to_id(pad)
             return tk, 0 if pad_id is None else pad_id
-    where = tokenizer if tokenizer is not None else f"{path}/tokenizer or {path}"
+    where = (tokenizer if tokenizer is not None else
+             f"{path}/tokenizer, {path} or the Hugging Face cache of {name!r}")
     raise FileNotFoundError(f"no tokenizer.json in {where}; the policy's preprocessor uses "
                             f"the tokenizer {name!r}: pass tokenizer=<its folder>")
+
+
+def cached_tokenizer(name: str) -> Optional[str]:
+    """The folder of ``name``'s tokenizer in the Hugging Face cache, if it is there."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True,
+                                 allow_patterns=["tokenizer*", "special_tokens_map.json"])
+    except Exception:  # not installed, not cached, offline: the caller names the fix
+        return None

@@ -299,7 +299,8 @@ class SmolVLAPolicy(Model):
         """How the openpi websocket maps LeRobot's observation keys onto the inputs."""
         from mstar_rt.models.lerobot import openpi_defaults
 
-        return openpi_defaults(self.policy.config, "smolvla", self.rtc)
+        return openpi_defaults(self.policy.config, "smolvla", self.rtc,
+                               text_task=self.policy.tokenizer is not None)
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         validate(self.policy, inputs, self.rtc)

@@ -75,7 +75,9 @@ class Normalizer:
 #: SmolVLA's processor steps reproduced here (or that do nothing at inference).
 SMOLVLA_STEPS = frozenset({"rename_observations_processor", "to_batch_processor",
                            "smolvla_new_line_processor", "tokenizer_processor",
-                           "device_processor", "normalizer_processor", "unnormalizer_processor"})
+                           "device_processor", "normalizer_processor", "unnormalizer_processor",
+                           # newer LeRobot saves these disabled (enabled: refused by name)
+                           "relative_actions_processor", "absolute_actions_processor"})
 
 
 def _processor_step(path: str, pipeline: str, registry: str) -> tuple[dict, str]:

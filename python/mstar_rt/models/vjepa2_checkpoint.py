@@ -200,17 +200,25 @@ def meta_predictor(config: VJEPA2ACConfig) -> VJEPA2ACPredictor:
         return VJEPA2ACPredictor(config)
 
 
-def predictor_config_for(path: PathLike, config: Optional[VJEPA2ACConfig]) -> VJEPA2ACConfig:
+def predictor_config_for(path: PathLike, config: Optional[VJEPA2ACConfig]
+                         ) -> tuple[VJEPA2ACConfig, str]:
     """``config`` if given, else the ``config.json`` of a predictor directory, else the
-    published V-JEPA 2-AC predictor's (upstream's .pt files carry no config)."""
+    published V-JEPA 2-AC predictor's (upstream's .pt files carry no config); and a hint for
+    a shape error: which fields the config.json left to the published values."""
     if config is not None:
-        return config
+        return config, " (pass the VJEPA2ACConfig it was trained with)"
     file = os.path.join(os.fspath(path), "config.json")
     if os.path.isdir(os.fspath(path)) and os.path.exists(file):
+        from dataclasses import fields
+
         from mstar_rt.models.checkpoint import read_config
 
-        return VJEPA2ACConfig.from_dict(read_config(path), file)
-    return VJEPA2ACConfig()
+        raw = read_config(path)
+        absent = [f.name for f in fields(VJEPA2ACConfig) if f.name not in raw]
+        hint = (f" ({file} gives no {absent}: the published values were taken for them)"
+                if absent else f" (check {file})")
+        return VJEPA2ACConfig.from_dict(raw, file), hint
+    return VJEPA2ACConfig(), " (pass the VJEPA2ACConfig it was trained with)"
 
 
 def load_vjepa2_predictor(path: PathLike, config: Optional[VJEPA2ACConfig] = None,
@@ -220,12 +228,11 @@ def load_vjepa2_predictor(path: PathLike, config: Optional[VJEPA2ACConfig] = Non
     built for ``config`` (default: the directory's config.json, else the published one).
     Keys and shapes are checked against the model built on the meta device before any weight
     is allocated; with ``progress`` the memory it takes per dtype is printed (stderr)."""
-    config = predictor_config_for(path, config)
+    config, hint = predictor_config_for(path, config)
     dtype = dtype or torch.float32
     meta = meta_predictor(config)
     found = open_section(path, "predictor")
-    check_state(meta, found, "V-JEPA 2-AC predictor",
-                " (pass the VJEPA2ACConfig it was trained with)")
+    check_state(meta, found, "V-JEPA 2-AC predictor", hint)
     if progress:
         print(describe_memory(meta, "V-JEPA 2-AC predictor", dtype,
                               lambda size: predictor_kv_bytes(config, size)), file=sys.stderr)

@@ -34,6 +34,9 @@ from mstar_rt.placement.segments import section_nodes
 #: items that overtake the ``kv_recv`` notice are held too.
 MOVING = "placement_kv_moving"
 HANDOFF_API = ("handoff_state", "resume_state", "handoffs")
+#: In the message of every request failed by a broken channel: the parent then meets the two
+#: workers on a fresh one (a broken gloo pair cannot be reused).
+BROKEN = "the K/V channel broke"
 
 
 def plan_moves(model: Model, node_rank: Mapping[str, int], workers: set[int],
@@ -64,14 +67,14 @@ def plan_moves(model: Model, node_rank: Mapping[str, int], workers: set[int],
                              "worker process to another (rank 0 / process=False is the "
                              f"parent): give each walk a worker, or put them in one node "
                              f"group{where}")
-        split = [g for g in groups if getattr(g, "tp_size", 1) > 1 and set(g.nodes) & set(members)]
+        split = [(g, tp_of(g)) for g in groups if tp_of(g) > 1 and set(g.nodes) & set(members)]
         if split:
+            g, tp = split[0]
             raise ValueError(f"nodes {members} share KV engine '{engine}' on ranks "
                              f"{sorted(used)}, so a request's K/V move between walks, but "
-                             f"the group {list(split[0].nodes)} on rank {split[0].rank} has "
-                             f"tp_size {split[0].tp_size}: a tensor-parallel cache is split "
-                             f"over ranks and cannot be exported; give those groups tp_size 1"
-                             f"{where}")
+                             f"the group {list(g.nodes)} on rank {g.rank} has tp_size {tp}: a "
+                             f"tensor-parallel cache is split over ranks and cannot be "
+                             f"exported; give those groups tp_size 1{where}")
         lacking = sorted({type(subs[n]).__name__ for n in members
                           if not all(hasattr(subs[n], a) for a in HANDOFF_API)})
         if lacking:
@@ -93,6 +96,12 @@ def plan_moves(model: Model, node_rank: Mapping[str, int], workers: set[int],
                 per_walk[walk] = walk_ranks.pop()
         moves[engine] = per_walk
     return moves
+
+
+def tp_of(group: Any) -> int:
+    """A node group's tensor-parallel size, given as its field or in its model_kwargs."""
+    kwargs = getattr(group, "model_kwargs", None) or {}
+    return max(int(getattr(group, "tp_size", 1) or 1), int(kwargs.get("tp_size", 1) or 1))
 
 
 class ParentMoves:
@@ -117,6 +126,8 @@ class ParentMoves:
         # two (one without the engine) must not hide a move
         self.where: dict[tuple[int, str], int] = {}
         self.moved = 0  # requests whose K/V were told to move (tests, stats)
+        self.epochs: dict[tuple[int, int], int] = {}  # (sender, receiver) -> channels retired
+        self.used: dict[int, tuple[int, int, int]] = {}  # request -> (sender, receiver, epoch)
         # The notices leave from a thread of their own: a post right after a worker started is
         # dropped while its socket connects, a worker restarting is waited for, and the hub's
         # thread must never wait for either.
@@ -125,16 +136,22 @@ class ParentMoves:
                          name="mstar-kv-notices").start()
 
     def send_notices(self) -> None:
+        waiting: list[tuple] = []  # moves whose receiver is restarting: retried, not waited on
         while True:
-            job = self.outbox.get()
+            try:
+                job = self.outbox.get(timeout=0.02 if waiting else None)
+            except queue.Empty:
+                job = ()
             if job is None:
                 return
             try:
-                if job[0] == "move":
-                    self.notify(*job[1:])
-                else:
-                    _, link, gen, msg = job
-                    link.post(msg, gen, wait=True)
+                if job and job[0] == "move":
+                    waiting.append(job[1:])
+                elif job:
+                    _, link, msg = job
+                    if link.state == "up":  # a generation starting holds nothing to release
+                        link.post(msg, None, wait=True)
+                waiting = [w for w in waiting if not self.notify(*w)]
             except Exception:  # a closed link: its worker's death failed the requests
                 traceback.print_exc()
 
@@ -161,43 +178,59 @@ class ParentMoves:
                 self.ended(request.id)
                 return
             # its state leaves the sender: the sender's death no longer concerns the request
-            self.links[src].moved_out(request.id)
-            self.outbox.put(("move", request.id, engine, src, dst))
+            # (one before the export is seen below, or by the receiver's channel)
+            sender = self.links[src]
+            sender.moved_out(request.id)
+            self.outbox.put(("move", request.id, engine, src, dst, sender.gen,
+                             time.monotonic() + self.timeout_s))
 
-    def notify(self, rid: int, engine: str, src: int, dst: int) -> None:
-        """Tells both workers of a move (the notices' thread), on the channel of their current
-        generations: a worker restarting is waited for (within ``timeout_s``), so no notice
-        goes to a generation that is gone while the request's next items go to the new one."""
+    def notify(self, rid: int, engine: str, src: int, dst: int, src_gen: int,
+               deadline: float) -> bool:
+        """Tells both workers of a move, on the channel of their current generations; False
+        while the receiver is starting (the notices' thread tries again: a notice to a
+        generation that is gone would leave the request's next items held on the new one)."""
         a, b = self.links[src], self.links[dst]
-        deadline = time.monotonic() + self.timeout_s
-        while a.state != "up" or b.state != "up":
-            down = [link for link in (a, b) if link.state in ("down", "closed")]
-            if down or time.monotonic() > deadline:
-                why = (f"worker rank {down[0].rank} is {down[0].state}" if down else
-                       f"the workers were not both up within kv_timeout_s={self.timeout_s:g}")
-                self.fail(rid, f"its K/V could not move from worker rank {src} to {dst}: {why}")
-                return
-            if not self.alive(rid):
-                return
-            time.sleep(0.02)
         if not self.alive(rid):
-            return
-        key = f"{src}g{a.gen}-{dst}g{b.gen}"  # a restarted worker meets on a new channel
+            return True
+        if a.gen != src_gen or a.state != "up":  # the K/V died with the sender
+            self.fail(rid, f"its K/V could not move from worker rank {src} to {dst}: worker "
+                           f"rank {src} died at the walk change ({a.state})")
+            return True
+        gen_b, state_b = b.gen, b.state
+        if state_b != "up":
+            if state_b in ("down", "closed") or time.monotonic() > deadline:
+                why = (f"worker rank {dst} is {state_b}" if state_b != "starting" else
+                       f"worker rank {dst} was not up within kv_timeout_s={self.timeout_s:g}")
+                self.fail(rid, f"its K/V could not move from worker rank {src} to {dst}: {why}")
+                return True
+            return False
+        with self.lock:
+            epoch = self.epochs.get((src, dst), 0)
+            self.used[rid] = (src, dst, epoch)
+        # a restarted worker, or a channel that broke, meets on a new channel
+        key = f"{src}g{src_gen}-{dst}g{gen_b}e{epoch}"
         common = dict(request=rid, engine=engine, key=key, port=self.store.port,
                       host=self.host, timeout_s=self.timeout_s)
-        b.post({"kind": "kv_recv", "peer": src, **common}, b.gen, wait=True)
-        a.post({"kind": "kv_send", "peer": dst, **common}, a.gen, wait=True)
+        b.post({"kind": "kv_recv", "peer": src, **common}, gen_b, wait=True)
+        a.post({"kind": "kv_send", "peer": dst, **common}, src_gen, wait=True)
+        return True
 
-    def ended(self, rid: int) -> None:
-        """The request ended: a receiver that never got its items still frees its handoff."""
+    def ended(self, rid: int, error: Optional[BaseException] = None) -> None:
+        """The request ended: a receiver that never got its items still frees its handoff; a
+        request failed by a broken channel retires that channel."""
         with self.lock:
             ranks = self.receivers.pop(rid, ())
             for engine in self.moves:
                 self.where.pop((rid, engine), None)
+            used = self.used.pop(rid, None)
+            if used is not None and error is not None and BROKEN in str(error):
+                src, dst, epoch = used
+                if self.epochs.get((src, dst), 0) == epoch:
+                    self.epochs[(src, dst)] = epoch + 1
         for rank in ranks:  # after its kv_recv (one queue): never a handoff left behind
             link = self.links[rank]
             # (the generation when it leaves: the kv_recv may have waited for a restart)
-            self.outbox.put(("post", link, None, {"kind": "release", "requests": [rid]}))
+            self.outbox.put(("post", link, {"kind": "release", "requests": [rid]}))
 
     def close(self) -> None:
         self.outbox.put(None)
@@ -230,13 +263,14 @@ class _Pair:
         from mstar_rt.distributed.group import join_store
         from mstar_rt.distributed.kv_transfer import KVChannel
 
+        channel: Any = None
         try:
             store = join_store(self.port, 2, self.timeout_s, self.host)
             channel = KVChannel(store, self.key, self.rank, "cpu", self.timeout_s)
         except Exception as e:
-            self.fail_all(f"the KV channel {self.key} could not be set up: "
-                          f"{type(e).__name__}: {e}")
-            return
+            self.fail_all(f"it could not be set up: {type(e).__name__}: {e}")
+            if self.rank == 1:
+                return  # (a sender goes on below: each job queued on it fails by name)
         while True:
             job = self.jobs.get()
             if job is None:
@@ -256,7 +290,7 @@ class _Pair:
                 traceback.print_exc()
                 self.fail_all(str(e))
                 if self.rank == 0:  # a sender goes on: each job queued meanwhile fails too
-                    self.moves.send_failed(job[0], str(e))
+                    self.moves.send_failed(job[0], self.broken or str(e))
                     continue
                 return
             try:
@@ -268,9 +302,9 @@ class _Pair:
 
     def fail_all(self, message: str) -> None:
         with self.moves.lock:  # no notice may add a request this thread will never receive
-            self.broken, due = message, list(self.expected)
+            self.broken, due = f"{BROKEN} ({self.key}): {message}", list(self.expected)
         for rid in due:
-            self.moves.failed(rid, f"its K/V never arrived: {message}")
+            self.moves.failed(rid, f"its K/V never arrived: {self.broken}")
 
 
 class WorkerMoves:
@@ -378,8 +412,7 @@ class WorkerMoves:
         """A sender's channel broke before this request's K/V left (they were freed at export):
         the request fails, named, rather than waiting on the receiver's side."""
         rid = int(description.get("request", -1))
-        self.fail_request(rid, description.get("error") or
-                          f"its K/V could not be sent on the broken channel: {why}")
+        self.fail_request(rid, description.get("error") or f"its K/V could not be sent: {why}")
 
     def expire(self) -> None:
         """Fails the requests whose K/V have not arrived within the parent's kv_timeout_s (a

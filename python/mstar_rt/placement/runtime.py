@@ -289,7 +289,7 @@ class PlacedRuntime(Runtime):
 
     def ended(self, handle: Any, error: Optional[BaseException]) -> None:
         if self.kv_moves is not None:
-            self.kv_moves.ended(handle.context.id)
+            self.kv_moves.ended(handle.context.id, error)
         super().ended(handle, error)
 
     # ---- workers -------------------------------------------------------------------------------

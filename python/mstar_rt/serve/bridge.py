@@ -136,10 +136,13 @@ class Bridge:
         one worker-thread job, since a policy call is short and each hop costs. The request is
         cancelled if the caller is cancelled or it outlives ``request_timeout_s``."""
         holder: list = []
+        gone: list = []  # the caller was cancelled (its client left) before the submit
 
         def job() -> dict[str, list]:
             handle = self.runtime.submit(prepare(inputs) if prepare else inputs)
             holder.append(handle)
+            if gone:
+                handle.cancel()
             try:
                 return handle.result(self.timeout_s)
             except TimeoutError:
@@ -150,6 +153,7 @@ class Bridge:
         try:
             return await self.call(job)
         except asyncio.CancelledError:
+            gone.append(True)
             if holder:
                 holder[0].cancel()
             raise

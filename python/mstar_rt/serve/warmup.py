@@ -59,8 +59,12 @@ def warm_up(deployment: Any, budget_s: float = 60.0) -> WarmUp:
     if not graph_nodes:
         return WarmUp(skipped="the runtime has no compiled graph to read batch sizes from")
     prepare = getattr(getattr(runtime, "model", None), "warm_up", None)
-    if callable(prepare):  # e.g. a flow policy's CUDA graphs / compiled buckets, every size
-        prepare()
+    try:
+        if callable(prepare):  # e.g. a flow policy's CUDA graphs / compiled buckets, every size
+            prepare()
+    except Exception as e:  # noqa: BLE001  (the server serves anyway; the first clients pay)
+        return WarmUp(skipped=f"the model's warm_up() failed ({type(e).__name__}: {e})",
+                      seconds=time.monotonic() - t0)
     cap = max(1, int(deployment.max_concurrent_requests))
     wanted = {name: set(range(1, min(int(max_batch), cap) + 1))
               for name, _, max_batch, *_ in graph_nodes}
