@@ -232,5 +232,7 @@ def test_bfloat16_is_lerobots_mixed_precision_and_gives_its_bfloat16_chunk(famil
     gap = theirs["max_abs_minus_float32_chunk"]  # LeRobot's own bfloat16 against its float32
     for name, chunk in chunks.items():
         assert chunk.dtype == torch.float32
-        assert (chunk - lerobot_bf16).abs().max() < 1.5 * gap, name
+        # as far from float32 as LeRobot's bfloat16 is; from LeRobot's bfloat16 chunk, up to
+        # both gaps (bfloat16 GEMMs round differently per CPU: AMX, AVX512-BF16 or neither)
         assert (chunk - io["output.action_chunk"][0]).abs().max() < 1.5 * gap, name
+        assert (chunk - lerobot_bf16).abs().max() < 2.5 * gap, name

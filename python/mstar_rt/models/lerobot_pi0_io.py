@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar_rt.models.lerobot_inputs import unit_image
+from mstar_rt.models.lerobot_normalizer import Normalizer
 from mstar_rt.models.lerobot_processor import processor_steps
 from mstar_rt.models.lerobot_pi0_config import PiConfig
 
@@ -60,79 +61,25 @@ def preprocess_image(image: Any, size: int, where: str = "image") -> torch.Tenso
 
 # ---- normalisation -----------------------------------------------------------------------------
 
-#: The statistics each normalisation mode reads: (low, high).
-NORM_STATS = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"),
-              "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90"), "IDENTITY": ()}
-
-
-class Normalizer:
-    """One feature's normalisation (LeRobot's ``NormalizerProcessorStep`` rules)."""
-
-    def __init__(self, mode: str, stats: Mapping[str, torch.Tensor], eps: float = 1e-8,
-                 name: str = "feature", size: Optional[int] = None) -> None:
-        if mode not in NORM_STATS:
-            raise ValueError(f"normalization mode {mode!r} of '{name}' is not one of "
-                             f"{sorted(NORM_STATS)}")
-        missing = [k for k in NORM_STATS[mode] if k not in stats]
-        if missing:
-            raise ValueError(f"'{name}' is normalised with {mode} but its statistics lack "
-                             f"{missing}")
-        for k in NORM_STATS[mode]:  # at load, not as a shape error in every request
-            t = stats[k]
-            if size is not None and tuple(t.shape) != (size,):
-                raise ValueError(f"the '{name}' statistic '{k}' has shape {list(t.shape)}, but "
-                                 f"config.json gives '{name}' {size} values; the statistics "
-                                 "and the config must come from the same training run")
-            if not bool(torch.isfinite(t.float()).all()):
-                raise ValueError(f"the '{name}' statistic '{k}' holds NaN or infinite values "
-                                 "(LeRobot's placeholder for statistics never computed); "
-                                 "save the policy with its dataset's statistics")
-        self.mode, self.eps, self.name = mode, eps, name
-        self.stats = [stats[k].float() for k in NORM_STATS[mode]]
-
-    def _bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lo, hi = (s.to(x.device, x.dtype) for s in self.stats)
-        return lo, hi
-
-    def _span(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """``hi - lo``, eps where it is 0 (a constant feature)."""
-        span = hi - lo
-        return torch.where(span == 0, torch.tensor(self.eps, dtype=span.dtype,
-                                                   device=span.device), span)
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "IDENTITY":
-            return x
-        lo, hi = self._bounds(x)
-        if self.mode == "MEAN_STD":
-            return (x - lo) / (hi + self.eps)
-        if self.mode == "MIN_MAX":
-            return 2 * (x - lo) / self._span(lo, hi) - 1
-        return 2.0 * (x - lo) / self._span(lo, hi) - 1.0
-
-    def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
-        if self.mode == "IDENTITY":
-            return y
-        lo, hi = self._bounds(y)
-        if self.mode == "MEAN_STD":
-            return y * hi + lo
-        if self.mode == "MIN_MAX":
-            return (y + 1) / 2 * self._span(lo, hi) + lo
-        return (y + 1.0) * self._span(lo, hi) / 2.0 + lo
-
-
-def _stats(path: PathLike, step: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+def _normalizer(path: PathLike, step: Mapping[str, Any], name: str, mode: str,
+                size: int) -> Normalizer:
+    """``name``'s normalizer from the statistics file ``step`` names (none: no statistics)."""
     from safetensors.torch import load_file
 
+    config = step.get("config") or {}
+    eps = float(config.get("eps", 1e-8))
     state_file = step.get("state_file")
     if not state_file:
-        return {}
+        return Normalizer(name, mode, {}, eps, size, f"{path} (its {step['registry_name']} "
+                          "step names no state_file)")
     file = os.path.join(path, state_file)
     try:
         flat = load_file(file)
     except Exception as e:
         raise ValueError(f"{file} is not a readable normalizer state file ({e})") from None
-    return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    prefix = name + "."
+    stats = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    return Normalizer(name, mode, stats, eps, size, file)
 
 
 class PiProcessor:
@@ -157,10 +104,8 @@ class PiProcessor:
         ncfg, ucfg, tcfg = (s.get("config") or {} for s in (norm, unnorm, tok))
         state_mode = (ncfg.get("norm_map") or {}).get("STATE", config.state_norm)
         action_mode = (ucfg.get("norm_map") or {}).get("ACTION", config.action_norm)
-        state = Normalizer(state_mode, _stats(path, norm, "observation.state."),
-                           float(ncfg.get("eps", 1e-8)), "observation.state", config.state_dim)
-        action = Normalizer(action_mode, _stats(path, unnorm, "action."),
-                            float(ucfg.get("eps", 1e-8)), "action", config.action_dim)
+        state = _normalizer(path, norm, "observation.state", state_mode, config.state_dim)
+        action = _normalizer(path, unnorm, "action", action_mode, config.action_dim)
         if tcfg.get("padding_side", "right") != "right":
             raise ValueError(f"{path}: the tokenizer pads on the {tcfg['padding_side']}; "
                              "only right padding is supported")

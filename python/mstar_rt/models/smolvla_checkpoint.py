@@ -23,6 +23,7 @@ import torch
 
 from mstar_rt.models.checkpoint import (check_weights, checkpoint_files, load_weights,
                                         meta_module, read_config)
+from mstar_rt.models.lerobot_normalizer import Normalizer
 from mstar_rt.models.lerobot_processor import processor_steps
 from mstar_rt.models.smolvla_config import (ACTION_KEY, STATE_KEY, SmolVLAConfig,
                                             smolvla_config)
@@ -30,46 +31,6 @@ from mstar_rt.models.smolvla_layers import SmolVLAModule, parameter_count
 
 LM_HEAD = "model.vlm_with_expert.vlm.lm_head.weight"
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass
-class Normalizer:
-    """LeRobot's (un)normalizer for one feature: ``mode`` over ``stats`` (``mean``/``std``,
-    ``min``/``max``, ``q01``/``q99``, ``q10``/``q90``), with LeRobot's ``eps``."""
-
-    key: str
-    mode: str
-    stats: dict[str, torch.Tensor]
-    eps: float = 1e-8
-
-    def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        names = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"),
-                 "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[self.mode]
-        return self.stats[names[0]], self.stats[names[1]]
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "IDENTITY":
-            return x
-        a, b = (s.to(device=x.device, dtype=x.dtype) for s in self._pair())
-        if self.mode == "MEAN_STD":
-            return (x - a) / (b + self.eps)
-        span = b - a
-        span = torch.where(span == 0, torch.tensor(self.eps, dtype=x.dtype, device=x.device),
-                           span)
-        return 2 * (x - a) / span - 1
-
-    def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "IDENTITY":
-            return x
-        a, b = (s.to(device=x.device, dtype=x.dtype) for s in self._pair())
-        if self.mode == "MEAN_STD":
-            return x * b + a
-        span = b - a
-        span = torch.where(span == 0, torch.tensor(self.eps, dtype=x.dtype, device=x.device),
-                           span)
-        if self.mode == "MIN_MAX":
-            return (x + 1) / 2 * span + a
-        return (x + 1.0) * span / 2.0 + a
 
 
 #: SmolVLA's processor steps reproduced here (or that do nothing at inference).
@@ -128,26 +89,12 @@ def _legacy_normalizer(path: str, key: str, config: SmolVLAConfig,
         return None
     source = f"{os.path.join(path, 'model.safetensors')} ({prefix}*)"
     mode = config.norm_mode("STATE" if key == STATE_KEY else "ACTION")
-    return _checked(Normalizer(key, mode, stats if mode != "IDENTITY" else {}), source, config)
+    return Normalizer(key, mode, stats if mode != "IDENTITY" else {}, size=_size_of(key, config),
+                      source=source)
 
 
-def _checked(norm: Normalizer, source: str, config: SmolVLAConfig) -> Normalizer:
-    if norm.mode == "IDENTITY":
-        return norm
-    try:
-        a, b = norm._pair()
-    except KeyError as e:
-        raise ValueError(f"{source} lacks '{norm.key}.{e.args[0]}', which {norm.mode} "
-                         "normalization of that feature needs") from None
-    dim = config.state_dim if norm.key == STATE_KEY else config.action_dim
-    if a.shape != (dim,) or b.shape != (dim,):
-        raise ValueError(f"the {norm.key} statistics in {source} have shapes {list(a.shape)} "
-                         f"and {list(b.shape)}; the config gives the feature {dim} dimensions")
-    if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
-        raise ValueError(f"the {norm.key} statistics in {source} are not finite (LeRobot fills "
-                         "them with inf until dataset statistics are given): the policy was "
-                         "saved without its dataset's statistics")
-    return norm
+def _size_of(key: str, config: SmolVLAConfig) -> int:
+    return config.state_dim if key == STATE_KEY else config.action_dim
 
 
 def load_normalizer(path: str, pipeline: str, registry: str, key: str,
@@ -174,7 +121,7 @@ def load_normalizer(path: str, pipeline: str, registry: str, key: str,
         raise ValueError(f"the normalizer state {state_file} of {pipeline}.json cannot be read: "
                          f"{type(e).__name__}: {e}") from None
     stats = {k[len(key) + 1:]: v.float() for k, v in state.items() if k.startswith(key + ".")}
-    return _checked(Normalizer(key, mode, stats, eps), state_file, config)
+    return Normalizer(key, mode, stats, eps, _size_of(key, config), state_file)
 
 
 def find_vlm(path: str, name: str, vlm_dir: Optional[str]) -> str:
