@@ -43,6 +43,14 @@ struct PyActionBuffer {
   FloatArray last;
 };
 
+/// "(4, 3)": an array's shape as numpy prints it, for error messages.
+std::string shape_text(const py::array& a) {
+  std::string out = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i)
+    out += (i ? ", " : "") + std::to_string(a.shape(i));
+  return out + (a.ndim() == 1 ? ",)" : ")");
+}
+
 py::dict stats_dict(const ActionBufferStats& s) {
   py::dict d;
   d["ticks"] = s.ticks;
@@ -51,6 +59,7 @@ py::dict stats_dict(const ActionBufferStats& s) {
   d["applied"] = s.applied;
   d["superseded"] = s.superseded;
   d["rejected"] = s.rejected;
+  d["nonfinite"] = s.nonfinite;
   d["stale"] = s.stale;
   d["max_switch_jump"] = s.max_switch_jump;
   d["last_delay_ticks"] = s.last_delay_ticks;
@@ -162,7 +171,7 @@ schedule 'linear' | 'exp' | 'ones' | 'zeros' and execution_horizon s).)doc")
              const auto a = static_cast<py::ssize_t>(b.buffer.options().action_dim);
              if (actions.ndim() != 2 || actions.shape(1) != a)
                throw py::value_error("publish: actions must have shape (n, " + std::to_string(a) +
-                                     "), got ndim " + std::to_string(actions.ndim()));
+                                     "), got " + shape_text(actions));
              if (actions.shape(0) < 1 || static_cast<std::size_t>(actions.shape(0)) > b.buffer.options().horizon)
                throw py::value_error("publish: a chunk holds 1.." + std::to_string(b.buffer.options().horizon) +
                                      " actions, got " + std::to_string(actions.shape(0)));

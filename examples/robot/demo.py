@@ -154,7 +154,8 @@ class Episode:
                         return
                     self.buffer.publish(chunk, t0)
                     latency.record((time.monotonic_ns() - t0_deadline_ns) * 1e-9)
-                    self.given_d.append(d)
+                    if client.uses_delay:  # the mlp takes no d: its d_given is "-"
+                        self.given_d.append(d)
                     published_at = self.tick
         except BaseException as e:  # surfaced by the main thread after the episode
             self.error = e

@@ -115,6 +115,7 @@ struct ActionChunkBuffer::Impl {
   // Producer-written counters, on their own line so publish() does not false-share with pop().
   alignas(kLine) Counter published{0};
   Counter rejected{0};
+  Counter nonfinite{0};
   // Consumer-written.
   alignas(kLine) Counter ticks{0};
   Counter starved{0};
@@ -201,6 +202,16 @@ bool ActionChunkBuffer::publish(const float* actions, std::size_t count,
     bump(m.rejected);
     return false;
   }
+  // A NaN or inf action would reach the robot as a fresh command (and hide from the jump
+  // measure): the chunk is refused, the plan in hand keeps running.
+  const std::size_t n = count * m.opt.action_dim;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(actions[i])) {
+      bump(m.rejected);
+      bump(m.nonfinite);
+      return false;
+    }
+  }
   const WriteRegion slot = m.ring.reserve(1);
   if (slot.count == 0) {  // every slot waits for the loop: the policy's chunk is dropped, not queued
     bump(m.rejected);
@@ -261,6 +272,7 @@ ActionBufferStats ActionChunkBuffer::stats() const noexcept {
   s.applied = m.applied.load(relaxed);
   s.superseded = m.superseded.load(relaxed);
   s.rejected = m.rejected.load(relaxed);
+  s.nonfinite = m.nonfinite.load(relaxed);
   s.stale = m.stale.load(relaxed);
   s.max_switch_jump = m.max_jump.load(relaxed);
   s.last_delay_ticks = m.last_delay.load(relaxed);

@@ -215,9 +215,10 @@ struct CurrentLoop {
 };
 
 std::int64_t checked_period_ns(const ControlLoopOptions& o) {
-  // Also rejects NaN; above 1 GHz the period would round to 0 ns.
-  if (!(o.rate_hz > 0) || !(o.rate_hz <= 1e9)) {
-    throw std::invalid_argument("ControlLoop: rate_hz must be in (0, 1e9], got " +
+  // Also rejects NaN; above 1 GHz the period would round to 0 ns, below 1 uHz (a period of
+  // ~11.6 days) the period in ns no longer fits the deadline arithmetic (it overflowed).
+  if (!(o.rate_hz >= 1e-6) || !(o.rate_hz <= 1e9)) {
+    throw std::invalid_argument("ControlLoop: rate_hz must be in [1e-6, 1e9], got " +
                                 std::to_string(o.rate_hz));
   }
   return std::max<std::int64_t>(1, std::llround(1e9 / o.rate_hz));

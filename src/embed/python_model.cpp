@@ -122,7 +122,8 @@ Request PythonModel::submit(const std::map<std::string, Tensor>& inputs, Request
   py::object deadline = py::none();
   if (options.deadline.count() > 0) deadline = py::float_(options.deadline.count() / 1e9);
   try {
-    state->id = impl_->runtime.attr("submit_to")(in, deadline, options.priority).cast<RequestId>();
+    state->id = impl_->runtime.attr("submit_to")(in, deadline, options.priority,
+                                                        options.fail_late).cast<RequestId>();
     impl_->runtime.attr("attach")(state->id, emit, end);
   } catch (py::error_already_set& e) {
     const std::string text = python_error_text(e);

@@ -86,22 +86,36 @@ void ChunkFeeder::run() {
     try {
       Tensor chunk = infer_(obs, t0);
       latency_.add(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      const std::size_t horizon = actions_->options().horizon;
       const bool shape_ok = chunk.defined() && chunk.dtype() == DType::float32 &&
-                            chunk.ndim() == 2 && static_cast<std::size_t>(chunk.dim(1)) == action_dim;
+                            chunk.ndim() == 2 && static_cast<std::size_t>(chunk.dim(1)) == action_dim &&
+                            chunk.dim(0) >= 1 && static_cast<std::size_t>(chunk.dim(0)) <= horizon;
+      const std::uint64_t nonfinite = actions_->stats().nonfinite;
       if (shape_ok && actions_->publish(chunk.data<float>(), static_cast<std::size_t>(chunk.dim(0)), t0)) {
         chunks_.fetch_add(1, std::memory_order_relaxed);
       } else {
         rejected_.fetch_add(1, std::memory_order_relaxed);
-        if (!shape_ok) {
+        // no free slot is the loop being behind, not an error; the rest name what to fix
+        std::string why;
+        if (!shape_ok)
+          why = "the policy returned " + chunk.describe() + "; expected float32[n, " +
+                std::to_string(action_dim) + "] with 1 <= n <= " + std::to_string(horizon);
+        else if (actions_->stats().nonfinite != nonfinite)
+          why = "the policy returned a chunk holding NaN or infinite actions (refused: the plan "
+                "in hand keeps running)";
+        if (!why.empty()) {
           std::lock_guard<std::mutex> lock(error_mu_);
-          last_error_ = "the policy returned " + chunk.describe() + "; expected float32[n, " +
-                        std::to_string(action_dim) + "]";
+          last_error_ = std::move(why);
         }
       }
     } catch (const std::exception& e) {
       failures_.fetch_add(1, std::memory_order_relaxed);
       std::lock_guard<std::mutex> lock(error_mu_);
       last_error_ = e.what();
+    } catch (...) {  // the header promises any exception counts as a failure
+      failures_.fetch_add(1, std::memory_order_relaxed);
+      std::lock_guard<std::mutex> lock(error_mu_);
+      last_error_ = "the infer function threw an exception that is not a std::exception";
     }
     take();
     published_at = slots_[front_].tick;

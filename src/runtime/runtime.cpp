@@ -100,6 +100,11 @@ const char* status_name(RequestStatus status) noexcept {
   return "?";
 }
 
+namespace {
+// The runtime (its Impl) whose worker runs on this thread, if any: close() from inside a node.
+thread_local const void* serving_runtime = nullptr;
+}  // namespace
+
 struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
   Impl(Model m, RuntimeOptions o)
       : model(std::move(m)), ir(model.compile()), conductor(ir), options(o) {
@@ -121,7 +126,11 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
   }
 
   void start() {
-    for (EngineId e = 0; e < ir.engines.size(); ++e) workers.emplace_back([this, e] { serve(e); });
+    for (EngineId e = 0; e < ir.engines.size(); ++e)
+      workers.emplace_back([this, e] {
+        serving_runtime = this;
+        serve(e);
+      });
   }
 
   // Pending work after an Outcome is absorbed, done without `mu`.
@@ -508,6 +517,11 @@ Request Runtime::submit(const std::map<std::string, Tensor>& inputs, RequestOpti
 
 void Runtime::close() {
   Impl& m = *impl_;
+  // A worker cannot join itself: refused before anything is shut, so another thread's close()
+  // (or the destructor) still stops everything.
+  if (serving_runtime == &m)
+    throw std::logic_error("Runtime::close() called from one of this runtime's own worker threads "
+                           "(a node, next_walk or on_output callback); close it from another thread");
   if (m.closed.exchange(true)) return;
   std::vector<RequestId> live;
   {

@@ -30,6 +30,26 @@ std::string shape_text(const Shape& shape) {
   return s + "]";
 }
 
+// The shape as given (shape_text prints a spec's -1 as "*"), for errors about a tensor's shape.
+std::string literal_shape(const Shape& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// A negative dimension, or a size whose bytes wrap around size_t (a wrapped size would
+// allocate too little and every write past it would corrupt the heap), is refused.
+void check_shape(const Shape& shape, std::size_t element_size) {
+  std::size_t bytes = element_size;
+  for (std::int64_t d : shape) {
+    if (d < 0)
+      throw std::invalid_argument("tensor shape " + literal_shape(shape) + " has a negative dimension");
+    if (__builtin_mul_overflow(bytes, static_cast<std::size_t>(d), &bytes))
+      throw std::invalid_argument("tensor shape " + literal_shape(shape) +
+                                  " is too large: its size in bytes overflows");
+  }
+}
+
 }  // namespace
 
 std::size_t dtype_size(DType dtype) noexcept {
@@ -56,8 +76,7 @@ Tensor Tensor::empty(DType dtype, Shape shape) {
   Tensor t;
   t.dtype_ = dtype;
   t.shape_ = std::move(shape);
-  for (std::int64_t d : t.shape_)
-    if (d < 0) throw std::invalid_argument("tensor shape " + shape_text(t.shape_) + " has a negative dimension");
+  check_shape(t.shape_, dtype_size(dtype));
   // At least one byte, so that a tensor with no elements is still defined.
   const std::size_t bytes = t.nbytes() ? t.nbytes() : 1;
   std::shared_ptr<unsigned char[]> storage(new unsigned char[bytes]());
@@ -68,8 +87,7 @@ Tensor Tensor::empty(DType dtype, Shape shape) {
 
 Tensor Tensor::view(void* data, DType dtype, Shape shape, std::shared_ptr<void> owner) {
   if (data == nullptr) throw std::invalid_argument("Tensor::view of a null pointer");
-  for (std::int64_t d : shape)
-    if (d < 0) throw std::invalid_argument("tensor shape " + shape_text(shape) + " has a negative dimension");
+  check_shape(shape, dtype_size(dtype));
   Tensor t;
   t.data_ = data;
   t.dtype_ = dtype;

@@ -200,6 +200,23 @@ TEST(ActionChunkBuffer, SupersededStaleRejected) {
   EXPECT_EQ(b.stats().superseded, 1u + 34u);
 }
 
+TEST(ActionChunkBuffer, NonFiniteActionsNeverReachTheLoop) {
+  ActionChunkBuffer b(opts(MergeMode::weighted));
+  const float good[6] = {1, 1, 1, 1, 1, 1};
+  ASSERT_TRUE(b.publish(good, 6, 0));
+  EXPECT_EQ(pop1(b, 0), 1);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan_last[6] = {2, 2, 2, 2, 2, std::nanf("")}, inf_first[6] = {-inf, 2, 2, 2, 2, 2};
+  EXPECT_FALSE(b.publish(nan_last, 6, 1));
+  EXPECT_FALSE(b.publish(inf_first, 6, 1));
+  for (u64 t = 1; t < 6; ++t) EXPECT_EQ(pop1(b, t), 1) << "the plan in hand keeps running";
+  const auto s = b.stats();
+  EXPECT_EQ(s.rejected, 2u);
+  EXPECT_EQ(s.nonfinite, 2u);
+  EXPECT_EQ(s.published, 1u);
+  EXPECT_EQ(s.max_switch_jump, 0.0f);
+}
+
 TEST(ActionChunkBuffer, FutureStampCountsAsNow) {
   ActionChunkBuffer b(opts(MergeMode::latest));
   const float c[3] = {5, 6, 7};

@@ -97,6 +97,9 @@ TEST(ControlLoop, RejectsBadRateAndEmptyCallback) {
   EXPECT_THROW(ControlLoop(at_hz(0), noop), std::invalid_argument);
   EXPECT_THROW(ControlLoop(at_hz(-5), noop), std::invalid_argument);
   EXPECT_THROW(ControlLoop(at_hz(std::nan("")), noop), std::invalid_argument);
+  EXPECT_THROW(ControlLoop(at_hz(1e-12), noop), std::invalid_argument);  // period overflowed
+  EXPECT_THROW(ControlLoop(at_hz(2e9), noop), std::invalid_argument);    // rounds to 0 ns
+  EXPECT_NO_THROW(ControlLoop(at_hz(1e-6), noop));
   EXPECT_THROW(ControlLoop(at_hz(100), ControlLoop::Callback{}), std::invalid_argument);
 }
 

@@ -88,6 +88,27 @@ TEST(EmbedModel, OutputsReachACallbackFromAPythonThread) {
   EXPECT_EQ(names, (std::vector<std::string>{"y", "step", "step"}));
 }
 
+TEST(EmbedModel, AnOutputCppCannotHoldFailsItsRequestByName) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"y_dtype": "uint16", "steps": 1})");
+  auto r = model.submit({{"x", Tensor::from<float>({1}, {1})}});
+  EXPECT_EQ(r.wait(std::chrono::seconds(30)), RequestStatus::failed);
+  EXPECT_NE(r.error().find("EMIT output 'y': an EMIT output of dtype uint16 cannot reach C++"),
+            std::string::npos) << r.error();
+}
+
+TEST(EmbedModel, FailLateKeepsTheDeadline) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 3, "delay_s": 0.2})");
+  mstar::RequestOptions opt;
+  opt.deadline = 1ms;
+  opt.fail_late = true;
+  auto late = model.submit({{"x", Tensor::from<float>({1}, {1})}}, opt);
+  EXPECT_EQ(late.wait(std::chrono::seconds(30)), RequestStatus::failed);
+  EXPECT_NE(late.error().find("deadline"), std::string::npos) << late.error();
+  opt.fail_late = false;  // only ordered by it
+  auto kept = model.submit({{"x", Tensor::from<float>({1}, {1})}}, opt);
+  EXPECT_EQ(kept.wait(std::chrono::seconds(30)), RequestStatus::finished) << kept.error();
+}
+
 TEST(EmbedModel, LoadErrorsNameWhatFailed) {
   try {
     PythonModel m(MSTAR_TEST_MODEL, "NoSuchModel");

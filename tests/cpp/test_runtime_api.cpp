@@ -5,7 +5,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
+#include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -66,6 +69,28 @@ TEST(Tensor, KeepsDtypeAndShapeAndRefusesTheWrongType) {
   EXPECT_EQ(TensorSpec::of(DType::float32, {-1, 2}).mismatch(Tensor::empty(DType::float32, {5, 2})), "");
   EXPECT_EQ(TensorSpec::of(DType::float32, {8}).mismatch(Tensor::empty(DType::float32, {7})),
             "expected float32[8], got float32[7]");
+}
+
+TEST(Tensor, AShapeWhoseBytesOverflowOrWithANegativeDimensionIsRefused) {
+  // The byte count wrapped to 0: a 1-byte buffer behind numel() = 2^62 (a heap overflow).
+  try {
+    Tensor::empty(DType::float32, {std::int64_t{1} << 62});
+    FAIL() << "a 2^64-byte tensor was made";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[4611686018427387904] is too large"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(Tensor::empty(DType::uint8, {std::int64_t{1} << 32, std::int64_t{1} << 32}),
+               std::invalid_argument);
+  float buf[1] = {0};
+  EXPECT_THROW(Tensor::view(buf, DType::float64, {std::int64_t{1} << 61, 4}), std::invalid_argument);
+  try {
+    Tensor::empty(DType::float32, {3, -2});
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[3, -2] has a negative dimension"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(Tensor::empty(DType::float32, {0, std::int64_t{1} << 62}).numel(), 0u);
 }
 
 TEST(RuntimeApi, RunsAnodeAndReturnsItsOutput) {
@@ -458,6 +483,67 @@ TEST(RuntimeControl, TheTickPopsAndObservesWithoutAllocating) {
   loop->run(200);
   EXPECT_EQ(at_last, at_first);
   EXPECT_GT(actions->stats().starved_ticks, 0u);  // ran past the chunk: the starved path ran too
+}
+
+TEST(RuntimeApi, CloseFromInsideANodeIsRefusedAndAnotherThreadStillCloses) {
+  Model m;
+  m.input("x", TensorSpec::of(DType::float32, {1}));
+  Runtime* self = nullptr;
+  std::string refused;
+  m.node("closer", {"x"}, {Edge::emit("y")}, [&](NodeCall& c) {
+    try {
+      self->close();  // joining its own thread used to abort the process
+    } catch (const std::logic_error& e) {
+      refused = e.what();
+    }
+    c.output("y", c.input("x"));
+  });
+  m.walk("main", "closer");
+  Runtime rt(std::move(m));
+  self = &rt;
+  auto r = rt.submit({{"x", Tensor::from<float>({1}, {1})}});
+  EXPECT_EQ(r.wait(std::chrono::seconds(30)), RequestStatus::finished) << r.error();
+  EXPECT_NE(refused.find("own worker threads"), std::string::npos) << refused;
+  rt.close();  // from this thread: closes
+  EXPECT_THROW(rt.submit({{"x", Tensor::from<float>({1}, {1})}}), std::logic_error);
+}
+
+TEST(RuntimeControl, AChunkFeederRefusesBadChunksAndSurvivesAnyException) {
+  mstar::ActionChunkOptions ao;
+  ao.horizon = 4;
+  ao.action_dim = 1;
+  mstar::ChunkFeederOptions fo;
+  fo.obs_dim = 1;
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    std::function<Tensor()> make;
+    const char* error;
+    bool failure;
+  };
+  const std::vector<Case> cases = {
+      {[] { return Tensor::from<float>({1, 2, std::nanf(""), 4}, {4, 1}); }, "NaN or infinite", false},
+      {[&] { return Tensor::from<float>({inf, 2}, {2, 1}); }, "NaN or infinite", false},
+      {[] { return Tensor::from<float>({1, 2, 3, 4, 5}, {5, 1}); }, "1 <= n <= 4", false},
+      {[]() -> Tensor { throw 7; }, "not a std::exception", true},
+  };
+  for (const Case& c : cases) {
+    auto actions = Runtime::make_action_buffer(ao);
+    mstar::ChunkFeeder feeder(actions, fo, [&](const Tensor&, std::uint64_t) { return c.make(); });
+    feeder.start();
+    const float obs = 0;
+    for (int i = 0; i < 200 && feeder.stats().rejected + feeder.stats().failures == 0; ++i) {
+      feeder.observe(&obs, 0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    feeder.stop();
+    const auto fs = feeder.stats();
+    EXPECT_EQ(fs.chunks, 0u);
+    EXPECT_EQ(c.failure ? fs.failures : fs.rejected, fs.failures + fs.rejected);
+    EXPECT_GT(fs.failures + fs.rejected, 0u);
+    EXPECT_NE(feeder.last_error().find(c.error), std::string::npos) << feeder.last_error();
+    float out = -1;
+    EXPECT_FALSE(actions->pop(0, &out)) << "nothing reached the loop";
+  }
 }
 
 TEST(RuntimeControl, AChunkFeederKeepsAFixedRateLoopFed) {

@@ -65,14 +65,31 @@ def test_rtc_weights_follow_the_schedule():
 
 def test_bad_chunks_and_options_get_clear_errors():
     buf = mstar_rt.ActionChunkBuffer(horizon=4, action_dim=3)
-    with pytest.raises(ValueError, match=r"shape \(n, 3\)"):
+    with pytest.raises(ValueError, match=r"shape \(n, 3\), got \(2, 2\)"):
         buf.publish(np.zeros((2, 2), np.float32), 0)
+    with pytest.raises(ValueError, match=r"got \(3,\)"):
+        buf.publish(np.zeros(3, np.float32), 0)
     with pytest.raises(ValueError, match="1..4 actions"):
         buf.publish(np.zeros((5, 3), np.float32), 0)
     with pytest.raises(ValueError, match="mode must be"):
         mstar_rt.ActionChunkBuffer(horizon=4, action_dim=3, mode="blend")
     with pytest.raises(ValueError):
         mstar_rt.ActionChunkBuffer(horizon=0, action_dim=3)
+
+
+def test_nan_or_infinite_actions_never_reach_the_robot():
+    buf = mstar_rt.ActionChunkBuffer(horizon=4, action_dim=2, mode="weighted")
+    assert buf.publish(np.ones((4, 2), np.float32), 0)
+    bad = np.ones((4, 2), np.float32)
+    bad[3, 1] = np.nan
+    assert not buf.publish(bad, 1)
+    bad[3, 1] = -np.inf
+    assert not buf.publish(bad, 1)
+    for tick in range(4):  # the plan in hand keeps running
+        action, fresh = buf.pop(tick)
+        assert fresh and action.tolist() == [1.0, 1.0]
+    stats = buf.stats
+    assert (stats["rejected"], stats["nonfinite"], stats["published"]) == (2, 2, 1)
 
 
 def test_latency_tracker_turns_latencies_into_a_delay_in_ticks():

@@ -85,3 +85,59 @@ def test_to_array_gives_c_contiguous_numbers_and_refuses_objects():
     assert a.flags.c_contiguous and a.shape == (3, 2) and a.dtype == np.float32
     with pytest.raises(TypeError, match="cannot reach C\\+\\+"):
         embed.to_array(np.array(["a"], dtype=object))
+
+
+ONE_NODE = '''
+import numpy as np
+import mstar_rt as m
+from mstar_rt import EMIT, GraphEdge, GraphNode
+
+
+class Out(m.NodeSubmodule):
+    def __init__(self, kind):
+        self.kind = kind
+
+    def forward(self, batch):
+        import torch
+        make = {"uint16": lambda: np.arange(3, dtype=np.uint16), "str": lambda: "text",
+                "big_endian": lambda: np.arange(3).astype(">f4"),
+                "bfloat16": lambda: torch.arange(3, dtype=torch.bfloat16)}[self.kind]
+        return [{"y": make(), "z": np.ones(1, np.float32)} for _ in batch]
+
+
+class OneNode(m.Model):
+    inputs = ("x",)
+    nodes = [GraphNode("out", ["x"], [GraphEdge(EMIT, "y"), GraphEdge(EMIT, "z")])]
+    walks = {"main": "out"}
+
+    def __init__(self, kind):
+        self.submodules = {"out": Out(kind)}
+'''
+
+
+@pytest.mark.parametrize("kind, dtype", [("uint16", None), ("str", None),
+                                         ("big_endian", np.float32), ("bfloat16", np.float32)])
+def test_an_output_cpp_cannot_take_fails_its_request_even_when_its_walk_is_done(
+        tmp_path, kind, dtype):
+    """The walk has ended by the time its outputs reach the sink: the request must still end
+    failed, naming the output, not finished without it (what C++ saw before)."""
+    pytest.importorskip("torch")
+    (tmp_path / "one_node.py").write_text(ONE_NODE)
+    rt = embed.load(str(tmp_path / "one_node.py"), "OneNode", f'{{"kind": "{kind}"}}')
+    try:
+        for _ in range(2):  # a refused request leaves nothing that spoils the next
+            sink = Sink()
+            rid = rt.submit_to({"x": np.zeros(1, np.float32)})
+            rt.attach(rid, sink.emit, sink.end)
+            assert sink.done.wait(30)
+            status, message, _ = sink.ends[0]
+            if dtype is None:
+                assert status == "failed" and "EMIT output 'y'" in message, (status, message)
+                assert "cannot reach C++" in message and [n for n, _ in sink.outputs] == []
+            else:  # widened or turned native: C++ reads the bytes as float32 in this order
+                assert (status, message) == ("finished", "")
+                y = dict(sink.outputs)["y"]
+                assert y.dtype == dtype and y.dtype.isnative and y.tolist() == [0.0, 1.0, 2.0]
+            assert rt.requests.get(rid) is None
+    finally:
+        rt.close()

@@ -59,7 +59,8 @@ struct ActionBufferStats {
   std::uint64_t published = 0;        ///< chunks publish() accepted (calls = published + rejected)
   std::uint64_t applied = 0;          ///< chunks merged into the plan
   std::uint64_t superseded = 0;       ///< chunks replaced by a newer one before any tick used them
-  std::uint64_t rejected = 0;         ///< publish() calls refused (all slots waiting, or bad size)
+  std::uint64_t rejected = 0;         ///< publish() calls refused (all slots waiting, bad size, NaN)
+  std::uint64_t nonfinite = 0;        ///< of `rejected`: chunks holding a NaN or infinite action
   std::uint64_t stale = 0;            ///< chunks that arrived with nothing left for the future
   float max_switch_jump = 0;          ///< max |Δa| over coordinates at chunk switches
   std::uint64_t last_delay_ticks = 0; ///< d of the most recently applied chunk
@@ -76,7 +77,8 @@ class ActionChunkBuffer {
 
   /// Producer (one thread): `count` <= H actions, row-major count x A, computed from the
   /// observation taken at `obs_tick`. Copies into a preallocated slot; never blocks. Returns
-  /// false (and counts it) when every slot is still waiting for the loop or count is 0 or > H.
+  /// false (and counts it) when every slot is still waiting for the loop, count is 0 or > H, or
+  /// an action is NaN or infinite (never passed to the robot; the plan in hand keeps running).
   bool publish(const float* actions, std::size_t count, std::uint64_t obs_tick) noexcept;
 
   /// Control loop (one thread): writes the action for `tick` (A floats) to `out`. Returns false

@@ -39,7 +39,7 @@ using InferFn = std::function<Tensor(const Tensor& obs, std::uint64_t obs_tick)>
 
 struct ChunkFeederStats {
   std::uint64_t chunks = 0;    ///< published
-  std::uint64_t rejected = 0;  ///< publish() refused (bad shape or no free slot)
+  std::uint64_t rejected = 0;  ///< refused: bad shape, a NaN/inf action (last_error() says) or no free slot
   std::uint64_t failures = 0;  ///< infer threw
   double latency_p50_ms = 0, latency_p99_ms = 0, latency_max_ms = 0;
 };

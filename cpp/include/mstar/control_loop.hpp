@@ -111,7 +111,7 @@ class ControlLoop {
  public:
   using Callback = std::function<void(const TickInfo&)>;
 
-  /// Throws std::invalid_argument for a non-positive rate (or one above 1 GHz), an empty callback
+  /// Throws std::invalid_argument for a rate outside [1e-6, 1e9] Hz, an empty callback
   /// or bad histogram options. The clock defaults to SystemClock.
   ControlLoop(ControlLoopOptions options, Callback on_tick, std::shared_ptr<Clock> clock = nullptr);
   ~ControlLoop();

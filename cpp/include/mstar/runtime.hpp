@@ -73,7 +73,8 @@ struct RequestOptions {
   /// ("deadline cannot be met: ...") when the work queued ahead is expected to take too long.
   bool fail_late = false;
   /// If set, outputs go here (on the worker thread that made them, one at a time per request,
-  /// in order) instead of to next(). It must not block for long: it holds up that engine.
+  /// in order) instead of to next(). It must not block for long: it holds up that engine. An
+  /// exception it throws is swallowed (the request goes on; the callback owns its own errors).
   OutputCallback on_output;
 };
 
@@ -130,7 +131,9 @@ class Runtime {
   /// Starts a request. Throws std::invalid_argument for an input the model does not declare, a
   /// missing one, or one that does not match its TensorSpec; std::logic_error after close().
   Request submit(const std::map<std::string, Tensor>& inputs, RequestOptions options = {});
-  /// Cancels every request and stops the workers; submit() is refused afterwards.
+  /// Cancels every request and stops the workers; submit() is refused afterwards. Called from one
+  /// of this runtime's own worker threads (a node, next_walk, on_output) it throws
+  /// std::logic_error and closes nothing: a thread cannot join itself.
   void close();
 
   RuntimeStats stats() const;

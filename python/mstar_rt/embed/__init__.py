@@ -22,15 +22,27 @@ from mstar_rt.runtime import RequestCancelled, RequestHandle, Runtime
 __all__ = ["EmbeddedRuntime", "load", "to_array"]
 
 
+#: The numpy dtypes C++ tensors hold (mstar::DType; bfloat16 comes widened to float32).
+CPP_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                        "uint8", "bool"})
+
+
 def to_array(value: Any) -> np.ndarray:
-    """A node's output as a C-contiguous numpy array of numbers (torch tensors are moved to CPU)."""
+    """A node's output as a C-contiguous, native-byte-order numpy array of a dtype C++ holds
+    (torch tensors are moved to CPU; bfloat16, which numpy lacks, is widened to float32)."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
-        value = value.detach().cpu().numpy()
-    array = np.ascontiguousarray(np.asarray(value))
-    if array.dtype.kind not in "fiub":
-        raise TypeError(f"an EMIT output of dtype {array.dtype} cannot reach C++; emit numbers "
-                        "(a numpy array or torch tensor of float, int, uint or bool)")
-    return array
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        value = value.numpy()
+    array = np.asarray(value)
+    if array.dtype.name not in CPP_DTYPES:
+        raise TypeError(f"an EMIT output of dtype {array.dtype} cannot reach C++; emit one of "
+                        f"{sorted(CPP_DTYPES)} (a numpy array or torch tensor; cast wider "
+                        "unsigned integers to int64)")
+    if not array.dtype.isnative:  # C++ reads the bytes as this machine's order
+        array = array.astype(array.dtype.newbyteorder("="))
+    return np.ascontiguousarray(array)
 
 
 def load(module: str, cls: str, config_json: str = "{}") -> "EmbeddedRuntime":
@@ -55,10 +67,13 @@ class EmbeddedRuntime(Runtime):
         self._pending: dict[int, list] = {}
         self._sink_lock = threading.RLock()
         self._submitting: Optional[int] = None  # the thread inside submit_to's submit()
+        # Requests with an output C++ could not take: why. Their later outputs are dropped and
+        # their end is a failure, even when the walk had already finished.
+        self._refused: dict[int, str] = {}
         super().__init__(model, **kw)
 
     def submit_to(self, inputs: Mapping[str, Any], deadline: Optional[float] = None,
-                  priority: int = 0) -> int:
+                  priority: int = 0, fail_late: bool = False) -> int:
         """Submits; outputs wait until :meth:`attach` says where they go. Returns the id.
 
         The sink lock is held across the submit, so a worker's first output for this request
@@ -67,7 +82,8 @@ class EmbeddedRuntime(Runtime):
         with self._sink_lock:
             self._submitting = threading.get_ident()
             try:
-                rid = self.submit(inputs, deadline=deadline, priority=priority).id
+                rid = self.submit(inputs, deadline=deadline, priority=priority,
+                                  fail_late=fail_late).id
             finally:
                 self._submitting = None
             self._pending.setdefault(rid, [])
@@ -92,19 +108,26 @@ class EmbeddedRuntime(Runtime):
             return
         if event[0] == "emit":
             _, name, node, value = event
+            if rid in self._refused:
+                return
             try:
                 sink[0](name, node, to_array(value))
             except Exception as e:  # an output C++ cannot take fails the request, not the runtime
-                self.report(self.conductor.fail(rid, f"EMIT output '{name}': {e}"))
+                self._refused[rid] = f"EMIT output '{name}': {e}"
+                # stops a walk still running; one already done ends failed in ended()
+                self.report(self.conductor.fail(rid, self._refused[rid]))
         else:
             self._sinks.pop(rid, None)
+            why = self._refused.pop(rid, None)
+            if why is not None and event[1] != "failed":
+                event = ("end", "failed", why, event[3])
             sink[1](*event[1:])
 
     def report(self, outcome: tuple) -> None:
         emits = outcome[0]
         if emits:
             with self._sink_lock:
-                for rid, name, value in emits:
+                for rid, name, value, *_ in emits:
                     self._forward(rid, ("emit", name, "", value))
         super().report(outcome)
 
