@@ -148,8 +148,8 @@ class PyConductor {
       for (std::size_t i : t.result.order) t.ids.push_back(t.items[i].id);
       complete_into(node, t.ids, py::reinterpret_borrow<py::list>(t.result.outputs),
                     t.result.stops, true, &out);
-    } catch (std::exception&) {  // py::error_already_set included; the Python error is cleared
-      return hand_back(t.batch, true);
+    } catch (std::exception& e) {  // py::error_already_set included; the Python error is cleared
+      return hand_back(t.batch, true, t.batch.size() == 1 ? error_text(e) : std::string());
     }
     // Completed: from here on the items are gone, and their outcome must reach the caller.
     py::object finished = finish_walks(&out);
@@ -344,12 +344,26 @@ class PyConductor {
   }
 
  private:
+  /// "TypeError: ...", as the Python engine words an exception a node raised.
+  static std::string error_text(const std::exception& e) {
+    if (const auto* p = dynamic_cast<const py::error_already_set*>(&e))
+      return py::str(p->type().attr("__name__")).cast<std::string>() + ": " +
+             py::str(p->value()).cast<std::string>();
+    if (dynamic_cast<const py::type_error*>(&e) != nullptr) return std::string("TypeError: ") + e.what();
+    if (dynamic_cast<const py::value_error*>(&e) != nullptr) return std::string("ValueError: ") + e.what();
+    return std::string("RuntimeError: ") + e.what();
+  }
+
   /// run_batch's answer for a batch the caller must run ((node, walk, items), failed, None); if
   /// even that cannot be built, the items fail here so that no request waits for them forever.
-  py::tuple hand_back(const std::vector<const WorkItem*>& batch, bool failed) {
+  /// `failed`: the node already raised on this batch; `error` (a batch of one) says how, so the
+  /// caller fails it rather than running it again to find the culprit.
+  py::tuple hand_back(const std::vector<const WorkItem*>& batch, bool failed,
+                      const std::string& error = {}) {
     try {
-      return py::make_tuple(batch_tuple(batch), failed ? py::object(py::bool_(true)) : py::none(),
-                            py::none());
+      py::object why = py::none();
+      if (failed) why = error.empty() ? py::object(py::bool_(true)) : py::object(py::str(error));
+      return py::make_tuple(batch_tuple(batch), why, py::none());
     } catch (std::exception& e) {
       std::vector<std::uint64_t> ids;
       for (const WorkItem* w : batch) ids.push_back(w->id);

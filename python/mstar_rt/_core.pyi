@@ -335,7 +335,9 @@ class Conductor:
     def bind_nodes(self, runner: NodeRunner | None, finish_walks: bool) -> None: ...
     def run_batch(
         self, engine: int, max_batch: int, timeout: float
-    ) -> tuple[_Batch | None, _Outcome | bool | None, list[tuple[int, bytes, int]] | None]: ...
+    ) -> tuple[_Batch | None, _Outcome | bool | str | None, list[tuple[int, bytes, int]] | None]:
+        """(batch handed back, None, None) for the caller to run; with True (the node raised on
+        it) or, for a batch of one, the error text; or (None, outcome, walks finished)."""
     def complete(
         self,
         node: int,

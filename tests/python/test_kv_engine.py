@@ -328,6 +328,10 @@ def test_a_node_raising_in_forward_kv_fails_only_its_request(serve):
         f"the four requests never shared a step: {node.calls}")
     assert wait_until(lambda: engine.cache.free_pages == engine.num_pages
                       and engine.cache.live_sequences == 0)
+    calls = len(node.calls)
+    with pytest.raises(RequestFailed, match="boom"):  # alone in its step: run once, not twice
+        rt.submit({"x": xs[0], "boom": True}).result(timeout=TIMEOUT)
+    assert len(node.calls) == calls + 1, node.calls[calls:]
     assert settled(rt) == ZERO_LIVE
 
 

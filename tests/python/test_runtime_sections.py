@@ -327,6 +327,22 @@ def test_exception_in_a_node_fails_only_its_request_and_batch_mates_succeed(serv
     assert settled(rt) == ZERO_LIVE
 
 
+def test_a_lone_failing_item_runs_once_not_again_to_find_the_culprit(serve):
+    calls = []
+
+    def fn(d):
+        calls.append(d["x"])
+        raise ValueError("bad input")
+
+    boom = Fn(fn, max_batch=8)
+    rt = serve(WalkModel([GraphNode("boom", ["x"], [GraphEdge(EMIT, "z")])], {"main": "boom"},
+                         {"boom": boom}))
+    with pytest.raises(RequestFailed, match="ValueError: bad input"):
+        rt.submit({"x": 7}).result(timeout=T)
+    assert calls == [7]  # a second run repeated its work (and any side effect)
+    assert settled(rt) == ZERO_LIVE
+
+
 def test_undeclared_output_fails_only_that_request_and_leaks_no_value(serve):
     def fn(d):
         out = {"z": d["y"] * 100}

@@ -104,6 +104,9 @@ class StatelessEngine(Engine):
                 host.requests_ended(finished)
             return
         node, _walk, items = batch
+        if isinstance(outcome, str) and len(items) == 1:  # it raised; running it again repeats it
+            self._report(host, [host.queue.fail_items([items[0].id], outcome)])
+            return
         self.run_items(host, node, items, outcome is None)
 
     def run_items(self, host: "EngineHost", node: int, items: list, whole: bool = True) -> None:
@@ -114,8 +117,12 @@ class StatelessEngine(Engine):
             try:
                 self._report(host, [host.run(node, items)])
                 return
-            except Exception:
-                pass  # then one by one: only the culprit's request fails
+            except Exception as e:
+                if len(items) == 1:  # the culprit is known: running it again repeats its work
+                    self._report(host, [host.queue.fail_items([items[0].id],
+                                                              f"{type(e).__name__}: {e}")])
+                    return
+                # then one by one: only the culprit's request fails
         outcomes = []
         for item in items:
             try:

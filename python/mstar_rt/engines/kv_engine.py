@@ -354,7 +354,11 @@ class KVCacheEngine(Engine):
         for group in groups.values():
             try:
                 results = self._forward(group)
-            except Exception:  # isolate: one by one, so only the culprit's request fails
+            except Exception as e:
+                if len(group) == 1:  # the culprit is known: running it again repeats its work
+                    self._report([(group[0], None, f"{type(e).__name__}: {e}")])
+                    continue
+                # isolate: one by one, so only the culprit's request fails
                 results = []
                 for entry in group:
                     try:
