@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -93,6 +94,7 @@ def test_python_client_streams_speech_and_lists_the_model_with_its_voices(speech
      "response_format 'mp3' is not served"),
     ({"model": "espeak", "voice": "en-us", "input": "hi", "speed": 2.0}, 400, "speed"),
     ({"model": "espeak", "input": "hi", "volume": 1}, 400, "unknown field 'volume'"),
+    ({"model": "espeak", "input": "Hi. " * 1025}, 400, "'input' holds 4100 characters; at most 4096"),
     ([1, 2], 400, "must be a JSON object"),
 ])
 def test_bad_speech_requests_get_a_clear_error_and_the_server_keeps_serving(speech, body, status,
@@ -103,6 +105,29 @@ def test_bad_speech_requests_get_a_clear_error_and_the_server_keeps_serving(spee
     assert needle in r.json()["error"]["message"]
     pcm, _ = _speak(speech, "pcm")
     assert len(pcm) > 0
+
+
+def test_a_long_reply_does_not_hold_a_short_one_back(speech):
+    """Requests speak a piece each per iteration, side by side: a short reply sent while a long
+    one streams ends before the long one does (before: it began only after the long one)."""
+    long_text = ("This sentence has no end and goes on, " * 100).strip()  # 3899 chars, no stop
+    first: dict[str, float] = {}
+    end: dict[str, float] = {}
+
+    def speak(name: str, text: str) -> None:
+        with _openai(speech).audio.speech.with_streaming_response.create(
+                model="espeak", voice="en-us", input=text, response_format="pcm") as resp:
+            for chunk in resp.iter_bytes():
+                first.setdefault(name, time.monotonic())
+        end[name] = time.monotonic()
+
+    long_thread = threading.Thread(target=speak, args=("long", long_text))
+    long_thread.start()
+    wait_until(lambda: "long" in first, "the long reply's first audio", timeout=30)
+    speak("short", "Hi.")
+    long_thread.join(60)
+    assert not long_thread.is_alive() and "long" in end
+    assert end["short"] < end["long"], (first, end)
 
 
 def test_openai_client_sees_bad_requests_as_its_own_errors(speech):

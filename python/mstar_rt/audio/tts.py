@@ -29,6 +29,38 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in (p.strip() for p in _SENTENCE.split(text)) if s]
 
 
+_CLAUSE = re.compile(r"(?<=[,:])\s+")
+
+
+def speech_pieces(text: str, max_chars: int = 200) -> list[str]:
+    """:func:`split_sentences`, with a sentence longer than ``max_chars`` cut further: after
+    commas and colons where it can, else between words (a longer word by characters), each piece
+    as long as fits. One piece is one synthesis call, so its length bounds how long a call holds
+    a TTS engine."""
+    pieces: list[str] = []
+    for sentence in split_sentences(text):
+        if len(sentence) <= max_chars:
+            pieces.append(sentence)
+            continue
+        piece = ""
+        for clause in _CLAUSE.split(sentence):
+            # a whole clause if it fits, else its words one by one
+            for part in [clause] if len(clause) <= max_chars else clause.split():
+                while len(part) > max_chars:
+                    if piece:
+                        pieces.append(piece)
+                        piece = ""
+                    pieces.append(part[:max_chars])
+                    part = part[max_chars:]
+                if piece and len(piece) + 1 + len(part) > max_chars:
+                    pieces.append(piece)
+                    piece = ""
+                piece = f"{piece} {part}" if piece else part
+        if piece:
+            pieces.append(piece)
+    return pieces
+
+
 class TTS(Protocol):
     sample_rate: int
 
@@ -52,6 +84,8 @@ class PiperTTS:
     """Piper (VITS on onnxruntime) with a voice from a package; ``sample_rate`` is the voice's
     (22050 Hz for joe-medium)."""
 
+    threadsafe = False  # its phonemizer (espeak-ng's library) keeps global state
+
     def __init__(self, model_path: str | Path | None = None) -> None:
         from piper import PiperVoice
 
@@ -68,6 +102,8 @@ class PiperTTS:
 
 class EspeakTTS:
     """The espeak-ng program (``--stdout`` WAV), one process per sentence."""
+
+    threadsafe = True  # each call its own process: calls may run side by side
 
     def __init__(self, voice: str = "en-us", speed: int = 175, sample_rate: int = 22050) -> None:
         if shutil.which("espeak-ng") is None:

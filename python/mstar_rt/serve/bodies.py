@@ -51,11 +51,16 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+#: The most characters of text one speech request may hold (OpenAI's documented limit).
+MAX_SPEECH_INPUT = 4096
+
+
 class SpeechBody(Body):
     """OpenAI's ``/v1/audio/speech`` body; ``instructions`` is accepted and ignored."""
 
     model: Optional[str] = None
-    input: str = Field(min_length=1, json_schema_extra={"pattern": r"\S"})
+    input: str = Field(min_length=1, max_length=MAX_SPEECH_INPUT,
+                       json_schema_extra={"pattern": r"\S"})
     voice: Optional[str] = None
     response_format: Optional[Literal["pcm", "wav"]] = "pcm"  # null: pcm
     speed: float = Field(1.0, ge=1.0, le=1.0)
@@ -74,6 +79,9 @@ class SpeechBody(Body):
     def _input(cls, v: Any) -> Any:
         if not isinstance(v, str) or not v.strip():
             raise ValueError("'input' must be a non-empty string: the text to speak")
+        if len(v) > MAX_SPEECH_INPUT:
+            raise ValueError(f"'input' holds {len(v)} characters; at most {MAX_SPEECH_INPUT} "
+                             "(OpenAI's limit): send a longer text over several requests")
         return v
 
     @field_validator("voice", mode="before")
