@@ -206,6 +206,9 @@ def test_wav_reader_reads_every_common_sample_format_and_mixes_down():
     (b"ID3\x03", "no RIFF/WAVE header"),
     (_riff(2, 1, 8000, 4, b"\x00" * 8), "format tag 2"),
     (b"RIFF\x04\x00\x00\x00WAVE", "no fmt chunk"),
+    (_riff(3, 2, 8000, 32, np.array([0, 0, 0.5, np.nan], "<f4").tobytes()),
+     "float sample 1 is NaN or infinite"),
+    (_riff(3, 1, 8000, 64, np.array([np.inf], "<f8").tobytes()), "sample 0 is NaN or infinite"),
 ])
 def test_wav_reader_says_what_it_cannot_read(data, needle):
     with pytest.raises(WavError, match=needle):

@@ -22,6 +22,7 @@ import numpy as np
 import openai
 import pytest
 
+from mstar_rt.models.qwen3_omni.chat import OmniChat
 from omni_support import SAMPLES_PER_TOKEN, FakeOmni, tiny_qwen3_omni
 from test_serve_support import Counter, serving, settled, wait_until
 
@@ -359,6 +360,21 @@ def test_bad_chat_requests_get_a_400_naming_the_field_and_the_server_keeps_servi
     assert _hello(omni).choices
 
 
+def test_a_prompt_past_the_thinkers_sequence_limit_is_a_400_not_a_model_failure(omni):
+    if fake(omni):
+        pytest.skip("the scripted model has no sequence limit")
+    limit = omni.model.thinker.max_seq_len
+    long_text = "hello world " * (limit // 2)  # two or more tokens a repeat
+    r = httpx.post(omni.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": long_text}]})
+    assert r.status_code == 400, r.text
+    assert "tokens; give 1 .. " in r.json()["error"]["message"]
+    r = httpx.post(omni.url + "/v1/audio/speech",
+                   json={"model": MODEL, "input": long_text[:4096], "voice": None})
+    assert r.status_code == 400 and "tokens; give 1 .. " in r.text, r.text
+    assert _hello(omni).choices
+
+
 def test_openai_client_sees_chat_errors_as_its_own_exceptions(omni):
     client = _client(omni)
     with pytest.raises(openai.BadRequestError, match="unknown voice"):
@@ -463,6 +479,37 @@ def test_a_client_leaving_mid_stream_cancels_the_request(omni):
     else:
         raise AssertionError("four answers all ended before the server saw the client leave")
     assert settled(omni)["requests"] == 0
+
+
+def test_a_full_server_answers_429_before_decoding_the_audio(monkeypatch):
+    """The admission comes first: a refused request spends nothing on its audio (before,
+    every refused request decoded its WAV and computed mel features on the server's pool)."""
+    model = FakeOmni(step_s=0.001)
+    with serving(model, name=MODEL, max_concurrent_requests=1) as s:
+        built = []
+        real = OmniChat.prompt
+        monkeypatch.setattr(OmniChat, "prompt", lambda self, m: built.append(1) or real(self, m))
+        model.release.clear()
+        model.holding = 0
+        model.hold = True
+        first = threading.Thread(target=httpx.post, args=(s.url + "/v1/chat/completions",),
+                                 kwargs={"json": {"model": MODEL, "messages": HELLO},
+                                         "timeout": 30})
+        first.start()
+        try:
+            wait_until(lambda: model.holding >= 1, "the first request to reach the model")
+            audio = [{"role": "user", "content": [_audio_part(_wav(1.0))]}]
+            r = httpx.post(s.url + "/v1/chat/completions",
+                           json={"model": MODEL, "messages": audio}, timeout=30)
+            assert r.status_code == 429, r.text
+            assert built == [1], "the refused request's audio was decoded"
+        finally:
+            model.hold = False
+            model.release.set()
+            first.join(30)
+        assert s.state.bridge.admission.in_flight == 0
+        assert httpx.post(s.url + "/v1/chat/completions", json={"model": MODEL, "messages": audio},
+                          timeout=30).status_code == 200
 
 
 def test_a_client_leaving_before_a_whole_answer_cancels_the_request(scripted):

@@ -61,6 +61,9 @@ def _samples(raw: bytes, tag: int, channels: int, rate: int, bits: int) -> np.nd
     elif tag == _FLOAT and bits in (32, 64):
         usable = len(raw) - len(raw) % (width * channels)
         x = np.frombuffer(raw[:usable], f"<f{width}").astype(np.float32)
+        if not np.isfinite(x).all():  # a model fed NaN fails deep inside, for every request
+            bad = int(np.flatnonzero(~np.isfinite(x))[0]) // channels
+            raise WavError(f"float sample {bad} is NaN or infinite; send finite samples")
     else:
         raise WavError(f"WAV format tag {tag} with {bits} bits per sample is not read; send "
                        "integer PCM (8/16/24/32 bits) or float (32/64 bits)")

@@ -18,11 +18,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.datastructures import Headers
 
 from mstar_rt.runtime import DeadlineExceeded
-from mstar_rt.serve.bodies import (BadBody, Body, ErrorBody, GenerateBody, SpeechBody,
-                                   array_schema, parse, request_body)
+from mstar_rt.serve.bodies import BadBody, Body, GenerateBody, SpeechBody, parse, request_body
 from mstar_rt.serve.bridge import AtCapacity, Bridge, RequestTimeout
 from mstar_rt.serve.deployment import Deployment
 from mstar_rt.serve.metrics import ServerMetrics
+from mstar_rt.serve.openapi_doc import GENERATE_200, SPEECH_200, error_responses, input_schemas
 from mstar_rt.serve.wire import as_array, decode_input, encode_value, pcm16, wav_header
 
 _B = TypeVar("_B", bound=Body)
@@ -172,7 +172,7 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     @app.post("/v1/audio/speech", response_class=Response,
               openapi_extra=request_body(SpeechBody.schema_for(d.name, voices)),
-              responses={200: _SPEECH_200,
+              responses={200: SPEECH_200,
                          **error_responses(400, *keyed, 404, 429, 500, 503, 504)})
     async def speech(request: Request) -> Response:
         body = await json_body(request)
@@ -184,8 +184,8 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     @app.post("/generate", response_class=Response,
               openapi_extra=request_body(GenerateBody.schema_for(
-                  _input_schemas(d), [k for k in d.inputs if k not in d.optional_inputs])),
-              responses={200: _GENERATE_200,
+                  input_schemas(d), [k for k in d.inputs if k not in d.optional_inputs])),
+              responses={200: GENERATE_200,
                          **error_responses(400, *keyed, 429, 500, 503, 504)})
     async def generate(request: Request) -> Response:
         body = parse_body(GenerateBody, await json_body(request), inputs=d.inputs)
@@ -287,20 +287,28 @@ async def _ndjson(first: Optional[tuple], rest: AsyncIterator, arrays: str
 # ---- the shared streaming path -----------------------------------------------------------------
 
 
+def admit(state: ServeState) -> None:
+    """Takes a request slot or answers 429 at once (before any work is spent on the request)."""
+    try:
+        state.bridge.admission.enter()
+    except AtCapacity as e:
+        raise ApiError(429, str(e), "rate_limit_error", code="max_concurrent_requests") from None
+
+
 async def start_stream(state: ServeState, request: Request, endpoint: str, inputs: dict,
                        priority: int, deadline: Optional[float], render: Any, media_type: str,
                        headers: dict,
                        errors_inline: Union[bool, Callable[[BaseException], bytes]] = False,
-                       fail_late: bool = False) -> Response:
+                       fail_late: bool = False, admitted: bool = False) -> Response:
     """Admits and submits the request, waits for its first output (so a request that fails
     before producing anything gets a plain HTTP error), then streams the rest. A failure
-    mid-stream breaks it off, or ends it with an error line (``errors_inline(error)``'s)."""
+    mid-stream breaks it off, or ends it with an error line (``errors_inline(error)``'s).
+    ``admitted``: the caller already holds the request's slot (:func:`admit`), which this
+    now releases however the request ends."""
     started = time.monotonic()
     bridge = state.bridge
-    try:
-        bridge.admission.enter()
-    except AtCapacity as e:
-        raise ApiError(429, str(e), "rate_limit_error", code="max_concurrent_requests") from None
+    if not admitted:
+        admit(state)
     outputs = None
     try:
         try:
@@ -439,60 +447,6 @@ def parse_body(cls: type[_B], body: dict, **context: Any) -> _B:
         return parse(cls, body, **context)
     except BadBody as e:
         raise ApiError(400, str(e), param=e.param) from None
-
-
-# ---- the OpenAPI document: what each route answers ---------------------------------------------
-
-_BINARY = {"schema": {"type": "string", "format": "binary"}}
-_SPEECH_200 = {"description": "the speech as it is spoken: 16-bit mono PCM, or WAV (a streaming "
-                              "header, then the same PCM)",
-               "content": {"audio/pcm": _BINARY, "audio/wav": _BINARY},
-               "headers": {"X-Sample-Rate": {"schema": {"type": "string"}}}}
-_GENERATE_200 = {"description": "one JSON line per output as the model EMITs it, then "
-                                "{done, counts} (or an error line)",
-                 "content": {"application/x-ndjson": {"schema": {"type": "string"}}}}
-_ERRORS = {400: "the request is wrong; the message names the field to fix",
-           401: "the API key is missing or wrong", 404: "no such model (or it does not speak)",
-           429: "the server runs max_concurrent_requests requests; retry after Retry-After",
-           500: "the model failed on this request", 503: "the request was cancelled",
-           504: "the request ran past request_timeout_s"}
-
-
-def _input_schemas(d: Deployment) -> dict[str, dict[str, Any]]:
-    """The JSON schema of each model input's value, as far as the deployment knows it: the
-    speech text and voice; the policy's declared shapes and dtypes (nested lists, or an array
-    as ``{dtype, shape, data}``); ``{}`` (any JSON, arrays included) otherwise."""
-    out: dict[str, dict[str, Any]] = {name: {} for name in d.inputs}
-    if d.speech is not None:
-        out[d.speech.text_input] = {"type": "string"}
-        if d.speech.voice_input is not None:
-            voice = {"enum": list(d.speech.voices)} if d.speech.voices else {"type": "string"}
-            out[d.speech.voice_input] = {"anyOf": [voice, {"type": "null"}]}
-    for name, shape in d.policy.shapes.items():
-        if name in out:
-            out[name] = {"anyOf": [_nested_arrays(shape, d.policy.dtypes.get(name)),
-                                   array_schema()]}
-    return out
-
-
-def _nested_arrays(shape: tuple, dtype: Optional[str]) -> dict[str, Any]:
-    """Nested JSON arrays of ``shape`` (None = any size) holding ``dtype`` values."""
-    kind = np.dtype(dtype).kind if dtype is not None else "f"
-    item: dict[str, Any] = ({"type": "boolean"} if kind == "b" else {"type": "number"}
-                            if kind in "fc" else {"type": "integer"})
-    if kind in "iuf" and dtype is not None:  # a value past the dtype's range is refused
-        info = (np.iinfo if kind in "iu" else np.finfo)(np.dtype(dtype))
-        item.update(minimum=np.asarray(info.min).item(), maximum=np.asarray(info.max).item())
-    for size in reversed(shape):
-        item = {"type": "array", "items": item}
-        if size is not None:
-            item.update(minItems=size, maxItems=size)
-    return item
-
-
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for these error statuses, each an :class:`ErrorBody`."""
-    return {s: {"model": ErrorBody, "description": _ERRORS[s]} for s in statuses}
 
 
 def _status_word(status: int) -> str:

@@ -34,7 +34,6 @@ from fastapi.responses import JSONResponse, Response
 
 from mstar_rt.models.qwen3_omni.chat import SPEAK_PROMPT, ChatError, Message, OmniChat
 from mstar_rt.serve.bodies import request_body
-from mstar_rt.serve.bridge import AtCapacity
 from mstar_rt.serve.chat_bodies import ChatBody
 from mstar_rt.serve.wire import as_array, pcm16, wav_header
 
@@ -51,7 +50,8 @@ AUDIO_TTL_S = 3600
 def add_chat_routes(app: Any, state: Any) -> None:
     """``POST /v1/chat/completions`` on ``app`` (a FastAPI app); a 404 unless the deployment's
     model is an omni chat model (``deployment.chat``)."""
-    from mstar_rt.serve.app import ApiError, error_responses, json_body, parse_body, start_stream
+    from mstar_rt.serve.app import ApiError, admit, json_body, parse_body, start_stream
+    from mstar_rt.serve.openapi_doc import error_responses
 
     d = state.deployment
     transcripts = _Transcripts()
@@ -80,23 +80,29 @@ def add_chat_routes(app: Any, state: Any) -> None:
         except ValueError as e:
             raise ApiError(400, str(e), param="audio.voice") from None
         messages = transcripts.resolve(req.messages, ApiError)
-        try:  # decoding and mel features: off the event loop
-            prompt, features = await state.bridge.call(chat.prompt, messages)
-        except ChatError as e:
-            raise ApiError(400, str(e), param=e.param) from None
-        inputs = {"prompt": prompt, "audio_features": features, "speaker": speaker,
-                  "return_audio": req.wants_audio, "max_tokens": req.token_limit,
-                  "max_audio_frames": AUDIO_FRAMES_PER_TOKEN * req.token_limit,
-                  "thinker_sampling": req.thinker_sampling(),
-                  "talker_sampling": req.talker_sampling(),
-                  "code_predictor_sampling": None}
-        answer = _Answer(chat, req, d.name, prompt)
-        if req.stream:
+        admit(state)  # a full server answers 429 before decoding audio it would not serve
+        try:
+            try:  # decoding and mel features: off the event loop
+                prompt, features = await state.bridge.call(chat.prompt, messages)
+            except ChatError as e:
+                raise ApiError(400, str(e), param=e.param) from None
+            inputs = {"prompt": prompt, "audio_features": features, "speaker": speaker,
+                      "return_audio": req.wants_audio, "max_tokens": req.token_limit,
+                      "max_audio_frames": AUDIO_FRAMES_PER_TOKEN * req.token_limit,
+                      "thinker_sampling": req.thinker_sampling(),
+                      "talker_sampling": req.talker_sampling(),
+                      "code_predictor_sampling": None}
+            answer = _Answer(chat, req, d.name, prompt)
+        except BaseException:
+            state.bridge.admission.leave()
+            raise
+        if req.stream:  # from here on, the slot is the request's to release
             return await start_stream(
                 state, request, ENDPOINT, inputs, 0, None,
                 lambda first, rest, t0: _sse(state, answer, transcripts, first, rest, t0),
-                "text/event-stream", {"Cache-Control": "no-cache"}, errors_inline=_sse_error)
-        outputs = await _collect(state, request, inputs)
+                "text/event-stream", {"Cache-Control": "no-cache"}, errors_inline=_sse_error,
+                admitted=True)
+        outputs = await _collect(state, request, inputs, admitted=True)
         if outputs is None:
             return Response(status_code=499)  # the client left; nobody reads it
         pcm = [answer.take(name, value) for name, value in outputs]
@@ -258,17 +264,17 @@ def _sse_error(e: BaseException) -> bytes:
                                   ).encode() + b"\n\n"
 
 
-async def _collect(state: Any, request: Request, inputs: dict) -> Optional[list]:
+async def _collect(state: Any, request: Request, inputs: dict,
+                   admitted: bool = False) -> Optional[list]:
     """Runs the request to its end and returns its outputs, or None if the client left first
-    (the request is then cancelled). Errors are the same ApiErrors a stream's start gets."""
-    from mstar_rt.serve.app import ApiError, ClientGone, error_of, unless_gone
+    (the request is then cancelled). Errors are the same ApiErrors a stream's start gets.
+    ``admitted``: the caller holds the request's slot, released here."""
+    from mstar_rt.serve.app import ApiError, ClientGone, admit, error_of, unless_gone
 
     started = time.monotonic()
     bridge = state.bridge
-    try:
-        bridge.admission.enter()
-    except AtCapacity as e:
-        raise ApiError(429, str(e), "rate_limit_error", code="max_concurrent_requests") from None
+    if not admitted:
+        admit(state)
     outputs = None
     got: list = []
     try:

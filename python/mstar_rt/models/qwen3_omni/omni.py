@@ -141,6 +141,7 @@ class Qwen3Omni(Model):
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         if inputs.get("prompt") is None:
             raise ValueError("give 'prompt': chat-formatted token ids (see format_chat)")
+        self.thinker.prompt_ids(inputs["prompt"])
         for name in ("thinker_sampling", "talker_sampling", "code_predictor_sampling"):
             try:
                 as_params(inputs.get(name))

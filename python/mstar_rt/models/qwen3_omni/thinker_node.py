@@ -84,6 +84,18 @@ class ThinkerNode(KVNodeSubmodule):
     def _device(self) -> torch.device:
         return self.module.model.embed_tokens.weight.device
 
+    def prompt_ids(self, prompt: Any) -> torch.Tensor:
+        """The prompt as a flat id tensor; ValueError when it is empty, too long for the
+        thinker's sequence limit, or holds an id outside the vocabulary (checked at submit by
+        the model's validate_inputs too, so a server answers 400)."""
+        ids = torch.as_tensor(np.asarray(prompt), dtype=torch.long).reshape(-1)
+        if ids.numel() == 0 or ids.numel() >= self.max_seq_len:
+            raise ValueError(f"the prompt has {ids.numel()} tokens; give 1 .. "
+                             f"{self.max_seq_len - 1} (the thinker's sequence limit)")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
+        return ids
+
     @torch.inference_mode()
     def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> KVWork:
         state = ctx.request.state
@@ -93,12 +105,7 @@ class ThinkerNode(KVNodeSubmodule):
                 return KVWork(1, persist=False, payload=("skip", None, state))
             tok = torch.tensor([int(inputs["token"])], dtype=torch.long, device=dev)
             return KVWork(1, payload=("decode", tok, state))
-        ids = torch.as_tensor(np.asarray(inputs["prompt"]), dtype=torch.long).reshape(-1)
-        if ids.numel() == 0 or ids.numel() >= self.max_seq_len:
-            raise ValueError(f"the prompt has {ids.numel()} tokens; give 1 .. "
-                             f"{self.max_seq_len - 1} (the thinker's sequence limit)")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
+        ids = self.prompt_ids(inputs["prompt"])
         audio = list(inputs.get("audio_embeds") or [])
         slots = int((ids == self.audio_token).sum())
         rows = sum(int(a.shape[0]) for a in audio)
