@@ -5,7 +5,8 @@ turns each window of them into 24 kHz audio while the LM is still talking.
     python examples/voice/tts.py "Hello there." --play              # speaker (sounddevice)
     python examples/voice/tts.py "Hi." --voice tara --out hi.wav \
         --checkpoint orpheus-3b-0.1-ft --snac snac_24khz              # real weights
-    python examples/voice/tts.py --token-ids 9906,1070 --out a.wav  # text token ids
+    python examples/voice/tts.py --token-ids 101,202 --out a.wav    # text token ids (the
+                                                                    # tiny model's are < 715)
 
 The default model is random (a small Llama and a narrow SNAC with the real 24 kHz receptive
 field) with codes constrained to valid frames: it makes noise-like speech-shaped audio and
@@ -87,17 +88,17 @@ def speak(tts: OrpheusTTS, request: dict, out: Optional[str],
     """Serves one request, writing and playing audio as it arrives; returns its metrics, its
     final state (frame counters) and the number of generated tokens."""
     wav = None
-    if out:
-        wav = wave.open(out, "wb")
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(tts.sample_rate)
     meter = SpeechMeter(tts.sample_rate)
     tokens = 0
     try:
         with mstar_rt.Runtime(tts) as rt:
             meter.start()
-            handle = rt.submit(request)
+            handle = rt.submit(request)  # a bad request is refused here: no file is left
+            if out:
+                wav = wave.open(out, "wb")
+                wav.setnchannels(1)
+                wav.setsampwidth(2)
+                wav.setframerate(tts.sample_rate)
             for name, value in handle:
                 if name == "token":
                     tokens += 1
@@ -180,7 +181,10 @@ def main() -> None:
     else:
         request["text"] = args.text
     speaker = Speaker(tts.sample_rate) if args.play else None
-    metrics, state, tokens = speak(tts, request, args.out, speaker)
+    try:
+        metrics, state, tokens = speak(tts, request, args.out, speaker)
+    except (ValueError, TypeError) as e:  # the request itself: one line, not a traceback
+        sys.exit(f"tts.py: {e}")
     if speaker is not None:
         speaker.finish(metrics.audio_s)
     print(f"spoke {metrics.audio_s:.2f} s of audio"

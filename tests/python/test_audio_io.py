@@ -10,6 +10,7 @@ import wave
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mstar_rt.audio.resample import Resampler
 
@@ -142,6 +143,22 @@ def test_underrun_is_told_apart_from_idle(devices):
         time.sleep(0.1)
         assert out.underruns >= 5, out.counters()
         out.end()
+
+
+def test_samples_a_speaker_must_not_play_are_refused_by_name(devices):
+    with devices.AudioOutput(RATE, blocksize=BLOCK, pulse_sink="mstar_spk") as out:
+        with pytest.raises(TypeError, match="float samples in \\[-1, 1\\], got int16"):
+            out.write(np.full(480, 20000, np.int16), timeout=1)  # read as floats: full scale
+        with pytest.raises(ValueError, match=r"\[n\] or \[n, 1\] samples .* got shape \[480, 2\]"):
+            out.write(np.zeros((480, 2), np.float32), timeout=1)
+        with pytest.raises(ValueError, match="got shape \\[\\]"):
+            out.write(np.float32(0.5), timeout=1)
+        bad = np.zeros(480, np.float32)
+        bad[17] = np.nan
+        with pytest.raises(ValueError, match="sample 17 is NaN or infinite"):
+            out.write(bad, timeout=1)
+        assert out.counters()["written"] == 0
+        assert out.write(np.zeros((480, 1), np.float64), timeout=5) == 480  # still serves
 
 
 def _tone_frames(x: np.ndarray, amp: float) -> np.ndarray:

@@ -216,6 +216,25 @@ class AudioOutput(_Stream):
         self._ack_pos = self._write_pos
         self._ack_gen = self._flush_gen
 
+    def _frames(self, samples: Any) -> np.ndarray:
+        """``[n]`` (mono) or ``[n, channels]`` float samples as float32 ``[n, channels]``;
+        what a speaker should not play (integers read as floats are full-scale noise, NaN) is
+        refused by name."""
+        x = np.asarray(samples)
+        if x.dtype.kind != "f":
+            raise TypeError(f"AudioOutput.write takes float samples in [-1, 1], got {x.dtype}; "
+                            "scale integer PCM by its full scale first (int16: x / 32768)")
+        if not (x.ndim == 2 and x.shape[1] == self.channels
+                or x.ndim == 1 and self.channels == 1):
+            mono = "[n] or " if self.channels == 1 else ""
+            raise ValueError(f"AudioOutput.write takes {mono}[n, {self.channels}] samples for "
+                             f"this {self.channels}-channel output, got shape {list(x.shape)}")
+        x = x.astype(np.float32, copy=False).reshape(len(x), self.channels)
+        if not np.isfinite(x).all():
+            at = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+            raise ValueError(f"sample {at} is NaN or infinite; a speaker must not play it")
+        return x
+
     def write(self, samples: np.ndarray, timeout: float | None = None, end: bool = True,
               epoch: int | None = None) -> int:
         """Queues ``[n]`` or ``[n, channels]`` samples at ``source_rate``; blocks while the ring
@@ -232,7 +251,7 @@ class AudioOutput(_Stream):
                 return 0
             if self._resampler is not None and self._resampler_gen != gen:  # stale history
                 self._resampler, self._resampler_gen = self._new_resampler(), gen
-            x = np.asarray(samples, np.float32).reshape(len(samples), self.channels)
+            x = self._frames(samples)
             if self._resampler is not None:
                 x = self._resampler.process(x, last=end)
             x = np.ascontiguousarray(x)
