@@ -56,8 +56,8 @@ def speaker(audio: mstar_rt.Ring, report: dict) -> None:
             break
         if first is None:
             first = time.monotonic() - start
-        elif len(block) < BLOCK:
-            underruns += 1
+        elif len(block) < BLOCK and not (audio.closed and len(audio) == 0):
+            underruns += 1  # short while more was to come (the tail after close is not)
         played += len(block)
         next_tick += len(block) / SAMPLE_RATE
         time.sleep(max(0.0, next_tick - time.monotonic()))

@@ -9,12 +9,14 @@ import json
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from mstar_rt import EMIT, DynamicLoop, GraphEdge, GraphNode, Model, NodeSubmodule
 from mstar_rt.serve import MstarClient, ServeError, SpeechSpec
 from mstar_rt.serve.speech_models import SentenceTTS
 from test_serve_support import Counter, serving, settled, wait_until
@@ -430,3 +432,55 @@ def test_a_checkpoint_dir_is_served_as_a_causal_lm_that_streams_tokens(tmp_path)
         settled(s)
         cache = s.rt.engines["lm"].cache
         assert cache.free_pages == cache.num_pages
+
+
+class _SlowSteps(Model):
+    """``n`` steps of 50 ms, each EMITted: a stream that is still going when the server stops."""
+
+    inputs = ("n",)
+
+    class _Step(NodeSubmodule):
+        def prepare_inputs(self, ctx: Any, inputs: dict) -> Any:
+            return ctx.iteration, inputs["n"]
+
+        def forward(self, batch: list) -> list:
+            time.sleep(0.05)
+            return [{"step": i} for i, _n in batch]
+
+        def check_stop(self, batch: list, outputs: list) -> list:
+            return [("steps",) if i + 1 >= n else () for i, n in batch]
+
+    def __init__(self) -> None:
+        self.nodes = [GraphNode("step", ["n"], [GraphEdge(EMIT, "step")])]
+        self.walks = {"steps": DynamicLoop("step", 10_000, "steps")}
+        self.submodules = {"step": self._Step()}
+
+
+def test_a_stream_cut_by_the_shutdown_grace_ends_without_a_traceback(capfd):
+    """uvicorn cancels what still streams when its 3 s grace ends: the stream is cut (the
+    client sees no clean end) and the request cancelled, but that is no application error."""
+    with serving(_SlowSteps(), name="slow") as s:
+        lines: list[str] = []
+        ended: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                with httpx.stream("POST", s.url + "/generate", json={"inputs": {"n": 10_000}},
+                                  timeout=30) as r:
+                    for line in r.iter_lines():
+                        lines.append(line)
+            except BaseException as e:  # the cut
+                ended.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        wait_until(lambda: len(lines) >= 2, "the stream to flow")
+        start = time.monotonic()
+        s.server.stop(timeout=15)
+        took = time.monotonic() - start
+        reader.join(15)
+        assert not reader.is_alive() and ended, "the client saw a clean end of a cut stream"
+        assert took < 5, took
+        assert settled(s)["requests"] == 0  # the cut request was cancelled
+    err = capfd.readouterr().err
+    assert "Exception in ASGI application" not in err and "CancelledError" not in err, err

@@ -120,9 +120,9 @@ class OmniVoiceAgent(VoiceAgent):
     (0: none). ``max_tokens``, ``max_audio_frames`` and the ``*_sampling`` settings go into every
     request; ``agent.inputs`` holds them and may be changed between turns. ``prebuffer_s``: the
     audio a reply holds before it starts to play, so that it does not run dry before the
-    model's next chunk (Qwen3-Omni's code2wav windows hold 2, 4, 8, then 12 frames of 80 ms:
-    the default plays once the first is in, 0.4 s once the second is); a reply started at a pause has it ready by the endpoint, at no
-    cost. ``input`` delivers 16 kHz; ``output`` takes any ``source_rate`` (the model's rate
+    model's next chunk (Qwen3-Omni's code2wav windows hold 2, 4, 8, then 12 frames of 80 ms,
+    the first ~137 ms after the decoder's trim: the default 0.2 s plays once the second is in);
+    a reply started at a pause has it ready by the endpoint, at no cost. ``input`` delivers 16 kHz; ``output`` takes any ``source_rate`` (the model's rate
     needs no resampling here).
     """
 

@@ -79,6 +79,11 @@ class _Stream(StreamingResponse):
                 tg.start_soon(stream)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
+        except asyncio.CancelledError:
+            # Only uvicorn cancels an app call: its shutdown grace ended with this stream still
+            # going. The stream is cut (no clean end for the client) and the request ends
+            # below; that is the shutdown, not an application error to log with a traceback.
+            pass
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
