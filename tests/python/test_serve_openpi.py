@@ -333,6 +333,11 @@ def test_policy_placed_across_two_processes_serves_the_same_actions(tmp_path):
         finally:
             client._ws.close()
         assert settled(s)["requests"] == 0
+        # restart: manual (the default): the operator is told what a server operator can do
+        os.kill(runtime.workers[1]["pid"], signal.SIGKILL)
+        wait_until(lambda: runtime.health() is not None, "the dead worker to show in health")
+        health = httpx.get(s.url + "/health").json()
+        assert "restart the server" in str(health) and "restart_worker" not in str(health), health
 
 
 def test_a_placed_policy_whose_worker_is_killed_fails_only_the_observations_it_held(tmp_path):

@@ -267,7 +267,7 @@ class WorkerLink:
             inflight, known = self._ledger.clear()
             self._cond.notify_all()
         rt = self.rt
-        fix = "it is being restarted" if restart else f"restart it with restart_worker({self.rank})"
+        fix = "it is being restarted" if restart else rt.restart_hint.format(rank=self.rank)
         # Fail first: the promise is within a second of the death.
         fail_for_death(rt, f"worker process rank {self.rank} (pid {proc.pid}) {how}", fix,
                        inflight, known)
@@ -306,8 +306,8 @@ class WorkerLink:
             gen = self.gen
             if self.state != "up":
                 rejected = (f"worker process rank {self.rank} is not running "
-                            f"({self.last_exit or self.state}); restart it with "
-                            f"restart_worker({self.rank})")
+                            f"({self.last_exit or self.state}); "
+                            + rt.restart_hint.format(rank=self.rank))
             else:
                 for item in items:
                     rid = item.request

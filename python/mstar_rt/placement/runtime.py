@@ -131,6 +131,9 @@ class PlacedRuntime(Runtime):
         self._closed = False
         self._ray_owned, self._host = False, "127.0.0.1"  # the host: where workers reach us
         self.shm_prefix = ""
+        #: How a down worker is brought back, as error messages say it ({rank}: its rank); a
+        #: server that holds this runtime words it for its operator.
+        self.restart_hint = "restart it with restart_worker({rank})"
         if launcher not in ("process", "ray"):
             raise ValueError(f"launcher={launcher!r}; use 'process' (local worker processes) "
                              "or 'ray' (Ray actors)")
@@ -314,8 +317,8 @@ class PlacedRuntime(Runtime):
             return own
         for rank, info in self.workers.items():
             if info["state"] == "down":
-                return (f"worker process rank {rank} is down ({info['last_exit']}); restart it "
-                        f"with restart_worker({rank})")
+                return (f"worker process rank {rank} is down ({info['last_exit']}); "
+                        + self.restart_hint.format(rank=rank))
         return None
 
     @property

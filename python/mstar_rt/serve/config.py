@@ -96,9 +96,13 @@ def build_runtime(config: ServeConfig, model: Any) -> Any:
                           "in this process") from None
     spec = for_workers(config.model, config.base_dir)
     try:
-        return PlacedRuntime(spec, list(config.node_groups), engines=kv_engines(config, model),
-                             **config.placement.given())
+        rt = PlacedRuntime(spec, list(config.node_groups), engines=kv_engines(config, model),
+                           **config.placement.given())
     except ConfigError:
         raise
     except ValueError as e:
         raise ConfigError(f"node_groups: {e}") from None
+    # Its operator has no Python prompt to call restart_worker from.
+    rt.restart_hint = ("restart the server, or set 'placement: {{restart: auto}}' in its config "
+                       "for worker {rank} and the others to be restarted on their own")
+    return rt
