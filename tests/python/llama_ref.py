@@ -106,9 +106,11 @@ def teacher_forced(hf: transformers.PreTrainedModel, prompt: list[int],
 def hf_generate(hf: transformers.PreTrainedModel, prompt: list[int],
                 n: int) -> tuple[list[int], torch.Tensor]:
     """HF greedy decoding with its KV cache: (tokens, per-step logits ``[n, V]``)."""
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=0)
+    ids = torch.tensor([prompt])
+    # the mask given: without it transformers masks every pad id (0) in the prompt as padding
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                      min_new_tokens=n, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
 
 

@@ -196,11 +196,17 @@ def test_seeded_sampling_through_the_runtime_reproduces_beside_other_requests():
 @pytest.mark.parametrize("field,value,needs", [
     ("max_tokens", 0, ">= 1"), ("temperature", -0.5, ">= 0"), ("top_k", -1, ">= 0"),
     ("top_p", 0.0, "0 < top_p <= 1"), ("top_p", 1.5, "0 < top_p <= 1"),
-    ("repetition_penalty", 0.0, "> 0")])
+    ("repetition_penalty", 0.0, "> 0"),
+    # each of these failed inside a batch step (or was silently changed) before
+    ("max_tokens", 2.5, "an integer >= 1"), ("max_tokens", "3", "an integer >= 1"),
+    ("max_tokens", True, "an integer >= 1"), ("temperature", float("nan"), ">= 0"),
+    ("top_p", float("nan"), "0 < top_p"), ("seed", 2**70, "an integer in"),
+    ("seed", 1.5, "an integer in"), ("stop_token_ids", 5, "a tuple of token ids"),
+    ("stop_token_ids", (1, -3), "a tuple of token ids"), ("ignore_eos", "yes", "true or false")])
 def test_sampling_params_errors_name_the_field(field, value, needs):
     with pytest.raises(ValueError) as e:
         SamplingParams(**{field: value})
-    assert f"{field}={value}" in str(e.value) and needs in str(e.value)
+    assert f"{field}={value!r}" in str(e.value) and needs in str(e.value)
 
 
 def test_sampling_params_report_every_bad_field_and_submit_rejects_them():
@@ -213,4 +219,20 @@ def test_sampling_params_report_every_bad_field_and_submit_rejects_them():
             rt.submit({"prompt": [1, 2], "params": {"top_p": 2}})
         with pytest.raises(TypeError, match="topp"):
             rt.submit({"prompt": [1, 2], "params": {"topp": 0.5}})
+        with pytest.raises(ValueError, match=r"stop_token_ids \[40\] lie outside the "
+                                             r"vocabulary \[0, 32\)"):
+            rt.submit({"prompt": [1, 2], "params": {"stop_token_ids": [3, 40]}})
+        for prompt, error, words in [
+                ([1.7, 2.9], TypeError, "must be integers, got float"),
+                ([True, False], TypeError, "must be integers, got bool"),
+                ([[1, 2], [3, 4]], ValueError, r"1-D token ids, got shape \[2, 2\]"),
+                ("hello", TypeError, "not str; tokenize text first"),
+                (None, TypeError, "not NoneType")]:
+            with pytest.raises(error, match=words):
+                rt.submit({"prompt": prompt})
         assert rt.live["requests"] == 0
+        # a list of stop ids is the tuple, and works
+        out = rt.submit({"prompt": [1, 2], "params": {"stop_token_ids": [0, 1, 2, 3, 4, 5, 6, 7,
+                         8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25,
+                         26, 27, 28, 29, 30, 31], "max_tokens": 5}}).result(timeout=30)
+        assert len(out["token"]) == 1  # whatever came first stopped it

@@ -3,6 +3,7 @@ drawing from its own seeded generator so its tokens do not depend on what it was
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -23,23 +24,44 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # Checked whole here, at submit: a value that fails later fails inside a batch step,
+        # where every request of the step is run again to find the culprit.
         problems = []
-        if self.max_tokens < 1:
-            problems.append(f"max_tokens={self.max_tokens} (needs >= 1)")
-        if self.temperature < 0:
-            problems.append(f"temperature={self.temperature} (needs >= 0)")
-        if self.top_k < 0:
-            problems.append(f"top_k={self.top_k} (needs >= 0)")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p={self.top_p} (needs 0 < top_p <= 1)")
-        if self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty={self.repetition_penalty} (needs > 0)")
+        if not _integer(self.max_tokens) or self.max_tokens < 1:
+            problems.append(f"max_tokens={self.max_tokens!r} (needs an integer >= 1)")
+        if not _real(self.temperature) or not self.temperature >= 0:
+            problems.append(f"temperature={self.temperature!r} (needs a number >= 0)")
+        if not _integer(self.top_k) or self.top_k < 0:
+            problems.append(f"top_k={self.top_k!r} (needs an integer >= 0)")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p!r} (needs 0 < top_p <= 1)")
+        if not _real(self.repetition_penalty) or not self.repetition_penalty > 0:
+            problems.append(f"repetition_penalty={self.repetition_penalty!r} (needs > 0)")
+        if self.seed is not None and (not _integer(self.seed)
+                                      or not -2**63 <= self.seed < 2**64):
+            problems.append(f"seed={self.seed!r} (needs None or an integer in [-2**63, 2**64))")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (tuple, list)) or not all(
+                _integer(t) and t >= 0 for t in stops):
+            problems.append(f"stop_token_ids={stops!r} (needs a tuple of token ids >= 0)")
+        else:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        if not isinstance(self.ignore_eos, bool):
+            problems.append(f"ignore_eos={self.ignore_eos!r} (needs true or false)")
         if problems:
             raise ValueError("SamplingParams: " + "; ".join(problems))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _integer(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _real(v: object) -> bool:
+    return _integer(v) or isinstance(v, float) and math.isfinite(v)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> Optional[torch.Generator]:

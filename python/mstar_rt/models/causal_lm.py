@@ -20,6 +20,7 @@ import dataclasses
 import os
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from mstar_rt.engines.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
@@ -77,7 +78,7 @@ class LMNode(KVNodeSubmodule):
         return self.module.kv_layout()
 
     def check_prompt(self, prompt: Any) -> torch.Tensor:
-        ids = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+        ids = prompt_tensor(prompt)
         if ids.numel() == 0:
             raise ValueError("the prompt is empty; give at least one token id")
         if ids.numel() == 1 and not self.prefill_samples:
@@ -101,7 +102,7 @@ class LMNode(KVNodeSubmodule):
         device = self.module.model.embed_tokens.weight.device
         if "prompt" in inputs:  # prefill
             ids = self.check_prompt(inputs["prompt"])
-            params = self.request_params(inputs.get("params"))
+            params = self.check_params(inputs.get("params"))
             state.update(params=params, generator=make_generator(params, device),
                          history=ids.tolist(), generated=0, done=False)
             given = None
@@ -158,6 +159,16 @@ class LMNode(KVNodeSubmodule):
     def request_params(self, params: Any) -> SamplingParams:
         """The request's SamplingParams (a subclass may supply its own defaults)."""
         return as_params(params)
+
+    def check_params(self, params: Any) -> SamplingParams:
+        """:meth:`request_params`, with stop tokens checked against the vocabulary (one that
+        cannot be made would silently never stop the request)."""
+        p = self.request_params(params)
+        outside = [t for t in p.stop_token_ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside} lie outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return p
 
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
@@ -221,6 +232,24 @@ class LMNode(KVNodeSubmodule):
 _EMPTY = torch.empty(0, dtype=torch.long)
 
 
+def prompt_tensor(prompt: Any) -> torch.Tensor:
+    """A prompt of token ids (a 1-D list, array or tensor of integers) as a long tensor; what
+    would be read as something else (text, floats truncated, booleans, a batch of prompts
+    flattened into one) is refused by name."""
+    if prompt is None or isinstance(prompt, (str, bytes)):
+        raise TypeError(f"the prompt must be token ids (a 1-D sequence of integers), not "
+                        f"{type(prompt).__name__}; tokenize text first")
+    t = prompt if torch.is_tensor(prompt) else torch.as_tensor(np.asarray(prompt))
+    if t.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"prompt token ids must be integers, got {str(t.dtype)[6:]}")
+    if t.dim() != 1:
+        raise ValueError(f"the prompt must be 1-D token ids, got shape {list(t.shape)} (give "
+                         "each prompt its own request)")
+    return t.to(torch.long)
+
+
 def as_params(p: Union[None, SamplingParams, Mapping[str, Any]]) -> SamplingParams:
     if p is None:
         return SamplingParams()
@@ -267,7 +296,7 @@ class CausalLM(Model):
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         self.lm.check_prompt(inputs["prompt"])
-        as_params(inputs.get("params"))
+        self.lm.check_params(inputs.get("params"))
 
     def next_walk(self, request: RequestContext, finished_walk: str,
                   persisted: Mapping[str, Any]) -> Optional[str]:

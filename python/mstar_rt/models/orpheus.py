@@ -234,7 +234,7 @@ class OrpheusTTS(Model):
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         self.lm.check_prompt(self.prompt_ids(inputs))
-        self.lm.request_params(inputs.get("params"))
+        self.lm.check_params(inputs.get("params"))
 
     def next_walk(self, request: RequestContext, finished_walk: str,
                   persisted: Mapping[str, Any]) -> Optional[str]:
