@@ -62,6 +62,23 @@ def test_allocation_spans_pages_and_release_returns_every_page():
     assert cache.release(2) == 0  # a second release is harmless
 
 
+def test_a_fork_in_the_step_of_its_sources_append_gets_none_of_that_appends_pages():
+    """The source at a page boundary takes a fresh page for this step's tokens; a fork admitted
+    in the same step (before the commit) shared it, and both wrote their next tokens there."""
+    cache = make_cache(page_size=4, num_pages=16)
+    cache.admit(1, "main", 4, reserve=16)
+    cache.commit(1, "main", 4)
+    main = cache.admit(1, "main", 2, reserve=16)  # a new page for positions 4..5
+    branch = cache.admit(1, "branch", 3, reserve=16, fork_from="main")
+    assert branch.pages[0] == main.pages[0], "the committed page stays shared"
+    assert branch.pages[1] != main.pages[1], "the source's new page is not the fork's"
+    cache.commit(1, "main", 2)
+    cache.commit(1, "branch", 3)
+    assert (cache.sequence(1, "main").length, cache.sequence(1, "branch").length) == (6, 7)
+    cache.release(1)
+    assert cache.free_pages == cache.num_pages
+
+
 def test_fork_shares_pages_and_a_write_copies_the_shared_partial_page():
     cache = make_cache(page_size=4, num_pages=8)
     backend = TorchAttention(cache)

@@ -283,9 +283,12 @@ class PagedKVCache:
 
     def _fork_locked(self, request: int, src: str, dst: str) -> Sequence:
         s = self._seqs[(request, src)]
-        for p in s.pages:
+        # Only the pages holding the source's committed tokens: a page it took for this step's
+        # append (admitted, not yet committed) is its own, or both would write into it.
+        pages = s.pages[:_ceil_div(s.length, self.page_size)]
+        for p in pages:
             self._refs[p] += 1
-        seq = Sequence(list(s.pages), s.length, s.length)
+        seq = Sequence(list(pages), s.length, s.length)
         self._seqs[(request, dst)] = seq
         return seq
 
