@@ -27,8 +27,14 @@ void check_count(const py::handle& sub, const char* hook, std::size_t n, std::si
 }
 
 /// `obj` if it is a list, else list(obj); `copy`: a new list either way (the caller appends).
-py::list as_list(py::object obj, bool copy = false) {
+/// `sub` and `hook` name who returned it: a dict, a string or None is refused (list() would make
+/// the dict's keys or the string's characters the items).
+py::list as_list(py::object obj, const py::handle& sub, const char* hook, bool copy = false) {
   if (!copy && PyList_Check(obj.ptr())) return py::reinterpret_steal<py::list>(obj.release());
+  if (obj.is_none() || PyDict_Check(obj.ptr()) || PyUnicode_Check(obj.ptr()))
+    throw py::type_error(type_name(sub) + "." + hook + " returned " +
+                         (obj.is_none() ? std::string("None") : "a " + type_name(obj)) +
+                         "; return a list with one entry per item of the batch");
   PyObject* list = PySequence_List(obj.ptr());
   if (list == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::list>(list);
@@ -168,7 +174,7 @@ py::list NodeRunner::prepare(NodeId id, const std::vector<BatchItem>& items,
 py::list NodeRunner::forward(const Node& n, const py::list& prepared) const {
   const py::object& sub = n.submodule;
   if (!n.splits) {
-    py::list outputs = as_list(call_method(sub, names_.forward, prepared));
+    py::list outputs = as_list(call_method(sub, names_.forward, prepared), sub, "forward");
     check_count(sub, "forward", outputs.size(), prepared.size());
     return outputs;
   }
@@ -179,10 +185,10 @@ py::list NodeRunner::forward(const Node& n, const py::list& prepared) const {
     PyList_SET_ITEM(outputs.ptr(), static_cast<Py_ssize_t>(k), Py_None);
   }
   for (py::handle g : call_method(sub, names_.split_batch, prepared)) {
-    py::list group = as_list(py::reinterpret_borrow<py::object>(g));
+    py::list group = as_list(py::reinterpret_borrow<py::object>(g), sub, "split_batch (a group)");
     py::list batch;
     for (py::handle i : group) batch.append(prepared[i]);
-    py::list result = as_list(call_method(sub, names_.forward, batch));
+    py::list result = as_list(call_method(sub, names_.forward, batch), sub, "forward");
     check_count(sub, "forward", result.size(), group.size());
     for (std::size_t k = 0; k < group.size(); ++k) outputs[py::object(group[k])] = result[k];
   }
@@ -214,11 +220,12 @@ void NodeRunner::run(NodeId id, const std::vector<BatchItem>& items, BatchResult
     outputs = forward(n, prepared);
     if (n.stops) {
       py::list answer =
-          as_list(call_method(n.submodule, names_.check_stop, prepared, outputs), ends);
+          as_list(call_method(n.submodule, names_.check_stop, prepared, outputs), n.submodule,
+                  "check_stop", ends);
       check_count(n.submodule, "check_stop", answer.size(), chunks);
       stops = std::move(answer);
     }
-    if (ends) outputs = as_list(outputs, true);  // forward's own list is not ours to extend
+    if (ends) outputs = as_list(outputs, n.submodule, "forward", true);  // not ours to extend
   } else {
     outputs = py::list();
   }
@@ -234,6 +241,10 @@ void NodeRunner::run(NodeId id, const std::vector<BatchItem>& items, BatchResult
 }
 
 void NodeRunner::stop_ids(py::handle stop, std::vector<NameId>* out) const {
+  if (PyUnicode_Check(stop.ptr()))  // iterated, its characters would be the loop names
+    throw py::type_error("check_stop gave the string '" + py::str(stop).cast<std::string>() +
+                         "' for an item; give a tuple of loop names, e.g. ('" +
+                         py::str(stop).cast<std::string>() + "',), or () to go on");
   for (py::handle name : stop) {
     // The Conductor's completion calls this per item: the dict is read without a new reference;
     // loop_id raises for what it misses.

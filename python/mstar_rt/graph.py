@@ -94,9 +94,16 @@ class GraphNode:
                              "with a non-empty string")
         seen: set[str] = set()
         for x in self.inputs:
+            if not isinstance(x, str) or not x:
+                raise GraphError(f"node '{self.name}' reads {x!r}; inputs are value names "
+                                 "(non-empty strings)")
             if x in seen:
                 raise GraphError(f"node '{self.name}' reads '{x}' twice; list each input once")
             seen.add(x)
+        for o in self.outputs:
+            if not (isinstance(o, str) and o or isinstance(o, (GraphEdge, StreamingGraphEdge))):
+                raise GraphError(f"node '{self.name}' has output {o!r}; an output is a value "
+                                 "name (a string), a GraphEdge or a StreamingGraphEdge")
 
     @property
     def output_names(self) -> tuple[str, ...]:

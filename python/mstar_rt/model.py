@@ -117,7 +117,11 @@ def node_submodules(model: "Model") -> dict[str, NodeSubmodule]:
     (``GraphNode(submodule=...)``) or in ``model.submodules``. GraphError if a node has both and
     they differ."""
     out = dict(_given(model, "submodules"))
+    seen: set[str] = set()
     for n in model.nodes:
+        if n.name in seen:  # before any other message about the name (they would mislead)
+            raise GraphError(f"two nodes are named '{n.name}'; node names must be unique")
+        seen.add(n.name)
         sub = getattr(n, "submodule", None)
         if sub is None:
             continue

@@ -241,6 +241,22 @@ def test_stream_consumer_running_before_its_producer_is_rejected():
 def test_duplicate_node_names_are_rejected():
     nodes = [GraphNode("a", ["x"], ["y"]), GraphNode("a", ["y"], ["z"])]
     _has(_error(_model(nodes, {"w": "a"})), "two nodes are named 'a'", "unique")
+    # each with its own submodule on the GraphNode: named as a duplicate, not as a submodule
+    # declared twice (the model declares no submodules)
+    nodes = [GraphNode("a", ["x"], ["y"], submodule=Fn(lambda d: {})),
+             GraphNode("a", ["y"], ["z"], submodule=Fn(lambda d: {}))]
+    _has(_error(WalkModel(nodes, {"w": "a"}, {}, inputs=("x",))), "two nodes are named 'a'")
+
+
+@pytest.mark.parametrize("inputs, outputs, words", [
+    (["x"], [3], r"has output 3; an output is a value name \(a string\), a GraphEdge"),
+    (["x"], [""], "has output ''"),
+    ([3], ["y"], "reads 3; inputs are value names"),
+])
+def test_a_node_whose_inputs_or_outputs_are_not_names_is_refused_by_name(inputs, outputs,
+                                                                         words):
+    with pytest.raises(GraphError, match=words):
+        GraphNode("a", inputs, outputs)
 
 
 def test_node_appearing_twice_in_a_walk_is_rejected():

@@ -14,6 +14,7 @@ from mstar_rt import (
     GraphError,
     GraphNode,
     Loop,
+    NodeSubmodule,
     Parallel,
     RequestFailed,
     Sequential,
@@ -340,6 +341,37 @@ def test_a_lone_failing_item_runs_once_not_again_to_find_the_culprit(serve):
     with pytest.raises(RequestFailed, match="ValueError: bad input"):
         rt.submit({"x": 7}).result(timeout=T)
     assert calls == [7]  # a second run repeated its work (and any side effect)
+    assert settled(rt) == ZERO_LIVE
+
+
+class _Returns(NodeSubmodule):
+    """forward returns ``value`` as it is (not a list of one dict per item); check_stop
+    ``stop`` for every item."""
+
+    def __init__(self, value, stop=()):
+        self.value, self.stop = value, stop
+
+    def forward(self, batch):
+        return self.value if self.value is not None or not self.stop else [{"y": 1} for _ in batch]
+
+    def check_stop(self, batch, outputs):
+        return [self.stop for _ in batch]
+
+
+@pytest.mark.parametrize("value, stop, words", [
+    ({"y": 1}, (), "_Returns.forward returned a dict; return a list with one entry per item"),
+    (None, (), "_Returns.forward returned None; return a list"),
+    ("y", (), "_Returns.forward returned a str"),
+    # a string iterated gave its characters as loop names ('s' from "speak")
+    (None, "gen", "check_stop gave the string 'gen' for an item; give a tuple of loop names"),
+])
+def test_a_node_returning_the_wrong_kind_of_thing_is_told_what_to_return(serve, value, stop,
+                                                                         words):
+    node = GraphNode("n", ["x"], [GraphEdge(EMIT, "y")])
+    walks = {"main": DynamicLoop("n", 3, "gen")} if stop else {"main": "n"}
+    rt = serve(WalkModel([node], walks, {"n": _Returns(value, stop)}))
+    with pytest.raises(RequestFailed, match=words):
+        rt.submit({"x": 1}).result(timeout=T)
     assert settled(rt) == ZERO_LIVE
 
 
