@@ -6,6 +6,8 @@ by side."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -131,3 +133,22 @@ def test_bad_planner_inputs_are_refused_at_submit(serve, predictor, change, word
 def test_config_rejects_top_k_above_samples():
     with pytest.raises(ValueError, match="top_k"):
         CEMConfig(samples=4, top_k=5)
+
+
+@pytest.mark.parametrize("field, value, needs", [
+    # each of these built a planner that served wrong plans or failed every request
+    ("max_action", -1.0, "a finite number > 0"),  # clamp(1, -1) pinned every action at -1
+    ("max_action", float("nan"), "a finite number > 0"),
+    ("horizon", 2.5, "an integer >= 1"), ("init_std", -1.0, "a finite number > 0"),
+    ("min_std", -1.0, "a finite number >= 0"), ("momentum", 1.5, "a number in [0, 1]"),
+    ("samples", True, "an integer >= 1")])
+def test_config_fields_that_cannot_plan_are_refused_by_name(field, value, needs):
+    with pytest.raises(ValueError, match=re.escape(f"CEMConfig: {field}={value!r} (needs {needs}")):
+        CEMConfig(**{field: value})
+
+
+def test_a_horizon_past_the_predictors_frames_is_refused_when_the_planner_is_built(predictor):
+    frames = predictor.config.max_frames
+    with pytest.raises(ValueError, match=f"horizon {frames} needs {frames + 1} frames"):
+        CEMPlanner(predictor, CEMConfig(horizon=frames))
+    CEMPlanner(predictor, CEMConfig(horizon=frames - 1))

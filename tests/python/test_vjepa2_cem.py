@@ -7,6 +7,8 @@ bad requests are refused naming the input."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,3 +182,9 @@ def test_config_defaults_are_upstreams_and_top_k_is_checked():
     assert (c.samples, c.top_k, c.iterations, c.horizon, c.maxnorm) == (400, 10, 10, 2, 0.05)
     with pytest.raises(ValueError, match="top_k"):
         VJEPA2CEMConfig(samples=4, top_k=5)
+    # a negative maxnorm pinned every translation at it; momenta past 1 diverge
+    for field, value, needs in [("maxnorm", -0.05, "> 0"), ("max_gripper", -1, "> 0"),
+                                ("momentum_mean", 2, "in [0, 1]"), ("horizon", 1.5, ">= 1"),
+                                ("gripper_round", float("nan"), ">= 0")]:
+        with pytest.raises(ValueError, match=rf"{field}={value!r} \(needs .*{re.escape(needs)}"):
+            VJEPA2CEMConfig(**{field: value})

@@ -28,6 +28,7 @@ import torch
 
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, WorkContext
+from mstar_rt.models.config_checks import check_fields
 from mstar_rt.models.sampling import request_seed
 from mstar_rt.models.world_model import check_rollout_inputs
 from mstar_rt.models.world_model_layers import (ACPredictor, BatchedRolloutKV, ContextKV,
@@ -48,10 +49,20 @@ class CEMConfig:
     momentum: float = 0.0                # weight of the old mean / std in an update
 
     def __post_init__(self) -> None:
+        check_fields(self, counts=("samples", "top_k", "iterations", "horizon"),
+                     positive=("init_std",) + (("max_action",) if self.max_action is not None
+                                               else ()),
+                     nonnegative=("min_std",), fractions=("momentum",))
         if not 1 <= self.top_k <= self.samples:
             raise ValueError(f"top_k must lie in [1, samples={self.samples}]; got {self.top_k}")
-        if self.iterations < 1 or self.horizon < 1:
-            raise ValueError("iterations and horizon must be >= 1")
+
+
+def check_plan_fits(horizon: int, max_frames: int) -> None:
+    """At submit every request would be refused: a plan of ``horizon`` steps after one observed
+    frame needs ``horizon + 1`` frames of the predictor."""
+    if horizon + 1 > max_frames:
+        raise ValueError(f"a plan of horizon {horizon} needs {horizon + 1} frames (one observed); "
+                         f"this predictor holds at most {max_frames}: lower the horizon")
 
 
 @dataclass
@@ -78,7 +89,7 @@ def plan_context(predictor: ACPredictor, frames: Any, states: Any, past_actions:
     if past_actions is None:
         past_actions = torch.zeros(0, c.action_dim)
     past = torch.as_tensor(past_actions, dtype=predictor.dtype).to(predictor.device)
-    if past.dim() != 2 or past.shape[0] != ctx - 1:
+    if tuple(past.shape) != (ctx - 1, c.action_dim):
         raise ValueError(f"'past_actions' must be [{ctx - 1}, {c.action_dim}] (the actions taken "
                          f"between the {ctx} observed frames); got {list(past.shape)}")
     if not bool(torch.isfinite(past).all()):
@@ -238,6 +249,7 @@ class CEMPlanner(Model):
     def __init__(self, predictor: ACPredictor, config: Optional[CEMConfig] = None) -> None:
         self.predictor = predictor.eval()
         self.config = c = config or CEMConfig()
+        check_plan_fits(c.horizon, predictor.config.max_frames)
         self.nodes = [
             GraphNode("cem_context", ["frames", "states", "past_actions", "goal_state"],
                       ["context", "mean", "std"]),

@@ -28,8 +28,9 @@ import torch
 
 from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, WorkContext
-from mstar_rt.models.cem import (PlanContext, history_kv, plan_seed, rollout_batch,
-                                 sample_generator)
+from mstar_rt.models.cem import (PlanContext, check_plan_fits, history_kv, plan_seed,
+                                 rollout_batch, sample_generator)
+from mstar_rt.models.config_checks import check_fields
 from mstar_rt.models.sampling import request_seed
 from mstar_rt.models.vjepa2_encoder import VJEPA2FrameEncoder, check_images
 from mstar_rt.models.vjepa2_predictor import VJEPA2ACPredictor
@@ -60,11 +61,13 @@ class VJEPA2CEMConfig:
     max_rollouts: int = 100
 
     def __post_init__(self) -> None:
+        check_fields(self, counts=("samples", "top_k", "iterations", "horizon", "max_rollouts"),
+                     positive=("maxnorm", "max_gripper"), nonnegative=("gripper_round",),
+                     fractions=("momentum_mean", "momentum_std", "momentum_mean_gripper",
+                                "momentum_std_gripper"))
         if not 2 <= self.top_k <= self.samples:
             raise ValueError(f"top_k must lie in [2, samples={self.samples}] (the std of the "
                              f"elites needs two); got {self.top_k}")
-        if min(self.iterations, self.horizon, self.max_rollouts) < 1:
-            raise ValueError("iterations, horizon and max_rollouts must be >= 1")
 
 
 def frame_energy(final_frames: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
@@ -213,6 +216,7 @@ class VJEPA2Planner(Model):
         self.predictor = predictor.eval()
         self.encoder = encoder
         self.config = c = config or VJEPA2CEMConfig()
+        check_plan_fits(c.horizon, predictor.config.max_frames)
         if predictor.config.action_dim != 7:
             raise ValueError("the planner samples 7-d end-effector actions (xyz, rotation, "
                              f"gripper); this predictor takes {predictor.config.action_dim}")
