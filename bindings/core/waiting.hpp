@@ -17,7 +17,10 @@ namespace py = pybind11;
 /// Python timeouts: None waits forever, a number is seconds (0 = do not wait).
 inline Timeout to_timeout(std::optional<double> seconds) {
   if (!seconds) return kForever;
-  if (*seconds < 0) throw py::value_error("timeout must be None or >= 0 seconds");
+  // NaN fails every comparison (it waited forever); a cast of a value past the duration's range
+  // is undefined: inf and anything from a year up are forever.
+  if (!(*seconds >= 0)) throw py::value_error("timeout must be None or a number >= 0 seconds");
+  if (*seconds >= 365.0 * 24 * 3600) return kForever;
   return std::chrono::duration_cast<Timeout>(std::chrono::duration<double>(*seconds));
 }
 

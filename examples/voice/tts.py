@@ -172,9 +172,12 @@ def main() -> None:
           f"({'checkpoint ' + args.checkpoint if args.checkpoint else 'tiny random'}, "
           f"constrained codes {'on' if tts.constrain_codes else 'off'}, torch threads "
           f"{torch.get_num_threads()})")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, ignore_eos=args.ignore_eos)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+    except ValueError as e:  # one line naming the flag's field, as for a refused request
+        sys.exit(f"tts.py: {e}")
     request: dict = {"params": params, "voice": args.voice}
     if args.token_ids:
         request["prompt"] = [int(t) for t in args.token_ids.split(",") if t.strip()]

@@ -16,7 +16,16 @@ void require(bool ok, const std::string& message) {
 
 ChunkPolicy::ChunkPolicy(Kind kind, std::vector<std::size_t> first, std::size_t steady,
                          std::size_t context)
-    : kind_(kind), first_(std::move(first)), steady_(steady), context_(context) {}
+    : kind_(kind), first_(std::move(first)), steady_(steady), context_(context) {
+  // No ring holds 2^48 items; the bound keeps max_chunk()'s sum from wrapping (a wrapped
+  // max_chunk of 0 passed every capacity check and then no chunk was ever ready).
+  constexpr std::size_t kMost = std::size_t{1} << 48;
+  std::size_t largest = std::max(steady_, context_);
+  for (std::size_t s : first_) largest = std::max(largest, s);
+  if (largest > kMost)
+    throw std::invalid_argument("a chunk policy's sizes and context must be at most 2^48 items, "
+                                "got " + std::to_string(largest));
+}
 
 ChunkPolicy ChunkPolicy::fixed(std::size_t k) {
   require(k >= 1, "Fixed(K): K must be at least 1, got 0");

@@ -9,6 +9,10 @@ namespace mstar {
 namespace {
 
 const ChunkPolicy& checked(const ChunkPolicy& policy, std::size_t capacity) {
+  // The ring's own rule first: a capacity of 0 otherwise reads as "no room beside the context".
+  if (capacity == 0 || (capacity & (capacity - 1)) != 0)
+    throw std::invalid_argument("StreamBuffer: capacity must be a power of two, got " +
+                                std::to_string(capacity));
   // A sliding window's overlap is not a context the user chose: report its window instead.
   if (policy.context() >= capacity && policy.kind() != ChunkPolicy::Kind::sliding_window)
     throw std::invalid_argument("StreamBuffer: " + policy.describe() + " keeps a left context of " +

@@ -389,6 +389,14 @@ TEST(ChunkPolicyParams, NonsenseParametersThrowInvalidArgumentNamingTheParameter
                "first[1]");
   EXPECT_PRED2(mentions, invalid_argument_message([] { ChunkPolicy::ramp({0}, 4, 1); }),
                "first[0]");
+  // max_chunk() wrapped to 0: a buffer of any size accepted it and no chunk was ever ready
+  constexpr std::size_t huge = ~std::size_t{0};
+  EXPECT_PRED2(mentions, invalid_argument_message([] { ChunkPolicy::ramp({huge}, 1, 1); }),
+               "at most 2^48 items");
+  EXPECT_PRED2(mentions, invalid_argument_message([] { ChunkPolicy::left_context(1, huge); }),
+               "at most 2^48 items");
+  EXPECT_PRED2(mentions, invalid_argument_message([] { ChunkPolicy::left_context(huge, 1); }),
+               "at most 2^48 items");
 }
 
 TEST(ChunkPolicyParams, BoundaryParametersAreAccepted) {

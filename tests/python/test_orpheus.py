@@ -281,6 +281,11 @@ def test_prompt_format_and_input_errors(tts):
             rt.submit({"text": "a", "prompt": [1]})
         with pytest.raises(ValueError, match="either 'text'"):
             rt.submit({})
+        # cast before: [1.5, 2.7] was spoken as [1, 2], a voice 123 as the text "123: "
+        with pytest.raises(TypeError, match="prompt token ids must be integers, got float"):
+            rt.submit({"prompt": [1.5, 2.7]})
+        with pytest.raises(TypeError, match="'voice' must be a string"):
+            rt.submit({"text": "hi", "voice": 123})
     assert str(OrpheusTTS.tiny(0, policy=SlidingWindow(28, 7)).policy) == "SlidingWindow(28, 7)"
     with pytest.raises(ValueError, match="SlidingWindow\\(49, 7\\)"):  # too short for windows alone
         OrpheusTTS.tiny(0, policy=SlidingWindow(28, 7), carry_context=False)

@@ -104,6 +104,14 @@ def test_next_chunk_times_out_and_then_ends():
     assert (tail.begin, tail.end, tail.last) == (0, 3, True)
     tail.release()
     assert buf.next_chunk() is None
+    # NaN passed the "< 0" check and waited for good; huge values were an undefined cast
+    open_buf = mstar_rt.StreamBuffer(np.int32, 8, mstar_rt.Fixed(4))
+    with pytest.raises(ValueError, match="timeout must be None or a number >= 0"):
+        open_buf.next_chunk(timeout=float("nan"))
+    open_buf.push(np.arange(8, dtype=np.int32))
+    for forever in (float("inf"), 1e300):
+        chunk = open_buf.next_chunk(timeout=forever)
+        chunk.release()
 
 
 def test_bad_policies_and_windows_are_refused():
@@ -119,6 +127,13 @@ def test_bad_policies_and_windows_are_refused():
         mstar_rt.StreamBuffer(np.int32, 16, mstar_rt.SlidingWindow(28, 7))
     with pytest.raises(ValueError, match="left context of 16"):
         mstar_rt.StreamBuffer(np.int32, 16, mstar_rt.LeftContext(16, 1))
+    with pytest.raises(ValueError, match="capacity must be a power of two, got 0"):
+        mstar_rt.StreamBuffer(np.float32, 0, mstar_rt.Fixed(1))
+    # max_chunk wrapped to 0: every item pushed was then lost without an error
+    with pytest.raises(ValueError, match="at most 2\\^48 items"):
+        mstar_rt.Ramp([2**64 - 1], 1, 1)
+    with pytest.raises(ValueError, match="at most 2\\^48 items"):
+        mstar_rt.LeftContext(1, 2**64 - 1)
 
 
 def test_threads_stream_audio_chunks_in_order():

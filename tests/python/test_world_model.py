@@ -111,6 +111,10 @@ def test_a_different_action_changes_only_later_predictions(predictor):
     (dict(horizon=True), ["'horizon'", "integer"]),
     (dict(actions=None), ["'actions'", "missing"]),
     (dict(states=torch.full((1, 7), float("nan"))), ["'states'", "NaN"]),
+    # a complex tensor lost its imaginary part in the cast; text was a bare torch TypeError
+    (dict(frames=torch.zeros(1, 16, 32, dtype=torch.complex64)), ["'frames'", "real numbers"]),
+    (dict(frames="abc"), ["'frames'", "array or tensor of numbers, not str"]),
+    (dict(actions=torch.zeros(4, 7, dtype=torch.bool)), ["'actions'", "real numbers, got bool"]),
 ])
 def test_bad_inputs_are_refused_at_submit_naming_the_input(serve, predictor, change, words):
     c = predictor.config

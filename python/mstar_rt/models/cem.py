@@ -30,7 +30,7 @@ from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
 from mstar_rt.model import Model, NodeSubmodule, WorkContext
 from mstar_rt.models.config_checks import check_fields
 from mstar_rt.models.sampling import request_seed
-from mstar_rt.models.world_model import check_rollout_inputs
+from mstar_rt.models.world_model import check_rollout_inputs, real_tensor
 from mstar_rt.models.world_model_layers import (ACPredictor, BatchedRolloutKV, ContextKV,
                                                 block_causal_mask)
 
@@ -84,11 +84,11 @@ def plan_context(predictor: ACPredictor, frames: Any, states: Any, past_actions:
     for name, value in (("frames", frames), ("states", states), ("goal_state", goal_state)):
         if value is None:
             raise ValueError(f"planner input '{name}' is missing")
-    frames_t = torch.as_tensor(frames)
+    frames_t = real_tensor(frames, "frames")
     ctx = 1 if frames_t.dim() == 2 else int(frames_t.shape[0])
     if past_actions is None:
         past_actions = torch.zeros(0, c.action_dim)
-    past = torch.as_tensor(past_actions, dtype=predictor.dtype).to(predictor.device)
+    past = real_tensor(past_actions, "past_actions", predictor.device, predictor.dtype)
     if tuple(past.shape) != (ctx - 1, c.action_dim):
         raise ValueError(f"'past_actions' must be [{ctx - 1}, {c.action_dim}] (the actions taken "
                          f"between the {ctx} observed frames); got {list(past.shape)}")
@@ -98,7 +98,7 @@ def plan_context(predictor: ACPredictor, frames: Any, states: Any, past_actions:
     r = check_rollout_inputs(c, {"frames": frames, "states": states, "horizon": horizon,
                                  "actions": torch.cat([past, filler])},
                              None, predictor.device, predictor.dtype)
-    goal = torch.as_tensor(goal_state).to(device=predictor.device, dtype=predictor.dtype)
+    goal = real_tensor(goal_state, "goal_state", predictor.device, predictor.dtype)
     if goal.shape != (c.state_dim,):
         raise ValueError(f"'goal_state' must be [{c.state_dim}]; got {list(goal.shape)}")
     if not bool(torch.isfinite(goal).all()):

@@ -40,7 +40,7 @@ from mstar_rt.engines.kv_engine import KVCacheEngine, KVWork
 from mstar_rt.engines.sampling import SamplingParams
 from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, Parallel, StreamingGraphEdge
 from mstar_rt.model import Model, RequestContext, WorkContext
-from mstar_rt.models.causal_lm import LOOP, LMNode, as_params
+from mstar_rt.models.causal_lm import LOOP, LMNode, as_params, prompt_tensor
 from mstar_rt.models.llama import LlamaConfig, LlamaForCausalLM
 from mstar_rt.models.snac import SnacConfig, SnacDecoder
 from mstar_rt.models.snac_stream import AudioTokenLayout, SnacStreamNode
@@ -224,12 +224,17 @@ class OrpheusTTS(Model):
         if (text is None) == (ids is None):
             raise ValueError("give either 'text' (a string) or 'prompt' (text token ids), "
                              "not both or neither")
+        if voice is not None and not isinstance(voice, str):  # 123 became the text "123: "
+            raise TypeError(f"'voice' must be a string (a voice name) or None, not "
+                            f"{type(voice).__name__}")
         if text is not None:
             if not isinstance(text, str):
                 raise TypeError(f"'text' must be a string, not {type(text).__name__}")
             ids = self.text_encoder(f"{voice}: {text}" if voice else text)
-        elif voice:
-            ids = self.text_encoder(f"{voice}: ") + [int(i) for i in ids]
+        else:
+            ids = prompt_tensor(ids).tolist()  # integers only: [1.5, 2.7] was cast to [1, 2]
+            if voice:
+                ids = self.text_encoder(f"{voice}: ") + ids
         return self.tokens.prompt(torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist())
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:

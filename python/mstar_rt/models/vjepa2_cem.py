@@ -35,7 +35,7 @@ from mstar_rt.models.sampling import request_seed
 from mstar_rt.models.vjepa2_encoder import VJEPA2FrameEncoder, check_images
 from mstar_rt.models.vjepa2_predictor import VJEPA2ACPredictor
 from mstar_rt.models.vjepa2_world_model import EncoderNode, check_encoder_fits
-from mstar_rt.models.world_model import check_rollout_inputs
+from mstar_rt.models.world_model import check_rollout_inputs, real_tensor
 
 TRANSLATION, GRIPPER = slice(0, 3), slice(6, 7)
 
@@ -92,17 +92,18 @@ def vjepa2_plan_context(predictor: VJEPA2ACPredictor, frames: Any, states: Any,
     for name, value in (("frames", frames), ("states", states), ("goal", goal)):
         if value is None:
             raise ValueError(f"planner input '{name}' is missing")
-    ctx = 1 if torch.as_tensor(frames).dim() == 2 else int(torch.as_tensor(frames).shape[0])
+    frames_t = real_tensor(frames, "frames")
+    ctx = 1 if frames_t.dim() == 2 else int(frames_t.shape[0])
     dev, dt = predictor.device, predictor.dtype
     past = torch.zeros(0, c.action_dim) if past_actions is None else past_actions
-    past = torch.as_tensor(past).to(device=dev, dtype=dt)
+    past = real_tensor(past, "past_actions", dev, dt)
     if past.dim() != 2 or tuple(past.shape) != (ctx - 1, c.action_dim):
         raise ValueError(f"'past_actions' must be [{ctx - 1}, {c.action_dim}] (the actions taken "
                          f"between the {ctx} observed frames); got {list(past.shape)}")
     filler = torch.zeros(horizon, c.action_dim, dtype=dt, device=dev)
     r = check_rollout_inputs(c, {"frames": frames, "states": states, "horizon": horizon,
                                  "actions": torch.cat([past, filler])}, None, dev, dt)
-    goal_t = torch.as_tensor(goal).to(device=dev, dtype=dt)
+    goal_t = real_tensor(goal, "goal", dev, dt)
     if tuple(goal_t.shape) != (c.num_patches, c.embed_dim):
         raise ValueError(f"'goal' must be the goal frame's features [{c.num_patches}, "
                          f"{c.embed_dim}]; got {list(goal_t.shape)}")

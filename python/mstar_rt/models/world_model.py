@@ -62,6 +62,21 @@ class RolloutInputs:
         return self.frames.shape[0]
 
 
+def real_tensor(value: Any, name: str, device: Any = None,
+                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Input ``name`` as a tensor of real numbers on ``device`` / ``dtype``; ValueError naming
+    it for what is not (text, complex numbers whose imaginary part a cast would drop, booleans)."""
+    try:
+        t = value if torch.is_tensor(value) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"'{name}' must be an array or tensor of numbers, not "
+                         f"{type(value).__name__} ({e})") from None
+    if t.dtype == torch.bool or t.is_complex() or not (t.is_floating_point() or t.dtype in (
+            torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)):
+        raise ValueError(f"'{name}' must hold real numbers, got {str(t.dtype)[6:]}")
+    return t.to(device=device, dtype=dtype)
+
+
 def check_rollout_inputs(config: WorldModelConfig, inputs: Mapping[str, Any],
                          max_horizon: Optional[int] = None, device: Any = "cpu",
                          dtype: torch.dtype = torch.float32) -> RolloutInputs:
@@ -71,7 +86,7 @@ def check_rollout_inputs(config: WorldModelConfig, inputs: Mapping[str, Any],
     for key in ("frames", "states", "actions"):
         if inputs.get(key) is None:
             raise ValueError(f"world model input '{key}' is missing")
-    frames = torch.as_tensor(inputs["frames"]).to(device=device, dtype=dtype)
+    frames = real_tensor(inputs["frames"], "frames", device, dtype)
     if frames.dim() == 2:
         frames = frames[None]
     if frames.dim() != 3 or frames.shape[1:] != (c.num_patches, c.embed_dim) or not len(frames):
@@ -79,13 +94,13 @@ def check_rollout_inputs(config: WorldModelConfig, inputs: Mapping[str, Any],
                          f"frames of {c.num_patches} patch features of width {c.embed_dim}); got "
                          f"{list(frames.shape)}")
     ctx = frames.shape[0]
-    states = torch.as_tensor(inputs["states"]).to(device=device, dtype=dtype)
+    states = real_tensor(inputs["states"], "states", device, dtype)
     if states.dim() == 1:
         states = states[None]
     if tuple(states.shape) != (ctx, c.state_dim):
         raise ValueError(f"'states' must be [{ctx}, {c.state_dim}] (one state per observed "
                          f"frame); got {list(states.shape)}")
-    actions = torch.as_tensor(inputs["actions"]).to(device=device, dtype=dtype)
+    actions = real_tensor(inputs["actions"], "actions", device, dtype)
     if actions.dim() != 2 or actions.shape[1] != c.action_dim:
         raise ValueError(f"'actions' must be [T, {c.action_dim}]; got {list(actions.shape)}")
     for name, t in (("frames", frames), ("states", states), ("actions", actions)):
