@@ -472,9 +472,7 @@ class Runtime:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Cancels what is still running, stops the workers and joins them. Blocks until every
-        node executing now returns: a Python call cannot be interrupted, so a node stuck for good
-        holds close() too (at interpreter exit the wait is bounded, docs/concepts.md)."""
+        """Cancels what runs, stops the workers, joins them (after the nodes running now)."""
         if self._closed:
             return
         for handle in self.requests.entries():
