@@ -236,3 +236,28 @@ def test_sampling_params_report_every_bad_field_and_submit_rejects_them():
                          8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25,
                          26, 27, 28, 29, 30, 31], "max_tokens": 5}}).result(timeout=30)
         assert len(out["token"]) == 1  # whatever came first stopped it
+
+
+def test_a_request_failing_its_stop_check_leaves_its_batch_mates_tokens_as_alone(monkeypatch):
+    """The step's forward ran for all; a stop check raising for one request used to re-run the
+    whole step item by item, so the others appended and sampled twice (tokens unlike alone)."""
+    lm = CausalLM(tiny_llama(seed=6), engine=KVCacheEngine(page_size=16, num_pages=128))
+    good = [{"prompt": [1, 2, 3 + i], "params": SamplingParams(
+        max_tokens=12, temperature=0.8, seed=i, ignore_eos=True)} for i in range(3)]
+    check_stop = type(lm.lm).check_stop
+
+    def failing(self, works, outputs):
+        if any(w.payload[1]["history"][0] == 7 for w in works):
+            raise RuntimeError("stop check failed on purpose")
+        return check_stop(self, works, outputs)
+
+    with Runtime(lm) as rt:
+        alone = [rt.submit(g).result(timeout=60)["token"] for g in good]
+        monkeypatch.setattr(type(lm.lm), "check_stop", failing)
+        bad = {"prompt": [7, 8, 9], "params": SamplingParams(max_tokens=12, ignore_eos=True)}
+        handles = [rt.submit(g) for g in good[:2]] + [rt.submit(bad)] + [rt.submit(good[2])]
+        with pytest.raises(Exception, match="stop check failed on purpose"):
+            handles[2].result(timeout=60)
+        together = [h.result(timeout=60)["token"] for h in handles[:2] + handles[3:]]
+        assert together == alone
+        assert rt.live["requests"] == 0

@@ -375,12 +375,28 @@ class KVCacheEngine(Engine):
         if len(outputs) != len(works):
             raise RuntimeError(f"{type(sub).__name__}.forward_kv returned {len(outputs)} results "
                                f"for {len(works)} works")
-        stops = sub.check_stop(works, outputs) if entry.stops else None
+        stops: list = [()] * len(works)
+        if entry.stops:
+            try:
+                stops = list(sub.check_stop(works, outputs))
+            except Exception:
+                # forward_kv ran for the whole step (a stateful node's state has moved on): only
+                # check_stop is asked again, item by item, so the culprit fails alone and its
+                # batch-mates do not run twice
+                stops = [self._stop_of(sub, w, o) for w, o in zip(works, outputs)]
         for _n, item, work, _s in group:
             if work.persist:
                 cache.commit(self._cid(item), work.label, work.num_tokens)
-        return [(entry, outputs[i], stops[i] if stops is not None else ())
-                for i, entry in enumerate(group)]
+        return [(entry, None, f"{type(stop).__name__}: {stop}") if isinstance(stop, Exception)
+                else (entry, outputs[i], stop) for i, (entry, stop) in enumerate(zip(group, stops))]
+
+    @staticmethod
+    def _stop_of(sub: Any, work: KVWork, output: Any) -> Any:
+        """One item's check_stop answer, or the exception it raised."""
+        try:
+            return sub.check_stop([work], [output])[0]
+        except Exception as e:
+            return e
 
     def _report(self, results: list) -> None:
         host = self.host
