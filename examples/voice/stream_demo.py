@@ -3,9 +3,10 @@
 A stand-in "speech LM" emits 7 codec tokens per 85 ms audio frame (the Orpheus/SNAC layout) at
 faster than real time. A StreamBuffer with SlidingWindow(28, 7) hands the decoder the last four
 frames every frame, as the Orpheus decoder wants; the decoder keeps the new frame's samples (a
-tone per frame here, until the SNAC codec lands) and pushes them into an audio Ring that a
-"speaker" thread drains at exactly 24 kHz in 20 ms blocks. The end of stream flushes the tail,
-so the last frame is played too. Prints time to first audio, underruns and sample accounting.
+tone per frame here, the ring mechanics alone: examples/voice/tts.py runs the real SNAC
+decoder) and pushes them into an audio Ring that a "speaker" thread drains at exactly 24 kHz
+in 20 ms blocks. The end of stream flushes the tail, so the last frame is played too. Prints
+time to first audio, underruns and sample accounting.
 """
 
 from __future__ import annotations

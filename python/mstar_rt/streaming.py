@@ -50,6 +50,9 @@ def Ramp(first: Sequence[int], steady: int, context: int = 0) -> _core.ChunkPoli
     """New-item sizes ``first[0], first[1], ...`` then ``steady`` forever, each chunk with up to
     ``context`` items of left context: small first chunks cut time to first output."""
     name = "Ramp(first, steady, context)"
+    if isinstance(first, (str, bytes)) or not hasattr(first, "__iter__"):
+        raise TypeError(f"{name}: first must be a list of the first chunks' sizes, e.g. "
+                        f"Ramp([1, 2], 4), not {type(first).__name__}")
     sizes = [_size(name, f"first[{i}]", n, 1) for i, n in enumerate(first)]
     return _core.ChunkPolicy.ramp(sizes, _size(name, "steady", steady, 1),
                                   _size(name, "context", context, 0))

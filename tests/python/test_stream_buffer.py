@@ -123,6 +123,8 @@ def test_bad_policies_and_windows_are_refused():
         mstar_rt.LeftContext(3, 0)
     with pytest.raises(ValueError, match="first\\[1\\]"):
         mstar_rt.Ramp([1, 0], 4)
+    with pytest.raises(TypeError, match="first must be a list of the first chunks' sizes"):
+        mstar_rt.Ramp(4, 8, 3)  # a bare "'int' object is not iterable" before
     with pytest.raises(ValueError, match="needs windows of up to 28"):
         mstar_rt.StreamBuffer(np.int32, 16, mstar_rt.SlidingWindow(28, 7))
     with pytest.raises(ValueError, match="left context of 16"):
