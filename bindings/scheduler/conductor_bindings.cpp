@@ -146,10 +146,14 @@ class PyConductor {
       runner_->run(node, t.items, &t.result);
       t.ids.clear();
       for (std::size_t i : t.result.order) t.ids.push_back(t.items[i].id);
-      complete_into(node, t.ids, py::reinterpret_borrow<py::list>(t.result.outputs),
-                    t.result.stops, true, &out);
+      if (t.result.failed.empty()) {
+        complete_into(node, t.ids, py::reinterpret_borrow<py::list>(t.result.outputs),
+                      t.result.stops, true, &out);
+      } else {
+        complete_except(node, t.ids, t.result, &out);
+      }
     } catch (std::exception& e) {  // py::error_already_set included; the Python error is cleared
-      return hand_back(t.batch, true, t.batch.size() == 1 ? error_text(e) : std::string());
+      return hand_back(t.batch, true, t.batch.size() == 1 ? exception_text(e) : std::string());
     }
     // Completed: from here on the items are gone, and their outcome must reach the caller.
     py::object finished = finish_walks(&out);
@@ -159,11 +163,34 @@ class PyConductor {
   }
 
   /// outputs[i] is item i's {output name: value}; stops[i] its DynamicLoop name ids (or None).
+  /// `failed`: (item id, why) of items that failed after their batch's forward (NodeRunner.run's
+  /// fourth answer), failed in the same outcome.
   py::tuple complete(NodeId node, const std::vector<std::uint64_t>& ids, const py::list& outputs,
-                     const py::object& stops) {
+                     const py::object& stops,
+                     const std::vector<std::pair<std::uint64_t, std::string>>& failed) {
     Outcome out;
     complete_into(node, ids, outputs, stops, false, &out);
+    for (const auto& [id, why] : failed) c_->fail_items({id}, why, &out, false);
     return outcome(out);
+  }
+
+  /// The items of `r` that did not fail completed, those in r.failed failed (a check_stop that
+  /// raised for them alone): the rest of the batch keeps the forward it ran.
+  void complete_except(NodeId node, const std::vector<std::uint64_t>& ids, const BatchResult& r,
+                       Outcome* out) {
+    std::vector<bool> bad(ids.size(), false);
+    for (const auto& f : r.failed) bad[f.first] = true;
+    std::vector<std::uint64_t> keep;
+    py::list outputs, stops;
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      if (bad[k]) continue;
+      keep.push_back(ids[k]);
+      outputs.append(py::reinterpret_borrow<py::list>(r.outputs)[k]);
+      if (!r.stops.is_none()) stops.append(py::reinterpret_borrow<py::list>(r.stops)[k]);
+    }
+    complete_into(node, keep, outputs, r.stops.is_none() ? py::object(py::none()) : stops, true,
+                  out);
+    for (const auto& [k, why] : r.failed) c_->fail_items({ids[k]}, why, out, false);
   }
 
   /// complete() up to the Conductor's Outcome. With stop_names, stops[i] holds loop names
@@ -344,16 +371,6 @@ class PyConductor {
   }
 
  private:
-  /// "TypeError: ...", as the Python engine words an exception a node raised.
-  static std::string error_text(const std::exception& e) {
-    if (const auto* p = dynamic_cast<const py::error_already_set*>(&e))
-      return py::str(p->type().attr("__name__")).cast<std::string>() + ": " +
-             py::str(p->value()).cast<std::string>();
-    if (dynamic_cast<const py::type_error*>(&e) != nullptr) return std::string("TypeError: ") + e.what();
-    if (dynamic_cast<const py::value_error*>(&e) != nullptr) return std::string("ValueError: ") + e.what();
-    return std::string("RuntimeError: ") + e.what();
-  }
-
   /// run_batch's answer for a batch the caller must run ((node, walk, items), failed, None); if
   /// even that cannot be built, the items fail here so that no request waits for them forever.
   /// `failed`: the node already raised on this batch; `error` (a batch of one) says how, so the
@@ -481,9 +498,11 @@ waiting) and report complete(); each call that changes state returns its outcome
       .def("run_batch", &PyConductor::run_batch, py::arg("engine"), py::arg("max_batch"),
            py::arg("timeout"))
       .def("complete", [](PyConductor& c, NodeId node, const std::vector<std::uint64_t>& ids,
-                          const py::list& outputs, const py::object& stops) {
-             return c.complete(node, ids, outputs, stops);
-           }, py::arg("node"), py::arg("items"), py::arg("outputs"), py::arg("stops") = py::none())
+                          const py::list& outputs, const py::object& stops,
+                          const std::vector<std::pair<std::uint64_t, std::string>>& failed) {
+             return c.complete(node, ids, outputs, stops, failed);
+           }, py::arg("node"), py::arg("items"), py::arg("outputs"), py::arg("stops") = py::none(),
+           py::arg("failed") = std::vector<std::pair<std::uint64_t, std::string>>())
       .def("push_stream", &PyConductor::push_stream, py::arg("request"), py::arg("producer"),
            py::arg("name"), py::arg("value"),
            "Appends value to the stream name (id) of node producer (id), as one more execution "

@@ -94,6 +94,15 @@ std::vector<BatchItem> from_python(const py::sequence& items) {
 
 }  // namespace
 
+std::string exception_text(const std::exception& e) {
+  if (const auto* p = dynamic_cast<const py::error_already_set*>(&e))
+    return py::str(p->type().attr("__name__")).cast<std::string>() + ": " +
+           py::str(p->value()).cast<std::string>();
+  if (dynamic_cast<const py::type_error*>(&e) != nullptr) return std::string("TypeError: ") + e.what();
+  if (dynamic_cast<const py::value_error*>(&e) != nullptr) return std::string("ValueError: ") + e.what();
+  return std::string("RuntimeError: ") + e.what();
+}
+
 NodeRunner::NodeRunner(const py::sequence& nodes, py::object requests, py::object loop_ids)
     : by_id_(requests.attr("by_id")),
       requests_(std::move(requests)),
@@ -195,10 +204,47 @@ py::list NodeRunner::forward(const Node& n, const py::list& prepared) const {
   return outputs;
 }
 
+py::list NodeRunner::stops(const Node& n, const py::list& prepared, const py::object& outputs,
+                          bool copy,
+                          std::vector<std::pair<std::size_t, std::string>>* failed) const {
+  const std::size_t count = prepared.size();
+  try {
+    py::list answer = as_list(call_method(n.submodule, names_.check_stop, prepared, outputs),
+                              n.submodule, "check_stop", copy);
+    check_count(n.submodule, "check_stop", answer.size(), count);
+    return answer;
+  } catch (std::exception& e) {  // the Python error is cleared (error_already_set holds it)
+    if (count == 1) {  // the culprit is known: asking again would repeat any side effect
+      failed->emplace_back(0, exception_text(e));
+      py::list placeholder(1);
+      placeholder[0] = py::tuple();
+      return placeholder;
+    }
+  }
+  py::list answer;
+  py::list outs = py::reinterpret_borrow<py::list>(outputs);  // forward's: always a list
+  for (std::size_t k = 0; k < count; ++k) {
+    try {
+      py::list one(1), out(1);
+      one[0] = prepared[k];
+      out[0] = outs[k];
+      py::list got = as_list(call_method(n.submodule, names_.check_stop, one, out), n.submodule,
+                             "check_stop");
+      check_count(n.submodule, "check_stop", got.size(), 1);
+      answer.append(got[0]);
+    } catch (std::exception& e) {
+      failed->emplace_back(k, exception_text(e));
+      answer.append(py::tuple());
+    }
+  }
+  return answer;
+}
+
 void NodeRunner::run(NodeId id, const std::vector<BatchItem>& items, BatchResult* out) const {
   const Node& n = node(id);
   std::vector<std::size_t>& order = out->order;
   order.clear();
+  out->failed.clear();
   bool chunked = false;
   for (std::size_t i = 0; i < items.size(); ++i) {
     chunked = chunked || items[i].chunked;
@@ -218,13 +264,7 @@ void NodeRunner::run(NodeId id, const std::vector<BatchItem>& items, BatchResult
         PyList_SET_ITEM(prepared.ptr(), static_cast<Py_ssize_t>(k),
                         py::object(items[order[k]].inputs).release().ptr());
     outputs = forward(n, prepared);
-    if (n.stops) {
-      py::list answer =
-          as_list(call_method(n.submodule, names_.check_stop, prepared, outputs), n.submodule,
-                  "check_stop", ends);
-      check_count(n.submodule, "check_stop", answer.size(), chunks);
-      stops = std::move(answer);
-    }
+    if (n.stops) stops = this->stops(n, prepared, outputs, ends, &out->failed);
     if (ends) outputs = as_list(outputs, n.submodule, "forward", true);  // not ours to extend
   } else {
     outputs = py::list();
@@ -289,12 +329,26 @@ worker and the KV engine's prepare call it here.)doc")
              const std::vector<BatchItem> batch = from_python(items);
              BatchResult out;
              r.run(node, batch, &out);
-             py::list ids;
-             for (std::size_t i : out.order) ids.append(batch[i].id);
-             return py::make_tuple(ids, out.outputs, r.stop_lists(out.stops));
+             std::vector<bool> bad(out.order.size(), false);
+             py::list ids, outputs, stops, failed;
+             for (const auto& [k, why] : out.failed) {
+               bad[k] = true;
+               failed.append(py::make_tuple(batch[out.order[k]].id, why));
+             }
+             const bool has_stops = !out.stops.is_none();
+             for (std::size_t k = 0; k < out.order.size(); ++k) {
+               if (bad[k]) continue;
+               ids.append(batch[out.order[k]].id);
+               outputs.append(py::reinterpret_borrow<py::list>(out.outputs)[k]);
+               if (has_stops) stops.append(py::reinterpret_borrow<py::list>(out.stops)[k]);
+             }
+             return py::make_tuple(ids, outputs,
+                                   r.stop_lists(has_stops ? py::object(stops) : py::none()),
+                                   failed);
            }, py::arg("node"), py::arg("items"),
-           "(item ids, outputs per item, loop ids (or names) to stop per item, or None), in one "
-           "order: the chunks, then the stream ends.")
+           "(item ids, outputs per item, loop ids (or names) to stop per item, or None, failed), "
+           "in one order: the chunks, then the stream ends; failed: [(item id, why)] for items "
+           "whose check_stop raised after the batch's forward (not in the other three).")
       .def("prepare", [](const NodeRunner& r, NodeId node, const py::sequence& items,
                          bool call_prepare) {
              const std::vector<BatchItem> batch = from_python(items);

@@ -38,7 +38,14 @@ struct BatchResult {
   std::vector<std::size_t> order;
   py::object outputs;  ///< a list: per item, its {output name: value}
   py::object stops;    ///< None, or a list: per item, the names of the DynamicLoops to stop
+  /// (k, why): items[order[k]] failed in check_stop after a forward that ran for every item; its
+  /// outputs[k] and stops[k] are placeholders. Its batch-mates' results stand: running their
+  /// forward again to find the culprit would repeat it (a KV append, a sampled token).
+  std::vector<std::pair<std::size_t, std::string>> failed;
 };
+
+/// "TypeError: ...", as the Python engines word an exception a node raised.
+std::string exception_text(const std::exception& e);
 
 class NodeRunner {
  public:
@@ -51,7 +58,9 @@ class NodeRunner {
 
   /// prepare -> forward -> check_stop for the chunks, end_stream for the stream ends. Raises
   /// (a Python error, or std::runtime_error with the node's type named) when a hook does, or
-  /// answers for another number of items than it was given.
+  /// answers for another number of items than it was given; except a check_stop that does so
+  /// for a batch, which is asked again item by item, the items it still fails on listed in
+  /// `out->failed`.
   void run(NodeId node, const std::vector<BatchItem>& items, BatchResult* out) const;
 
   /// Each item's inputs as forward() takes them: stream chunks made, prepare_inputs run (with
@@ -80,6 +89,9 @@ class NodeRunner {
   const Node& node(NodeId id) const;
   py::object work_context(const BatchItem& item) const;
   py::list forward(const Node& n, const py::list& prepared) const;
+  /// check_stop's answer for the batch; after it raised, per item (culprits in `failed`).
+  py::list stops(const Node& n, const py::list& prepared, const py::object& outputs,
+                 bool copy, std::vector<std::pair<std::size_t, std::string>>* failed) const;
 
   std::vector<Node> nodes_;
   py::dict by_id_;         // the registry's request id -> entry (entry.context)

@@ -301,8 +301,10 @@ class NodeRunner:
     ) -> None: ...
     def run(
         self, node: int, items: Sequence[WorkItem]
-    ) -> tuple[list[int], list[Any], list[list[Any]] | None]:
-        """(item ids, outputs per item, loop ids (or names) to stop per item, or None), in one order: the chunks, then the stream ends."""
+    ) -> tuple[list[int], list[Any], list[list[Any]] | None, list[tuple[int, str]]]:
+        """(item ids, outputs per item, loop ids (or names) to stop per item, or None, failed), in
+        one order: the chunks, then the stream ends; failed: [(item id, why)] for items whose
+        check_stop raised after the batch's forward (not in the other three)."""
     def prepare(self, node: int, items: Sequence[WorkItem], call_prepare: bool = True) -> list[Any]:
         """Each item's inputs as forward() takes them: stream chunks made, prepare_inputs run."""
     def loop_id(self, name: Any) -> Any:
@@ -344,7 +346,10 @@ class Conductor:
         items: Sequence[int],
         outputs: list[dict[str, Any]],
         stops: Sequence[Sequence[int]] | None = None,
-    ) -> _Outcome: ...
+        failed: Sequence[tuple[int, str]] = (),
+    ) -> _Outcome:
+        """Completes the items; ``failed`` (item id, why): items of the batch that failed after
+        its forward (NodeRunner.run's fourth answer), failed in the same outcome."""
     def push_stream(self, request: int, producer: int, name: int, value: Any) -> _Outcome:
         """Appends value to the stream ``name`` (id) of node ``producer`` (id), as one more
         execution of it would (placement: a stream leaving a worker's segment)."""

@@ -348,8 +348,7 @@ class Runtime:
 
     def run(self, node: int, items: list) -> tuple:
         """Runs one batch and reports it to the Conductor; returns the outcome."""
-        ids, outputs, stops = self.runner.run(node, items)
-        return self.conductor.complete(node, ids, outputs, stops)
+        return self.conductor.complete(node, *self.runner.run(node, items))
 
     def requests_ended(self, finished: list) -> None:
         """Requests the Conductor finished itself: [(request, timeline bytes, outputs made)]."""

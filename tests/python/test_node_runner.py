@@ -171,19 +171,19 @@ def test_the_runner_runs_chunks_first_then_stream_ends_and_checks_what_hooks_ans
     runner = own_runner(rt)
     items = [work_item(1, 5, (3, 3, 3, True)),  # the stream's end: an empty chunk
              work_item(2, 5, (0, 1, 2, False))]  # a chunk: items 0..2, new from 1
-    ids, outs, stops = runner.run(consumer, items)
-    assert ids == [2, 1] and stops is None
+    ids, outs, stops, failed = runner.run(consumer, items)
+    assert ids == [2, 1] and stops is None and failed == []
     assert outs == [{"win": (4, 0, 1, 2, False, [7, 8])}, {"win": (4, "end")}]
     assert runner.prepare(consumer, items[1:]) == [(4, StreamChunk([7, 8], 0, 1, 2, False))]
     # split_batch's groups run apart, and each item's output lands in its own place.
     consumer_sub = rt.nodes[consumer].submodule
     consumer_sub.forwards.clear()
     chunks = [work_item(i, i + 1, (0, 0, 1, True), {"tok": [i]}) for i in (4, 5, 6)]
-    ids, outs, stops = runner.run(consumer, chunks)
+    ids, outs, stops, _ = runner.run(consumer, chunks)
     assert consumer_sub.forwards == [[4, 6], [5]]
     assert ids == [4, 5, 6] and [o["win"][0] for o in outs] == [4, 5, 6]
-    ids, outs, stops = runner.run(gen, [work_item(3, 5, inputs={"n": 1})])
-    assert (ids, outs, stops) == ([3], [{"tok": 40}], [["gen"]])  # no loop ids: the names
+    ids, outs, stops, failed = runner.run(gen, [work_item(3, 5, inputs={"n": 1})])
+    assert (ids, outs, stops, failed) == ([3], [{"tok": 40}], [["gen"]], [])  # loop names
     assert rt.runner.loop_id("gen") == rt.graph.name_ids["gen"]
     with pytest.raises(RuntimeError, match="check_stop named loop 'nope', which is not a "
                                            "DynamicLoop of the model"):
@@ -217,5 +217,9 @@ def test_hooks_answering_for_another_number_of_items_are_refused_naming_the_hook
     rt = Runtime(SplitStream(Short()))
     rt.close()
     items = [work_item(i, 5, inputs={"n": 2}) for i in range(2)]
-    with pytest.raises(RuntimeError, match="Short.check_stop returned 1 results for a batch of 2"):
-        own_runner(rt).run(rt.graph.node_ids["gen"], items)
+    # Its forward already ran for both items (running it again would repeat it): check_stop is
+    # asked again item by item, and each item it still fails for fails alone, the hook named.
+    ids, outs, stops, failed = own_runner(rt).run(rt.graph.node_ids["gen"], items)
+    assert ids == [] and outs == [] and stops == []
+    assert failed == [(i, "RuntimeError: Short.check_stop returned 0 results for a batch of 1")
+                      for i in range(2)]

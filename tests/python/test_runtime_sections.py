@@ -344,6 +344,36 @@ def test_a_lone_failing_item_runs_once_not_again_to_find_the_culprit(serve):
     assert settled(rt) == ZERO_LIVE
 
 
+def test_a_check_stop_raising_for_one_item_fails_it_alone_and_keeps_the_batch_forward(serve):
+    forwarded = []
+
+    def stop(d, o):
+        if d["y"] == 3:
+            raise ValueError("cannot judge 3")
+        return True
+
+    gate, _, _ = _gated_batch(lambda d: d)
+    gen = Stopper(lambda d: (forwarded.append(d["y"]), {"tok": d["y"] * 10})[1], stop, "gen",
+                  max_batch=8)
+    nodes = [GraphNode("g", ["x"], ["y"]), GraphNode("gen", ["y"], [GraphEdge(EMIT, "tok")])]
+    rt = serve(WalkModel(nodes, {"main": Sequential("g", DynamicLoop("gen", 4, "gen"))},
+                         {"g": gate, "gen": gen}))
+    r0 = rt.submit({"x": 0})
+    gate.wait_entered()
+    hs = {x: rt.submit({"x": x}) for x in range(1, 6)}
+    gate.open()
+    assert r0.result(timeout=T) == {"tok": [0]}
+    with pytest.raises(RequestFailed, match=r"node 'gen'.*ValueError: cannot judge 3"):
+        hs[3].result(timeout=T)
+    for x in (1, 2, 4, 5):
+        assert hs[x].result(timeout=T) == {"tok": [x * 10]}
+    assert 5 in gen.batches  # one batch of five when check_stop raised
+    # forward ran once per item: running the batch again item by item to find the culprit
+    # would repeat its work (a KV append, a sampled token) for all five
+    assert sorted(forwarded) == [0, 1, 2, 3, 4, 5]
+    assert settled(rt) == ZERO_LIVE
+
+
 class _Returns(NodeSubmodule):
     """forward returns ``value`` as it is (not a list of one dict per item); check_stop
     ``stop`` for every item."""

@@ -121,8 +121,14 @@ class LocalQueue:
 
     # ---- what engines report (the Conductor's complete / fail_items) ----------------------------
 
-    def complete(self, node: int, ids: Sequence[int], outputs: list, stops: Any) -> tuple:
+    def complete(self, node: int, ids: Sequence[int], outputs: list, stops: Any,
+                 failed: Sequence[tuple[int, str]] = ()) -> tuple:
+        """As the Conductor's: ``failed`` (item id, why) fail, the others complete."""
+        for item, why in failed:
+            self.fail_items([item], why)
         ids = list(ids)
+        if failed and not ids:
+            return _EMPTY
         if len(outputs) != len(ids):
             raise ValueError(f"complete: {len(outputs)} results for {len(ids)} items")
         rids = self._take(ids)
@@ -214,12 +220,12 @@ class WorkerHost:
 
     def run(self, node: int, items: list) -> tuple:
         t0 = time.perf_counter()
-        ids, outputs, stops = self.runner.run(node, items)
+        ids, outputs, stops, failed = self.runner.run(node, items)
         took = time.perf_counter() - t0
         # a node's first batch pays one-time costs (lazy imports, allocator warm-up): not counted
         seen = self._node_s.get(node)
         self._node_s[node] = 0.0 if seen is None else 0.75 * seen + 0.25 * took
-        return self.conductor.complete(node, ids, outputs, stops)
+        return self.conductor.complete(node, ids, outputs, stops, failed)
 
     def dispatch(self, node: int, walk: int, items: list, alone: bool = True) -> None:
         """Runs the batch here, on the thread that received it, when it came ``alone``, its
