@@ -236,3 +236,19 @@ def test_bfloat16_is_lerobots_mixed_precision_and_gives_its_bfloat16_chunk(famil
         # both gaps (bfloat16 GEMMs round differently per CPU: AMX, AVX512-BF16 or neither)
         assert (chunk - io["output.action_chunk"][0]).abs().max() < 1.5 * gap, name
         assert (chunk - lerobot_bf16).abs().max() < 2.5 * gap, name
+
+
+def test_a_prompt_is_tokenized_once_for_its_check_and_its_prefix():
+    """submit's check and the prefix node both need the prompt's ids: the tokenizer runs once
+    per distinct prompt, and the ids stay equal to a fresh tokenizer's."""
+    proc = load("pi0").processor
+    calls = []
+    encode = proc.tokenizer.encode
+    proc.tokenizer.encode = lambda text: (calls.append(text), encode(text))[1]
+    first = proc.tokens("pick up the cube\n")
+    first.add_(1)  # a caller's own tensor: changing it changes no later answer
+    again = proc.tokens("pick up the cube\n")
+    assert calls == ["pick up the cube\n"]
+    assert again.tolist() == encode("pick up the cube\n").ids[: proc.max_length]
+    proc.tokens("stack the blocks\n")
+    assert calls == ["pick up the cube\n", "stack the blocks\n"]

@@ -82,6 +82,9 @@ def _normalizer(path: PathLike, step: Mapping[str, Any], name: str, mode: str,
     return Normalizer(name, mode, stats, eps, size, file)
 
 
+_PROMPTS_KEPT = 1024
+
+
 class PiProcessor:
     """Turns a raw observation into the model's inputs and the model's chunk into actions."""
 
@@ -89,6 +92,9 @@ class PiProcessor:
                  tokenizer: Any, max_length: int, pad_id: int) -> None:
         self.config, self.state, self.action = config, state, action
         self.tokenizer, self.max_length, self.pad_id = tokenizer, max_length, pad_id
+        # prompt text -> ids: submit's check and the prefix node's both tokenize a request's
+        # prompt, and a robot sends the same instruction step after step
+        self._ids: dict[str, tuple[int, ...]] = {}
 
     @staticmethod
     def from_dir(path: PathLike, config: PiConfig, tokenizer: Optional[PathLike] = None
@@ -127,7 +133,12 @@ class PiProcessor:
     def tokens(self, text: str) -> torch.Tensor:
         """The prompt's token ids, truncated to ``max_length`` (no padding: the model drops
         padded positions, which no token may see)."""
-        ids = self.tokenizer.encode(text).ids[: self.max_length]
+        ids = self._ids.get(text)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(text).ids[: self.max_length])
+            if len(self._ids) >= _PROMPTS_KEPT:  # pi0.5's prompts hold the state: many differ
+                self._ids.clear()
+            self._ids[text] = ids
         return torch.tensor(ids, dtype=torch.long)
 
     def padded(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
