@@ -3,6 +3,7 @@
 virtual speaker) of the voice agent vs a blocking Python loop doing the same steps.
 
     python benchmarks/voice_loop.py [--quick] [--out benchmarks/results/voice_loop.json]
+    # + voice_loop.png beside the JSON: stages per system, latency per turn
 
 Both run on real PortAudio streams through the virtual devices of scripts/virtual_audio.sh, with
 the same components: Silero VAD + endpointer, PocketSphinx with the robot command grammar, a
@@ -315,8 +316,46 @@ def main() -> int:
     print(f"v2v_latency_baseline_over_agent: {r:.2f}" if r else "ratio: n/a")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    png = args.out.with_suffix(".png")
+    if plot(records, stats, STAGES, png):
+        print(f"wrote {args.out} and {png}")
+    else:
+        print(f"wrote {args.out} (no matplotlib: no plot)")
     return 0
+
+
+def plot(records: list[dict], stats: dict, stages: list[str], path: Path) -> bool:
+    """Left: each system's p50 stages stacked (own clock); right: voice-to-voice latency per
+    turn, in the order the turns ran (the blocks alternate, so drift shows in both)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    kinds = ("agent", "baseline")
+    bottoms = [0.0, 0.0]
+    for st in stages:
+        heights = [stats[k][f"{st}_p50_ms"] or 0.0 for k in kinds]
+        left.bar(kinds, heights, 0.5, bottom=bottoms, label=st)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    left.set_ylabel("ms after the end of speech (p50 per stage)")
+    left.set_title("where a turn's latency goes")
+    left.legend(fontsize=7)
+    for kind in kinds:
+        turns = [(i, r["v2v_s"]) for i, r in enumerate(records)
+                 if r["system"] == kind and r["v2v_s"] is not None and np.isfinite(r["v2v_s"])]
+        right.plot([i for i, _ in turns], [1e3 * v for _, v in turns], "o", label=kind)
+    right.set_xlabel("turn (in the order run)")
+    right.set_ylabel("voice-to-voice latency (ms)")
+    right.set_title("every turn, measured at the virtual devices")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":
