@@ -31,6 +31,7 @@ time) and exits non-zero if any delay's success rate is below 80%.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import sys
@@ -233,7 +234,9 @@ def summarise(policy, delay, mode, episodes, latency, rate_hz):
         p50=percentile_from_bins(bins, width, max_ms, 50),
         p99=percentile_from_bins(bins, width, max_ms, 99),
         missed=sum(e["stats"]["missed_deadlines"] for e in episodes),
-        infer_p95=float(np.percentile(np.concatenate([e["infer_ms"] for e in episodes]), 95)),
+        # no chunk in time (a very low --rate-hz runs out of ticks first): NaN, not a crash
+        infer_p95=float(np.percentile(infer, 95)) if len(
+            infer := np.concatenate([e["infer_ms"] for e in episodes])) else float("nan"),
         latency_max=latency.max_s * 1e3,
         sched=episodes[0]["stats"]["mode"], bins=bins, width=width)
 
@@ -342,6 +345,10 @@ def main() -> int:
         parser.error(str(e))
     if any(d < 0 for d in delays):
         parser.error(f"--delays must be ticks >= 0; got {args.delays}")
+    if args.episodes < 1:
+        parser.error(f"--episodes must be 1 or more; got {args.episodes}")
+    if not (math.isfinite(args.rate_hz) and 1.0 <= args.rate_hz <= 10_000):
+        parser.error(f"--rate-hz must be 1 to 10000 ticks per second; got {args.rate_hz:g}")
     torch.set_num_threads(1)  # tiny models: intra-op threads would only compete with the loop
     start = time.perf_counter()
     env = ArmEnv()

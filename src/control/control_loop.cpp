@@ -7,6 +7,10 @@
 #include <stdexcept>
 #include <utility>
 
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>  // abi::__forced_unwind
+#endif
+
 #include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -271,6 +275,11 @@ void ControlLoop::start(std::uint64_t ticks) {
     thread_ = std::thread([this, ticks] {
       try {
         loop(ticks);
+#if defined(__GLIBCXX__)
+      } catch (abi::__forced_unwind&) {  // pthread_exit (a callback's interpreter is exiting):
+        running_.store(false, std::memory_order_release);  // swallowing it aborts the process
+        throw;
+#endif
       } catch (...) {
         thread_error_ = std::current_exception();
       }

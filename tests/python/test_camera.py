@@ -107,12 +107,26 @@ def test_a_missing_or_unreadable_file_is_a_clear_error(tmp_path):
         VideoCaptureSource(bad)
 
 
-def test_latest_times_out_when_nothing_arrives(video):
-    cam = VideoCaptureSource(video)  # never started
-    with pytest.raises(TimeoutError):
+def test_latest_before_start_says_so_and_after_close_ends(video):
+    cam = VideoCaptureSource(video)  # never started: latest() waited forever (or timed out)
+    with pytest.raises(RuntimeError, match=r"was not started; call start\(\)"):
         cam.latest(timeout=0.05)
     cam.close()
     assert cam.latest(timeout=0.05) is None
+
+
+def test_latest_times_out_when_nothing_arrives(video):
+    with VideoCaptureSource(video, fps=0.5) as cam:  # one frame per 2 s: the first at once
+        assert cam.latest(timeout=5) is not None
+        with pytest.raises(TimeoutError):
+            cam.latest(timeout=0.05)
+
+
+@pytest.mark.parametrize("fps", [0, -30, float("nan"), float("inf"), "30"])
+def test_an_fps_that_cannot_pace_is_refused_before_the_device_opens(video, fps):
+    # 1/fps paced nothing: the grab thread spun (120,000 frames in 0.5 s at fps=0)
+    with pytest.raises(ValueError, match="fps must be a finite number > 0"):
+        VideoCaptureSource(video, fps=fps)
 
 
 # ---- MuJoCo ----------------------------------------------------------------------------------

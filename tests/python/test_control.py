@@ -1,9 +1,18 @@
-"""Control loop and action-chunk buffer from Python: merges, starvation, determinism, errors."""
+"""Control loop and action-chunk buffer from Python: merges, starvation, determinism, errors,
+Ctrl-C and interpreter exit."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mstar_rt
+
+PYTHONPATH = os.pathsep.join([str(Path(mstar_rt.__file__).parents[1]),
+                              os.environ.get("PYTHONPATH", "")])
 
 
 def _chunk(values, dim=1):
@@ -182,3 +191,79 @@ def test_remaining_returns_the_plans_future_actions():
     left = buf.remaining(1)
     assert left.shape == (3, 2)
     assert left[:, 0].tolist() == [2.0, 4.0, 6.0]
+
+
+def test_pop_into_writes_in_place_or_refuses_what_it_cannot_write():
+    buf = mstar_rt.ActionChunkBuffer(horizon=4, action_dim=2)
+    buf.publish(np.arange(8, dtype=np.float32).reshape(4, 2), obs_tick=0)
+    out = np.zeros(2, np.float32)
+    assert buf.pop_into(0, out) and out.tolist() == [0.0, 1.0]
+    # each would have been copied, the action written into the copy, and True returned
+    for bad, words in ((np.zeros(4, np.float32)[::2], "not contiguous"),
+                       (np.zeros(2, np.float64), "got float64"),
+                       (np.zeros(3, np.float32), r"shape \(3,\)")):
+        with pytest.raises(ValueError, match=f"C-contiguous float32 array of 2 values.*{words}"):
+            buf.pop_into(1, bad)
+    frozen = np.zeros(2, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        buf.pop_into(1, frozen)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: mstar_rt.ActionChunkBuffer(4, 2, mode="rtc", execution_horizon=-1),
+     "execution_horizon must be >= 0, got -1"),
+    (lambda: mstar_rt.ActionChunkBuffer(-1, 2), "horizon must be >= 0"),
+    (lambda: mstar_rt.ActionChunkBuffer(4, 2).pop(-1), "pop: tick must be >= 0"),
+    (lambda: mstar_rt.ActionChunkBuffer(4, 2).publish(np.zeros((1, 2), np.float32), -3),
+     "obs_tick must be >= 0, got -3"),
+    (lambda: mstar_rt.ActionChunkBuffer(4, 2).rtc_weight(0, -1), "rtc_weight: d must be >= 0"),
+    (lambda: mstar_rt.LatencyTracker(-1, 0.01), "window must be >= 0"),
+    (lambda: mstar_rt.ControlLoop(10.0, lambda t: None).run(-2), "run: ticks must be >= 0"),
+])
+def test_negative_counts_and_ticks_are_refused_by_name(call, words):
+    # pybind printed every overload's signature for them
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+SCRIPT_PREAMBLE = """
+import os, signal, sys, threading, time
+import mstar_rt
+"""
+
+
+def _script(body: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT_PREAMBLE + body], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": PYTHONPATH})
+
+
+@pytest.mark.parametrize("ending, rc", [("raise RuntimeError('robot script bug')", 1),
+                                        ("pass", 0)])
+def test_a_started_loop_left_running_ends_with_the_interpreter(ending, rc):
+    """A Python tick wanting the GIL while the interpreter finalized ended its thread from
+    under the loop: glibc aborted the process (exit 134, 'FATAL: exception not rethrown')."""
+    done = _script(f"""
+loop = mstar_rt.ControlLoop(500.0, lambda t: None)
+loop.start()
+time.sleep(0.1)
+{ending}
+""")
+    assert done.returncode == rc, done.stderr
+    assert "FATAL" not in done.stderr and "Aborted" not in done.stderr
+
+
+def test_ctrl_c_stops_run_of_the_cpp_tick():
+    done = _script("""
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive shell gives it
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+loop = mstar_rt.ControlLoop(100.0, action_buffer=mstar_rt.ActionChunkBuffer(50, 7))
+t0 = time.monotonic()
+try:
+    loop.run()
+except KeyboardInterrupt:
+    print(f"interrupted {time.monotonic() - t0:.2f} {loop.running}")
+""")
+    assert done.returncode == 0, done.stderr
+    word, after, running = done.stdout.split()
+    assert word == "interrupted" and float(after) < 2.0 and running == "False"

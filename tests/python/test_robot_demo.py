@@ -91,3 +91,13 @@ def test_demo_runs_and_reports(tmp_path):
     column = lines[header].split().index("d_given") + 1  # "success" spans two row fields
     assert int(rows[2][column].split("-")[-1]) >= 5, rows[2]
     assert out.exists() and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, words", [(["--rate-hz", "0"], "--rate-hz must be 1 to 10000"),
+                                         (["--episodes", "0"], "--episodes must be 1 or more")])
+def test_demo_refuses_settings_it_cannot_run(tmp_path, args, words):
+    # they ended in a ZeroDivisionError / IndexError traceback
+    command = [sys.executable, str(ROBOT / "demo.py"), *args, "--out", str(tmp_path / "x.png")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

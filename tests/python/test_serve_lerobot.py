@@ -103,6 +103,10 @@ def test_the_default_mapping_takes_lerobot_keys_and_jpeg_cameras(tmp_path):
         assert np.abs(client.infer({**obs, **png})["actions"] - want).max() < TOL
         with pytest.raises(Exception, match="observation.state"):
             client.infer({k: v for k, v in obs.items() if k != "observation.state"})
+        # no camera at all: the error names the cameras' keys (it named an input 'images')
+        no_camera = {k: v for k, v in obs.items() if not k.startswith("observation.images")}
+        with pytest.raises(Exception, match=r"none of \['observation.images.*send one at least"):
+            client.infer(no_camera)
         assert settled(s)["requests"] == 0
 
 

@@ -164,8 +164,13 @@ def test_concurrent_clients_are_batched_by_the_runtime_and_all_get_their_own_act
     (msgpack.packb({"observation/state": {b"__ndarray__": True, b"data": b"\x00" * 3,
                                           b"dtype": "<f4", b"shape": [8]}}), "needs 32 bytes"),
     ("a text frame", "binary msgpack frames"),
+    # the policy answered NaN actions for them, which an openpi client executes
+    (msgpack_numpy.packb({"observation/state": np.full(8, np.nan, np.float32)}),
+     "holds NaN or infinite values"),
+    (msgpack_numpy.packb({"observation/state": np.full(8, np.inf, np.float64)}),
+     "holds NaN or infinite values"),
 ], ids=["garbage", "list", "short-state", "batched-state", "missing-key", "string-state",
-        "truncated-array", "text-frame"])
+        "truncated-array", "text-frame", "nan-state", "inf-state"])
 def test_malformed_observation_gets_an_error_frame_and_the_connection_keeps_working(robot, payload,
                                                                                     needle):
     import websockets.sync.client

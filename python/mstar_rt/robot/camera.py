@@ -37,6 +37,17 @@ class Frame(NamedTuple):
     index: int  # 0-based count of frames the source grabbed, dropped ones included
 
 
+def _check_fps(fps: Any) -> None:
+    """1/fps paced nothing for 0, a negative or NaN: the grab thread spun at full speed."""
+    try:
+        ok = fps is None or (not isinstance(fps, bool) and math.isfinite(fps) and fps > 0)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"fps must be a finite number > 0 (or None: the device paces itself), "
+                         f"got {fps!r}")
+
+
 class FrameSource(abc.ABC):
     """Base: a grab thread fills a drop-oldest Ring of (H, W, 3) uint8 frames; latest() reads.
 
@@ -50,6 +61,7 @@ class FrameSource(abc.ABC):
         if capacity < 2:
             # With one slot a drop-then-write would briefly leave the ring empty under the reader.
             raise ValueError(f"capacity must be a power of two >= 2, got {capacity}")
+        _check_fps(fps)
         self.shape: Tuple[int, int, int] = (int(height), int(width), 3)
         self.fps = fps
         self._period = 1.0 / fps if (paced and fps) else 0.0
@@ -200,6 +212,9 @@ class FrameSource(abc.ABC):
         (None: forever) for one. None once the stream ended and was drained; TimeoutError if
         nothing arrived in time; RuntimeError if the grab thread failed."""
         ring = self._frames
+        if self._thread is None and not ring.closed:  # nothing will ever come
+            raise RuntimeError(f"latest: {type(self).__name__} was not started; call start() "
+                               "or use it as a context manager")
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             view = ring.peek(ring.capacity)  # holds the stored frames: the producer cannot drop them
@@ -250,6 +265,7 @@ class VideoCaptureSource(FrameSource):
                  capacity: int = 4) -> None:
         import cv2  # optional dependency: only this source needs it
 
+        _check_fps(fps)  # before the device is opened
         self._cv2 = cv2
         self._is_camera = isinstance(source, int)
         what = f"camera {source}" if self._is_camera else f"video {os.fspath(source)!r}"
@@ -281,7 +297,9 @@ class VideoCaptureSource(FrameSource):
             height = max(1, round(native_h * width / native_w))
         elif height and not width:
             width = max(1, round(native_w * height / native_h))
-        rate = fps or cap.get(cv2.CAP_PROP_FPS) or (None if self._is_camera else 30.0)
+        reported = cap.get(cv2.CAP_PROP_FPS)  # 0, or even NaN, when a stream does not say
+        reported = reported if math.isfinite(reported) and reported > 0 else None
+        rate = fps or reported or (None if self._is_camera else 30.0)
         super().__init__(height or native_h, width or native_w, fps=rate,
                          paced=not self._is_camera, capacity=capacity)
         self._cap = cap

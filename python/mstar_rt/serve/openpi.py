@@ -136,7 +136,8 @@ class PolicyAdapter:
     """Maps observation dicts to model inputs and EMITted outputs to the reply (see
     :class:`~mstar_rt.serve.config.PolicySpec`)."""
 
-    def __init__(self, spec: PolicySpec, model_inputs: tuple[str, ...], name: str) -> None:
+    def __init__(self, spec: PolicySpec, model_inputs: tuple[str, ...], name: str,
+                 model_defaults: tuple[str, ...] = ()) -> None:
         self.spec = spec
         unknown = [v for v in spec.observation.values() if v.split("/")[0] not in model_inputs]
         if unknown:
@@ -147,6 +148,14 @@ class PolicyAdapter:
         if stray:
             raise ValueError(f"policy.optional names {stray}, which are not observation keys; "
                              f"those are {list(self.mapping)}")
+        # a dict input ("images/<camera>" keys) whose keys are all optional: one at least
+        groups: dict[str, list[str]] = {}
+        for key, inp in self.mapping.items():
+            top, _, inner = inp.partition("/")
+            if inner and top not in model_defaults:
+                groups.setdefault(top, []).append(key)
+        self.one_of = {top: keys for top, keys in groups.items()
+                       if all(k in spec.optional for k in keys)}
         self.metadata = {"server": "mstar_rt", "model": name,
                          "observation": {k: {"input": v, "shape": _shape_text(spec.shapes.get(v)),
                                              "dtype": spec.dtypes.get(v),
@@ -176,13 +185,22 @@ class PolicyAdapter:
                 out.setdefault(top, {})[inner] = value
             else:
                 out[name] = value
+        for top, keys in self.one_of.items():
+            if top not in out:
+                raise ObservationError(f"the observation has none of {keys} (model input "
+                                       f"{top!r}); send one at least")
         return out
 
     def reply(self, outputs: Mapping[str, list]) -> dict[str, Any]:
         if self.spec.actions not in outputs:
             raise RuntimeError(f"the policy EMITted {sorted(outputs)} but no "
                                f"{self.spec.actions!r} (set policy.actions)")
-        reply = {"actions": np.asarray(as_array(outputs[self.spec.actions][-1]))}
+        actions = np.asarray(as_array(outputs[self.spec.actions][-1]))
+        if actions.dtype.kind in "fc" and not np.isfinite(actions).all():
+            bad = int(actions.size - np.isfinite(actions).sum())
+            raise RuntimeError(f"the policy made {bad} NaN or infinite values in its "
+                               f"{actions.size} actions; none were sent")
+        reply = {"actions": actions}
         for name, key in self.spec.outputs.items():
             if name in outputs:
                 reply[key] = as_array(outputs[name][-1])
@@ -196,6 +214,8 @@ def check_input(spec: PolicySpec, name: str, value: Any, where: str) -> Any:
     client's error and never reaches (and fails) a batch shared with other requests."""
     shape, dtype = spec.shapes.get(name), spec.dtypes.get(name)
     if shape is None and dtype is None:
+        if isinstance(value, np.ndarray):
+            _check_finite(value, where)
         return value
     if dtype == "str":  # text (an instruction), not an array of characters
         if not isinstance(value, str):
@@ -213,7 +233,13 @@ def check_input(spec: PolicySpec, name: str, value: Any, where: str) -> Any:
             want is not None and got != want for got, want in zip(arr.shape, shape))):
         raise ObservationError(f"{where} has shape {tuple(arr.shape)}, but the policy takes "
                                f"{_shape_text(shape)}")
+    _check_finite(arr, where)
     return arr
+
+
+def _check_finite(arr: np.ndarray, where: str) -> None:
+    if arr.dtype.kind in "fc" and not np.isfinite(arr).all():  # a policy would act on them
+        raise ObservationError(f"{where} holds NaN or infinite values; send finite numbers")
 
 
 def _lookup(obs: Mapping, key: str) -> Any:
@@ -299,7 +325,7 @@ def add_policy_routes(app: Any, state: Any) -> None:
     from mstar_rt.serve.app import key_error
 
     d = state.deployment
-    adapter = PolicyAdapter(d.policy, d.inputs, d.name)
+    adapter = PolicyAdapter(d.policy, d.inputs, d.name, d.optional_inputs)
     metadata = packb(adapter.metadata)
     bridge, metrics = state.bridge, state.metrics
     endpoint = "policy"

@@ -69,7 +69,8 @@ def warm_up(deployment: Any, budget_s: float = 60.0) -> WarmUp:
     wanted = {name: set(range(1, min(int(max_batch), cap) + 1))
               for name, _, max_batch, *_ in graph_nodes}
     try:
-        adapter = PolicyAdapter(deployment.policy, deployment.inputs, deployment.name)
+        adapter = PolicyAdapter(deployment.policy, deployment.inputs, deployment.name,
+                                deployment.optional_inputs)
         observation = zero_observation(deployment.policy, adapter.mapping)
         adapter.inputs(observation)
     except ValueError as e:
