@@ -141,7 +141,8 @@ class RequestHandle:
         ``keep_outputs=False``: those iterating has not taken). Raises RequestFailed /
         RequestCancelled, or TimeoutError."""
         if not self._finished:
-            if not self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            forever = timeout is None or timeout >= threading.TIMEOUT_MAX  # inf overflowed
+            if not self._latch.acquire(timeout=-1 if forever else max(0.0, timeout)):
                 raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
             self._latch.release()  # for the next waiter
         if self._error is not None:

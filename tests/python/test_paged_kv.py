@@ -199,3 +199,12 @@ def test_torch_attention_matches_dense_reference(page_size, heads, kv_heads):
         run.step([(s, news[(s + shift) % 5], MASKS[(s + shift) % len(MASKS)], (s + shift) % 2 == 0)
                   for s in range(5)])
         run.check_pages()
+
+
+def test_a_cache_too_large_to_allocate_names_its_size_and_the_settings():
+    from mstar_rt.engines.paged_kv import KVLayout, PagedKVCache
+
+    # DefaultCPUAllocator's RuntimeError ("can't allocate 51200000000000 bytes") named nothing
+    with pytest.raises(ValueError, match=r"100000000000 pages of 16 tokens need .* GiB on cpu.*"
+                                         r"lower kv_cache.num_pages or page_size"):
+        PagedKVCache(KVLayout(2, 2, 8), page_size=16, num_pages=100_000_000_000)

@@ -75,6 +75,8 @@ def test_kv_cache_sizes_reach_the_models_kv_engine():
     ({**ROBOT, "max_concurrent_requests": 0}, "max_concurrent_requests: must be a positive"),
     ({**ROBOT, "max_concurrent_requests": "8"}, "max_concurrent_requests: must be a positive"),
     ({**ROBOT, "request_timeout_s": -1}, "request_timeout_s: must be a positive"),
+    # inf overflowed time_t in every wait on it: each policy request failed
+    ({**ROBOT, "request_timeout_s": float("inf")}, "request_timeout_s: must be at most"),
     ({**ROBOT, "kv_cache": {"pages": 4}}, "kv_cache.pages: unknown key"),
     ({**ROBOT, "kv_cache": {"num_pages": 0}}, "kv_cache.num_pages: must be a positive"),
     ({**ROBOT, "server": {"port": 70000}}, "server.port: must be an integer in 0..65535"),
@@ -93,6 +95,10 @@ def test_kv_cache_sizes_reach_the_models_kv_engine():
     ({**ROBOT, "policy": {"shapes": {"obs": "8"}}}, "policy.shapes.obs: must be a list"),
     ({**ROBOT, "policy": {"dtypes": {"obs": "float33"}}}, "policy.dtypes.obs"),
     ({**ROBOT, "policy": {"observation": {"a": 1}}}, "policy.observation: must map strings"),
+    # an AttributeError and a msgpack TypeError at startup, with tracebacks
+    ({**ROBOT, "policy": {"shapes": [8]}}, "policy.shapes: must be a mapping"),
+    ({**ROBOT, "policy": {"metadata": {"released": __import__("datetime").date(2024, 1, 1)}}},
+     "policy.metadata: must be plain data"),
 ])
 def test_a_wrong_key_is_named_in_the_error(raw, needle, monkeypatch):
     monkeypatch.delenv("MSTAR_TEST_UNSET_KEY", raising=False)
@@ -123,6 +129,46 @@ def test_the_config_is_checked_against_the_model(overrides, needle):
     with pytest.raises(ConfigError) as e:
         build_model(_load(**overrides))
     assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("section, spec, needle", [
+    ("policy", {"actions": "akshuns"}, "policy.actions: the model EMITs no 'akshuns'"),
+    ("policy", {"outputs": {"nothing": "x"}}, "policy.outputs.nothing: the model EMITs no"),
+    ("policy", {"shapes": {"obzz": [8]}}, "policy.shapes.obzz: not an input the observation"),
+    ("policy", {"dtypes": {"obq": "float32"}}, "policy.dtypes.obq: not an input"),
+    ("speech", {"audio_output": "audoi", "model_rate": 16000, "text_input": "obs",
+                "voice_input": None},
+     "speech.audio_output: the model EMITs no 'audoi'"),
+])
+def test_policy_and_speech_names_that_match_nothing_in_the_model_are_refused(section, spec,
+                                                                            needle):
+    """They were ignored: every request failed, or a speech request got 200 and no audio."""
+    from mstar_rt.serve.deployment import Deployment
+
+    config = _load(**{section: spec})
+    model = build_model(config)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        Deployment.from_config(config, model, runtime=None)
+
+
+def test_speech_voices_the_model_does_not_have_are_refused():
+    from mstar_rt import EMIT, GraphEdge, GraphNode, Model, NodeSubmodule
+    from mstar_rt.serve.config import SpeechSpec
+    from mstar_rt.serve.deployment import Deployment
+
+    class Silent(NodeSubmodule):
+        def forward(self, batch):
+            return [{"audio": None} for _ in batch]
+
+    class Voiced(Model):
+        inputs, sample_rate, voices = ("text", "voice"), 16000, ("en-us", "de")
+        nodes = [GraphNode("tts", ["text", "voice"], [GraphEdge(EMIT, "audio")],
+                           submodule=Silent())]
+        walks = {"speak": "tts"}
+
+    with pytest.raises(ConfigError, match=r"speech.voices: the model has no voices \['klingon'\]"):
+        Deployment.for_model(Voiced(), None, speech=SpeechSpec(voices=["en-us", "klingon"]))
+    assert Deployment.for_model(Voiced(), None).speech.voices == ("en-us", "de")
 
 
 def test_one_node_may_sit_on_different_ranks_in_different_walks():
@@ -203,3 +249,67 @@ def test_cli_serves_with_progress_lines_and_an_api_key_then_stops_on_a_signal(st
     err = proc.stderr.read()
     assert "[1/4" in err and "[4/4" in err and "building model policy:ChunkPolicyModel" in err
     assert any("stopped" in x for x in lines)
+
+
+TINY_MODEL_FILE = """
+from mstar_rt import EMIT, GraphEdge, GraphNode, Model, NodeSubmodule
+
+
+class Inc(NodeSubmodule):
+    def forward(self, batch):
+        return [{"y": b["x"] + 1} for b in batch]
+
+
+class Tiny(Model):
+    inputs = ("x",)
+
+    def __init__(self):
+        self.nodes = [GraphNode("inc", ["x"], [GraphEdge(EMIT, "y")], submodule=Inc())]
+        self.walks = {"main": "inc"}
+"""
+
+
+def test_a_model_file_beside_the_config_builds_in_worker_processes_from_any_folder(tmp_path,
+                                                                                   monkeypatch):
+    """'m.py:Tiny' is relative to the config's folder; with process: true it was looked up in
+    the working directory (model.class: model module file .../m.py does not exist)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "m.py").write_text(TINY_MODEL_FILE)
+    (tmp_path / "sub" / "c.yaml").write_text(yaml.safe_dump(
+        {"model": {"class": "m.py:Tiny"},
+         "node_groups": [{"nodes": ["inc"], "rank": 1, "process": True}]}))
+    monkeypatch.chdir(tmp_path)
+    config = load_config("sub/c.yaml")
+    rt = build_runtime(config, build_model(config))
+    try:
+        assert rt.submit({"x": 1}).result(60) == {"y": [2]}
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("model_file, needle", [
+    ("def f(:\n", r"model.class: cannot import .*broken.py.*line 1"),
+    ("def build():\n    raise RuntimeError('boom')\n",
+     "model.class: building broken.py:build failed: RuntimeError: boom"),
+    ("def build():\n    raise KeyError('weights')\n",
+     "model.class: building broken.py:build failed: KeyError: 'weights'"),
+])
+def test_cli_names_the_model_when_building_it_fails_whatever_it_raised(tmp_path, capsys,
+                                                                       model_file, needle):
+    """A SyntaxError, RuntimeError or KeyError ended in a traceback (exit 1); a ValueError in
+    one line that named no model."""
+    (tmp_path / "broken.py").write_text(model_file)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"model": {"class": "broken.py:build"}}))
+    assert main(["serve", str(tmp_path / "c.yaml")]) == 2
+    assert re.search(needle, capsys.readouterr().err)
+
+
+def test_cli_refuses_an_unknown_log_level_and_a_host_that_does_not_resolve(tmp_path, capsys):
+    config = tmp_path / "robot.yaml"
+    config.write_text(yaml.safe_dump({"model": {**ROBOT["model"],
+                                                "path": [str(ROOT / "examples" / "robot")]}}))
+    with pytest.raises(SystemExit) as e:  # a KeyError from uvicorn after the model was built
+        main(["serve", str(config), "--log-level", "foo"])
+    assert e.value.code == 2 and "invalid choice: 'foo'" in capsys.readouterr().err
+    assert main(["serve", str(config), "--host", "not a host!", "--port", "0"]) == 2
+    assert "check server.host" in capsys.readouterr().err

@@ -95,9 +95,14 @@ def _count(v: Any) -> int:
     return v
 
 
+MAX_SECONDS = 365 * 24 * 3600.0
+
+
 def _positive_number(v: Any) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
         raise ValueError(f"must be a positive number of seconds, not {v!r}")
+    if not v <= MAX_SECONDS:  # inf: every wait on it overflowed time_t and failed its request
+        raise ValueError(f"must be at most {MAX_SECONDS:.0f} seconds (a year), not {v!r}")
     return float(v)
 
 

@@ -161,6 +161,8 @@ def _import(module: str, base_dir: str) -> Any:
         except ImportError as e:
             raise FactoryImportError(f"model.class: cannot import module {module!r} ({e}); check "
                                      "the name, or add its folder to model.path") from None
+        except SyntaxError as e:
+            raise _syntax(module, e) from None
     path = (Path(base_dir) / module).resolve()
     if not path.is_file():
         raise ModelFileMissing(f"model.class: model module file {path} does not exist")
@@ -176,8 +178,16 @@ def _import(module: str, base_dir: str) -> Any:
     sys.modules[name] = mod
     try:
         spec.loader.exec_module(mod)
+    except SyntaxError as e:
+        sys.modules.pop(name, None)
+        raise _syntax(str(path), e) from None
     except BaseException:
         sys.modules.pop(name, None)
         raise
     return mod
+
+
+def _syntax(module: str, e: SyntaxError) -> FactoryImportError:
+    return FactoryImportError(f"model.class: cannot import {module!r}: {e.filename}, line "
+                              f"{e.lineno}: {e.msg}")
 

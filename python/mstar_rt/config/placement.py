@@ -290,7 +290,12 @@ def for_workers(spec: ModelSpec, base_dir: str) -> ModelSpec:
     if folders:
         old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.environ["PYTHONPATH"] = os.pathsep.join(folders + [p for p in old if p not in folders])
-    return spec.model_copy(update={"path": tuple(folders)})
+    factory = spec.factory
+    module, _, attr = (factory or "").rpartition(":")
+    if (module.endswith(".py") or "/" in module) and not os.path.isabs(module):
+        # a model file beside the config: the parent and the workers build it from anywhere
+        factory = f"{os.path.abspath(os.path.join(base_dir, module))}:{attr}"
+    return spec.model_copy(update={"path": tuple(folders), "factory": factory})
 
 
 def read_placement(source: Union[str, os.PathLike, Mapping[str, Any]],

@@ -4,6 +4,7 @@ replicas."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Annotated, Any, ClassVar, Mapping, Optional, Union
 
@@ -133,9 +134,21 @@ class PolicySpec(Section):
     def _str_maps(cls, v: Any) -> dict[str, str]:
         return _str_map(v)
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:  # sent to every client on connect (msgpack): YAML's dates and the like cannot go
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"must be plain data (numbers, strings, lists, mappings); {e} "
+                             "(quote a date: '2024-01-01')") from None
+        return v
+
     @field_validator("shapes", mode="before")
     @classmethod
     def _shapes(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, Mapping):
+            raise ValueError(f"must be a mapping of input name: [sizes], not {type(v).__name__}")
         out = {}
         for k, shape in (v or {}).items():
             if not isinstance(shape, (list, tuple)) or not all(

@@ -78,10 +78,18 @@ class PagedKVCache:
             raise ValueError(f"page_size ({page_size}) and num_pages ({num_pages}) must be >= 1")
         self.layout, self.page_size, self.num_pages = layout, page_size, num_pages
         shape = (num_pages, page_size, layout.num_kv_heads, layout.head_dim)
-        self.k = [torch.zeros(shape, dtype=layout.dtype, device=layout.device)
-                  for _ in range(layout.num_layers)]
-        self.v = [torch.zeros(shape, dtype=layout.dtype, device=layout.device)
-                  for _ in range(layout.num_layers)]
+        try:
+            self.k = [torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+                      for _ in range(layout.num_layers)]
+            self.v = [torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+                      for _ in range(layout.num_layers)]
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            per_token = (2 * layout.num_layers * layout.num_kv_heads * layout.head_dim
+                         * torch.empty((), dtype=layout.dtype).element_size())
+            need = per_token * page_size * num_pages
+            raise ValueError(f"the KV cache cannot be allocated: {num_pages} pages of {page_size} "
+                             f"tokens need {need / 2**30:.3g} GiB on {layout.device} "
+                             f"({type(e).__name__}); lower kv_cache.num_pages or page_size") from None
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._refs = [0] * num_pages
         self._seqs: dict[tuple[int, str], Sequence] = {}

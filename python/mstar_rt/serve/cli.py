@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default: server.host, else 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default: server.port; 0 = any free port)")
     s.add_argument("--api-key", help="require this API key (overrides server.api_key)")
-    s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="skip running the policy once at every batch size before serving")
     s.add_argument("--replicas", type=int, help="serve N replicas on Ray Serve (overrides "
@@ -64,8 +65,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         server_spec = config.server
         if args.replicas is not None or args.ray_address or config.ray is not None:
             return _serve_on_ray(args, config, t0)
-        step(f"building model {config.model.factory or config.model.checkpoint}")
-        model = build_model(config)
+        source = config.model.factory or config.model.checkpoint
+        step(f"building model {source}")
+        try:
+            model = build_model(config)
+        except ConfigError:
+            raise
+        except Exception as e:  # inside the factory or loader: one line whatever it raised
+            key = "model.class" if config.model.factory else "model.checkpoint"
+            raise ConfigError(f"{key}: building {source} failed: {type(e).__name__}: {e}") from e
         from mstar_rt.model import node_engines
         step("starting the runtime (engines: "
              f"{', '.join(sorted(set(node_engines(model).values()) or {'default'}))})")

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mstar_rt.config.errors import ConfigError
 from mstar_rt.serve.config import PolicySpec, ServeConfig, SpeechSpec
 
 
@@ -62,6 +63,9 @@ class Deployment:
             voices = speech.voices if speech.voices is not None else tuple(
                 getattr(model, "voices", ()) or ())
             speech = speech.model_copy(update=dict(model_rate=int(rate), voices=voices))
+            check_speech(model, speech)
+        if policy is not None:
+            check_policy(model, policy)
         if policy is None and hasattr(model, "openpi_defaults"):  # e.g. a LeRobot checkpoint
             policy = PolicySpec(**model.openpi_defaults())
         return Deployment(runtime=runtime, name=name or type(model).__name__,
@@ -80,6 +84,44 @@ class Deployment:
     def capabilities(self) -> list[str]:
         return (["generate", "policy"] + (["speech"] if self.speech is not None else [])
                 + (["chat"] if self.chat is not None else []))
+
+
+def emit_names(model: Any) -> tuple[str, ...]:
+    """The names a model EMITs (empty when it declares no nodes to read them from)."""
+    from mstar_rt.graph import EMIT, GraphEdge
+
+    return tuple(dict.fromkeys(out.name for node in getattr(model, "nodes", None) or ()
+                               for out in node.outputs
+                               if isinstance(out, GraphEdge) and out.to == EMIT))
+
+
+# A name that matches nothing in the model was ignored: every request then failed, or a speech
+# request got 200 and an empty WAV; so the config is refused when the server starts.
+
+def check_speech(model: Any, speech: SpeechSpec) -> None:
+    emits = emit_names(model)
+    if emits and speech.audio_output not in emits:
+        raise ConfigError(f"speech.audio_output: the model EMITs no {speech.audio_output!r}; it "
+                          f"EMITs {list(emits)}")
+    known = tuple(getattr(model, "voices", ()) or ())
+    unknown = [v for v in speech.voices or () if known and v not in known]
+    if unknown:
+        raise ConfigError(f"speech.voices: the model has no voices {unknown}; it has "
+                          f"{list(known)}")
+
+
+def check_policy(model: Any, policy: PolicySpec) -> None:
+    emits, inputs = emit_names(model), tuple(getattr(model, "inputs", ()) or ())
+    for key, name in [("policy.actions", policy.actions)] + [
+            (f"policy.outputs.{k}", k) for k in policy.outputs]:
+        if emits and name not in emits:
+            raise ConfigError(f"{key}: the model EMITs no {name!r}; it EMITs {list(emits)}")
+    targets = list(policy.observation.values()) or list(inputs)
+    for section in ("shapes", "dtypes"):
+        for name in getattr(policy, section):
+            if name not in targets:
+                raise ConfigError(f"policy.{section}.{name}: not an input the observation maps "
+                                  f"to; those are {targets}")
 
 
 def _omni_chat(model: Any) -> Optional[Any]:

@@ -18,14 +18,20 @@ class Server:
         import uvicorn
 
         self.app, self.host = app, host
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:  # the family from the name: an IPv6-only name (ip6-localhost) binds too
+            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        except (socket.gaierror, UnicodeError) as e:
+            raise OSError(f"cannot bind {host}:{port}: the host is not an address this machine "
+                          f"resolves ({e}); check server.host") from None
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self._sock.bind((host, port))
+            self._sock.bind(address)
         except OSError as e:
             self._sock.close()
             raise OSError(f"cannot bind {host}:{port} ({e}); pick another server.port "
-                          "(0 = any free port)") from None
+                          "(0 = any free port), or check server.host") from None
         # Listening now, not when uvicorn starts: a client that connects as soon as the URL is
         # printed waits in the backlog instead of being refused.
         self._sock.listen(2048)
@@ -37,7 +43,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = f"[{self.host}]" if ":" in self.host else self.host  # a literal IPv6 address
         return f"http://{host}:{self.port}"
 
     @property
