@@ -126,6 +126,19 @@ def _edit_config(dst: Path, change) -> None:
     (dst / "config.json").write_text(json.dumps(config))
 
 
+def _tokenizer_copy(dst, settings=None, extra_tokens=0):
+    """The fixture's tokenizer in ``dst/tokenizer``, its settings file replaced, or grown."""
+    from tokenizers import Tokenizer
+
+    shutil.copytree(FIXTURES / "pi0" / "tokenizer", dst / "tokenizer")
+    if settings is not None:
+        (dst / "tokenizer" / "tokenizer_config.json").write_text(settings)
+    if extra_tokens:
+        tk = Tokenizer.from_file(str(dst / "tokenizer" / "tokenizer.json"))
+        tk.add_tokens([f"<extra{i}>" for i in range(extra_tokens)])
+        tk.save(str(dst / "tokenizer" / "tokenizer.json"))
+
+
 @pytest.mark.parametrize("edit, words", [
     # the statistics and config.json disagree: refused at load, not in every request
     (lambda d: _edit_stats(d, lambda s: s.update({k: v[:5] for k, v in s.items()
@@ -143,6 +156,13 @@ def _edit_config(dst: Path, change) -> None:
      "holds no .safetensors weights"),
     (lambda d: (d / "tokenizer").mkdir() or (d / "tokenizer" / "tokenizer.json").write_text(
         "{\"model\": 1}"), "tokenizer.json is not a readable tokenizer"),
+    # a bare JSONDecodeError / AttributeError before
+    (lambda d: _tokenizer_copy(d, settings="{bad"), "tokenizer_config.json is not valid JSON"),
+    (lambda d: _tokenizer_copy(d, settings="[1]"),
+     "tokenizer_config.json holds a list, not the tokenizer's settings"),
+    # its ids past the text embedding failed every request with an IndexError
+    (lambda d: _tokenizer_copy(d, extra_tokens=4000), r"has \d+ tokens, more than the "
+                                                      r"checkpoint's \d+-row text embedding"),
 ])
 def test_statistics_config_weights_or_tokenizer_that_do_not_fit_are_refused(tmp_path, edit,
                                                                             words):

@@ -143,6 +143,19 @@ def test_sharded_checkpoint_loads(tmp_path, serve):
     check_against_hf(hf, prompts, run_all(rt, [greedy(p, 16) for p in prompts]), 16)
 
 
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path):
+    make_hf("tied").save_pretrained(tmp_path, max_shard_size="20KB")
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    last = tmp_path / shards[-1]
+    tensors = load_file(last)
+    tensors["model.embed_tokens.weight"] = torch.zeros(1)  # a stale copy: it won, without a word
+    save_file(tensors, last, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' is in both .*"
+                                         + re.escape(shards[-1])):
+        load_llama(tmp_path, progress=False)
+
+
 def test_eos_from_config_stops_generation(checkpoint, tmp_path, serve):
     hf, path = checkpoint("gqa")
     prompt = make_prompts(hf.config.vocab_size, (7,), seed=4)[0]
@@ -203,6 +216,33 @@ def test_checkpoint_key_errors_name_the_keys(checkpoint, tmp_path):
     wrong = variant("shape", tensors, {**read_config(path), "intermediate_size": 80})
     with pytest.raises(ValueError, match="shape"):
         load_llama(wrong, progress=False)
+
+
+@pytest.mark.parametrize("changes, words", [
+    # Granite: the same keys, multipliers the Llama maths lacks (logits off by 0.4)
+    ({"model_type": "granite", "embedding_multiplier": 12.0}, "is a 'granite' model"),
+    ({"model_type": "qwen2"}, "is a 'qwen2' model"),
+    # Mistral attending over a window only (logits off by 0.15 past it)
+    ({"model_type": "mistral", "sliding_window": 16}, "sets sliding_window 16"),
+])
+def test_a_look_alike_of_another_architecture_is_refused_by_its_model_type(checkpoint, tmp_path,
+                                                                         changes, words):
+    _hf, path = checkpoint("gqa")
+    d = tmp_path / "other"
+    shutil.copytree(path, d)
+    write_config(d, {**read_config(path), **changes})
+    with pytest.raises(ValueError, match=words):
+        load_llama(d, progress=False)
+
+
+def test_mistral_without_a_sliding_window_is_a_llama(checkpoint, tmp_path):
+    _hf, path = checkpoint("gqa")
+    config = read_config(path)
+    for window in (None, config["max_position_embeddings"]):  # full attention either way
+        d = tmp_path / f"mistral{window}"
+        shutil.copytree(path, d)
+        write_config(d, {**config, "model_type": "mistral", "sliding_window": window})
+        assert LlamaConfig.from_dir(d).num_hidden_layers == config["num_hidden_layers"]
 
 
 def test_float16_on_cpu_is_refused_with_the_supported_dtypes(checkpoint):

@@ -324,6 +324,10 @@ def test_from_pretrained_reads_lm_snac_and_tokenizer(tmp_path):
     r, = run(model, [{"text": "hello world", "params": SamplingParams(
         max_tokens=35, temperature=1.0, seed=0, ignore_eos=True)}])
     assert len(assert_exact(model, r)) == 5 * SPF
+    # a broken tokenizer.json fails the load, naming it (it failed every text request)
+    (lm_dir / "tokenizer.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"tokenizer.json is not a readable tokenizer"):
+        OrpheusTTS.from_pretrained(lm_dir, snac_dir, tokens=tokens, progress=False)
     os.remove(lm_dir / "tokenizer.json")
     bare = OrpheusTTS.from_pretrained(lm_dir, snac_dir, tokens=tokens, progress=False)
     with pytest.raises(ValueError, match="no tokenizer"):

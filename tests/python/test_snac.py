@@ -3,6 +3,7 @@ same weights and codes, the checkpoint formats SNAC ships, noise control, and th
 field that streaming decodes rely on."""
 
 import json
+import re
 import math
 import time
 
@@ -263,6 +264,22 @@ def test_checkpoint_errors(tmp_path):
     folded = SnacDecoder.from_snac_state_dict(state, SnacConfig.from_dict(raw))
     with pytest.raises(ValueError, match="before fold_weight_norm"):
         folded.load_snac_state_dict(state)
+    # cast without a word before: a bool codebook became all zeros
+    codebook = "quantizer.quantizers.0.codebook.weight"
+    for dtype in (torch.bool, torch.int8):
+        damaged = dict(state, **{codebook: state[codebook].to(dtype)})
+        with pytest.raises(ValueError, match=rf"not floating point: {re.escape(codebook)} "
+                                             rf"\({dtype}\)"):
+            load_snac(save_checkpoint(tmp_path / str(dtype), raw, damaged), progress=False)
+    bad = save_checkpoint(tmp_path / "bad", raw, state)
+    for content, words in ((b"not a zip", "not a readable PyTorch state dict"),
+                           (None, "holds a list, not a state dict")):
+        if content is None:
+            torch.save([1, 2], bad / "pytorch_model.bin")
+        else:
+            (bad / "pytorch_model.bin").write_bytes(content)
+        with pytest.raises(ValueError, match=words):
+            load_snac(bad, progress=False)
 
 
 def test_code_errors():

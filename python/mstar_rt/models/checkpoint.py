@@ -28,7 +28,9 @@ MAX_LAYERS = 1024
 _REQUIRED = object()
 
 
-def _json(file: str, what: str) -> Any:
+def read_json(file: str, what: str) -> Any:
+    """``file`` parsed; missing, unreadable or not JSON is an error naming it (``what``: what a
+    checkpoint directory keeps there)."""
     try:
         with open(file) as f:
             return json.load(f)
@@ -41,6 +43,18 @@ def _json(file: str, what: str) -> Any:
         raise ValueError(f"{file} is not valid JSON ({type(e).__name__}: {e})") from None
 
 
+def read_tokenizer(file: Union[str, os.PathLike]) -> Any:
+    """A ``tokenizer.json`` read with the `tokenizers` package; a file it cannot read is a
+    ValueError naming it (the package raises a bare Exception: 'key must be a string ...')."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(os.fspath(file))
+    except Exception as e:
+        raise ValueError(f"{os.fspath(file)} is not a readable tokenizer: {type(e).__name__}: "
+                         f"{e}") from None
+
+
 #: LeRobot's normalizer state files beside a policy's weights (``policy_preprocessor_step_5_...``)
 PROCESSOR_FILES = ("policy_preprocessor", "policy_postprocessor")
 
@@ -48,7 +62,7 @@ PROCESSOR_FILES = ("policy_preprocessor", "policy_postprocessor")
 def checkpoint_files(path: Union[str, os.PathLike]) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        found = _json(index, "the shard index")
+        found = read_json(index, "the shard index")
         weight_map = found.get("weight_map") if isinstance(found, dict) else None
         if not isinstance(weight_map, dict) or not weight_map or not all(
                 isinstance(v, str) and v and os.sep not in v for v in weight_map.values()):
@@ -102,12 +116,24 @@ class _Shard:
 
 
 def _shards(path: Union[str, os.PathLike]) -> Iterator[_Shard]:
+    seen: dict[str, str] = {}  # key -> the file that holds it
     for file in checkpoint_files(path):
         shard = _Shard(file)
         try:
+            for key in shard.keys:
+                check_once(seen, key, file)
             yield shard
         finally:
             shard.close()
+
+
+def check_once(seen: dict[str, str], key: str, file: str) -> None:
+    """A key in two shards would load whichever came last without a word."""
+    other = seen.setdefault(key, file)
+    if other != file:
+        raise ValueError(f"checkpoint tensor '{key}' is in both {other} and {file}; a "
+                         "checkpoint holds each tensor once (a stale shard left beside the "
+                         "others?)")
 
 
 def _shown(keys: list[str]) -> str:
@@ -201,7 +227,7 @@ def save_checkpoint(module: nn.Module, config: dict, path: Union[str, os.PathLik
 def read_config(path: Union[str, os.PathLike]) -> dict:
     """The ``config.json`` of a checkpoint directory (a JSON object, else ValueError)."""
     file = os.path.join(path, "config.json")
-    config = _json(file, "config.json with the model's sizes")
+    config = read_json(file, "config.json with the model's sizes")
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object of fields, not a "
                          f"{type(config).__name__}")

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping, Optional, Union
 
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mstar_rt.models.checkpoint import read_json, read_tokenizer
 from mstar_rt.models.lerobot_inputs import unit_image
 from mstar_rt.models.lerobot_normalizer import Normalizer
 from mstar_rt.models.lerobot_processor import processor_steps
@@ -116,6 +116,10 @@ class PiProcessor:
             raise ValueError(f"{path}: the tokenizer pads on the {tcfg['padding_side']}; "
                              "only right padding is supported")
         tk, pad = load_tokenizer(path, tokenizer, tcfg.get("tokenizer_name"))
+        if tk.get_vocab_size() > config.vocab_size:  # its ids past the embedding failed requests
+            raise ValueError(f"the tokenizer ({tokenizer or path}) has {tk.get_vocab_size()} "
+                             f"tokens, more than the checkpoint's {config.vocab_size}-row text "
+                             "embedding; pass the tokenizer this policy was trained with")
         max_length = int(tcfg.get("max_length", config.tokenizer_max_length))
         return PiProcessor(config, state, action, tk, max_length, pad)
 
@@ -176,8 +180,6 @@ def load_tokenizer(path: PathLike, tokenizer: Optional[PathLike], name: Optional
     """A ``tokenizers.Tokenizer`` from ``tokenizer`` (a folder or a tokenizer.json), else from
     ``path/tokenizer/``, ``path`` itself, or the preprocessor's tokenizer ``name`` in the
     Hugging Face cache (no download); and its pad id."""
-    from tokenizers import Tokenizer
-
     def candidates() -> Any:  # the cache is asked only when the folders hold none
         if tokenizer is not None:
             yield tokenizer
@@ -193,16 +195,15 @@ def load_tokenizer(path: PathLike, tokenizer: Optional[PathLike], name: Optional
         if os.path.isdir(file):
             file = os.path.join(file, "tokenizer.json")
         if os.path.isfile(file):
-            try:
-                tk = Tokenizer.from_file(file)
-            except Exception as e:  # the tokenizers library raises a bare Exception
-                raise ValueError(f"{file} is not a readable tokenizer: {type(e).__name__}: "
-                                 f"{e}") from None
+            tk = read_tokenizer(file)
             pad = "<pad>"
             cfg = os.path.join(folder, "tokenizer_config.json")
             if os.path.isfile(cfg):
-                with open(cfg) as f:
-                    value = json.load(f).get("pad_token", pad)
+                settings = read_json(cfg, "the tokenizer's settings")
+                if not isinstance(settings, dict):
+                    raise ValueError(f"{cfg} holds a {type(settings).__name__}, not the "
+                                     "tokenizer's settings (a JSON object)")
+                value = settings.get("pad_token", pad)
                 pad = value.get("content", pad) if isinstance(value, dict) else (value or pad)
             pad_id = tk.token_to_id(pad)
             return tk, 0 if pad_id is None else pad_id

@@ -54,14 +54,22 @@ class _Headers:
     def __init__(self, path: PathLike) -> None:
         from safetensors import safe_open
 
-        from mstar_rt.models.checkpoint import checkpoint_files
+        from mstar_rt.models.checkpoint import check_once, checkpoint_files
 
         self.files: dict[str, Any] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        seen: dict[str, str] = {}
         for file in checkpoint_files(path):
             try:
                 f = safe_open(file, framework="pt")
-                for key in f.keys():
+                keys = list(f.keys())
+            except Exception as e:  # SafetensorError, OSError: truncated, corrupt
+                raise ValueError(f"{file} is not a readable safetensors file: "
+                                 f"{type(e).__name__}: {e}") from None
+            for key in keys:
+                check_once(seen, key, file)
+            try:
+                for key in keys:
                     s = f.get_slice(key)
                     self.shapes[key] = (tuple(s.get_shape()), str(s.get_dtype()))
                     self.files[key] = f

@@ -49,6 +49,19 @@ class LlamaConfig:
         from mstar_rt.models.checkpoint import MAX_LAYERS, ConfigFields
 
         c = ConfigFields(config, source)
+        kind = config.get("model_type")
+        window = config.get("sliding_window")
+        if kind not in (None, "llama", "mistral"):
+            # Granite's multipliers, Qwen's biases and norms, ...: the weights would load and
+            # the outputs be wrong
+            raise ValueError(f"{source} is a {kind!r} model (model_type); this loader runs the "
+                             "Llama architecture (model_type 'llama', or 'mistral' without a "
+                             "sliding window)")
+        if window is not None and not (type(window) is int and window >= c.integer(
+                "max_position_embeddings", 2048)):
+            raise ValueError(f"{source} sets sliding_window {window!r}: each token attends only "
+                             "to the last ones, which this loader's attention does not do "
+                             "(null, or at least max_position_embeddings, is full attention)")
         act = c.text("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act '{act}' in {source} is not a Llama SwiGLU ('silu')")

@@ -30,6 +30,7 @@ receptive field) for tests and CPU demos. The voice agent speaks through it with
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -41,6 +42,7 @@ from mstar_rt.engines.sampling import SamplingParams
 from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, Parallel, StreamingGraphEdge
 from mstar_rt.model import Model, RequestContext, WorkContext
 from mstar_rt.models.causal_lm import LOOP, LMNode, as_params, prompt_tensor
+from mstar_rt.models.checkpoint import read_tokenizer
 from mstar_rt.models.llama import LlamaConfig, LlamaForCausalLM
 from mstar_rt.models.snac import SnacConfig, SnacDecoder
 from mstar_rt.models.snac_stream import AudioTokenLayout, SnacStreamNode
@@ -101,17 +103,18 @@ class TextEncoder:
     def __init__(self, path: Optional[Union[str, os.PathLike]] = None, byte_base: int = 0) -> None:
         self.path, self.byte_base = path, byte_base
         self._tokenizer: Any = None
+        if path is not None and importlib.util.find_spec("tokenizers") is not None:
+            self._tokenizer = read_tokenizer(path)  # a broken file is the load's error
 
     def __call__(self, text: str) -> list[int]:
         if self.path is None:
             return [self.byte_base + b for b in text.encode("utf-8")]
         if self._tokenizer is None:
             try:
-                from tokenizers import Tokenizer
+                self._tokenizer = read_tokenizer(self.path)
             except ImportError as e:
                 raise ImportError("reading text needs the `tokenizers` package (pip install "
                                   "tokenizers), or pass token ids as 'prompt'") from e
-            self._tokenizer = Tokenizer.from_file(os.fspath(self.path))
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
 

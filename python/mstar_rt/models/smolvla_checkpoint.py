@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from mstar_rt.models.checkpoint import (check_weights, checkpoint_files, load_weights,
-                                        meta_module, read_config)
+                                        meta_module, read_config, read_tokenizer)
 from mstar_rt.models.lerobot_normalizer import Normalizer
 from mstar_rt.models.lerobot_processor import processor_steps
 from mstar_rt.models.smolvla_config import (ACTION_KEY, STATE_KEY, SmolVLAConfig,
@@ -165,14 +165,10 @@ def load_tokenizer(vlm_dir: str, max_length: int) -> Any:
     """The prompt tokenizer (``tokenizer.json``, truncating to ``max_length``; no padding)."""
     file = os.path.join(vlm_dir, "tokenizer.json")
     try:
-        from tokenizers import Tokenizer
+        tok = read_tokenizer(file)
     except ImportError as e:
         raise ImportError("reading SmolVLA's task needs the `tokenizers` package (pip install "
                           "tokenizers), or pass the task as token ids") from e
-    try:
-        tok = Tokenizer.from_file(file)
-    except Exception as e:
-        raise ValueError(f"{file} is not a readable tokenizer: {type(e).__name__}: {e}") from None
     tok.enable_truncation(max_length)
     tok.no_padding()
     return tok

@@ -352,8 +352,12 @@ class SnacDecoder(nn.Module):
         missing = sorted(k for k in wanted if k not in state)
         shapes = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})"
                   for k, v in wanted.items() if k in state and state[k].shape != v.shape]
+        # cast, an int8 or bool codebook became other numbers (a bool one, all zeros)
+        dtypes = [f"{k} ({state[k].dtype})" for k in wanted if k in state
+                  and isinstance(state[k], torch.Tensor) and not state[k].is_floating_point()]
         for label, keys in (("unknown keys", unknown), ("missing parameters", missing),
-                            ("shape mismatches", shapes)):
+                            ("shape mismatches", shapes),
+                            ("tensors that are not floating point", dtypes)):
             if keys:
                 shown = ", ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
                 problems.append(f"{len(keys)} {label}: {shown}")
@@ -419,8 +423,17 @@ def read_snac_weights(path: Union[str, os.PathLike],
                                  f"{type(e).__name__}: {e}") from None
         return state
     if "pytorch_model.bin" in names:
-        return torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
-                          weights_only=True)
+        file = os.path.join(path, "pytorch_model.bin")
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated (a zip error), not a pickle, a disallowed global
+            raise ValueError(f"{file} is not a readable PyTorch state dict: "
+                             f"{type(e).__name__}: {e}") from None
+        if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in state.items())):
+            raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict "
+                             "(parameter name -> tensor)")
+        return state
     raise FileNotFoundError(f"{path} holds no SNAC weights (expected model.safetensors or "
                             "pytorch_model.bin next to config.json)")
 

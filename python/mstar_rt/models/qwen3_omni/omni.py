@@ -213,8 +213,9 @@ class Qwen3Omni(Model):
             tok = os.path.join(os.fspath(path), "tokenizer.json")
             tokenizer = None
             if os.path.exists(tok):
-                from tokenizers import Tokenizer
-                tokenizer = Tokenizer.from_file(tok)
+                from mstar_rt.models.checkpoint import read_tokenizer
+
+                tokenizer = read_tokenizer(tok)
             return Qwen3Omni(weights, tokenizer=tokenizer, **kwargs)
         except BaseException:
             if thinker is not None:  # do not leave followers behind a refused model
