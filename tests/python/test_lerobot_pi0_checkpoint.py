@@ -7,6 +7,7 @@ weights; the load prints a memory estimate; bfloat16 loads and stays near the fl
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -65,6 +66,15 @@ def test_loading_prints_the_memory_per_dtype(capsys):
     assert f"pi0: {kept:,} parameters" in line and "49,152 more in the lm_heads" in line
     for words in ("in float32", "in bfloat16", "in float16", "KV cache"):
         assert words in line
+    # the bfloat16 figure is what a bfloat16 load holds (its tower, norms and heads stay
+    # float32): it counted 2 bytes for every parameter, 380.69 KiB for 469.4 KiB
+    half = load("pi0", dtype=torch.bfloat16, verbose=True)
+    line = capsys.readouterr().out
+    held = sum(p.numel() * p.element_size() for p in half.module.parameters())
+    printed = re.search(r"([\d.]+) (KiB|MiB) in bfloat16", line)
+    assert printed, line
+    value = float(printed[1]) * (1024 if printed[2] == "KiB" else 1024 ** 2)
+    assert abs(value - held) / held < 0.02, (value, held)
 
 
 @pytest.mark.parametrize("change, words", [
@@ -126,6 +136,15 @@ def _edit_config(dst: Path, change) -> None:
     (dst / "config.json").write_text(json.dumps(config))
 
 
+def _edit_normalizer(dst: Path, **changes) -> None:
+    file = dst / "policy_preprocessor.json"
+    pipeline = json.loads(file.read_text())
+    for step in pipeline["steps"]:
+        if step["registry_name"] == "normalizer_processor":
+            step.setdefault("config", {}).update(changes)
+    file.write_text(json.dumps(pipeline))
+
+
 def _tokenizer_copy(dst, settings=None, extra_tokens=0):
     """The fixture's tokenizer in ``dst/tokenizer``, its settings file replaced, or grown."""
     from tokenizers import Tokenizer
@@ -163,6 +182,15 @@ def _tokenizer_copy(dst, settings=None, extra_tokens=0):
     # its ids past the text embedding failed every request with an IndexError
     (lambda d: _tokenizer_copy(d, extra_tokens=4000), r"has \d+ tokens, more than the "
                                                       r"checkpoint's \d+-row text embedding"),
+    # loaded float32 without a word / an IndexError / truncated to 6 / accepted
+    (lambda d: _edit_config(d, lambda c: c.update(dtype="bf16")), "dtype 'bf16' is not one of"),
+    (lambda d: _edit_config(d, lambda c: c["input_features"]["observation.state"].update(
+        shape=[])), r"observation.state.shape \[\] must be \[n\]"),
+    (lambda d: _edit_config(d, lambda c: c["input_features"]["observation.state"].update(
+        shape=[6.7])), r"observation.state.shape \[6.7\] must be \[n\]"),
+    (lambda d: _edit_config(d, lambda c: c.update(n_action_steps=c["chunk_size"] + 1)),
+     "n_action_steps .* is more than chunk_size"),
+    (lambda d: _edit_normalizer(d, eps="x"), r"normalizer_processor step\): eps 'x' must be"),
 ])
 def test_statistics_config_weights_or_tokenizer_that_do_not_fit_are_refused(tmp_path, edit,
                                                                             words):
@@ -272,3 +300,10 @@ def test_a_prompt_is_tokenized_once_for_its_check_and_its_prefix():
     assert again.tolist() == encode("pick up the cube\n").ids[: proc.max_length]
     proc.tokens("stack the blocks\n")
     assert calls == ["pick up the cube\n", "stack the blocks\n"]
+
+
+@pytest.mark.parametrize("sizes", [{**SIZES, "vision_heads": 0}, {**SIZES, "vision_heads": "2"}])
+def test_head_counts_that_no_layer_can_take_are_refused(sizes):
+    # a ZeroDivisionError / TypeError inside a layer before
+    with pytest.raises(ValueError, match="head counts are integers >= 1"):
+        load("pi0", sizes=sizes)

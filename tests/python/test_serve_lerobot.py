@@ -187,6 +187,13 @@ def test_config_args_are_checked_before_loading_and_read_as_a_config_means_them(
         build_model(load_config(path))
     with pytest.raises(ValueError, match="'float8' is not one of"):
         build_model(load_config(_config(tmp_path, family, dtype="float8")))
+    # a number or an unusable device reached torch: an accelerator or aten error
+    with pytest.raises(ValueError, match="model.args.dtype: 16 is not one of"):
+        build_model(load_config(_config(tmp_path, family, dtype=16)))
+    with pytest.raises(ValueError, match="model.args.device: 5 is not a device name"):
+        build_model(load_config(_config(tmp_path, family, device=5)))
+    with pytest.raises(ValueError, match="model.args.device: 'mps'; the checkpoints served"):
+        build_model(load_config(_config(tmp_path, family, device="mps")))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="'cuda:0', but torch sees no CUDA device"):
             build_model(load_config(_config(tmp_path, family, device="cuda:0")))

@@ -81,6 +81,11 @@ def test_saved_directory_round_trips_with_its_config(tmp_path, pair):
     with pytest.raises(ValueError, match=r"config.json gives no \['embed_dim'\]: the published "
                                          "values were taken"):
         load_vjepa2_predictor(tmp_path / "ac", progress=False)
+    # depth counts layers: 5000 built for seconds on the meta device (2^31 was allowed)
+    (tmp_path / "ac" / "config.json").write_text(json.dumps({**config, "embed_dim": 32,
+                                                             "depth": 5000}))
+    with pytest.raises(ValueError, match=r"'depth'.*\[1, 1024\]"):
+        load_vjepa2_predictor(tmp_path / "ac", progress=False)
 
 
 def _damage(state: dict, how: str) -> tuple[dict, str]:

@@ -7,6 +7,8 @@ checkpoints and bad images are errors naming the key or the input."""
 
 from __future__ import annotations
 
+import json
+
 import functools
 
 import pytest
@@ -67,6 +69,28 @@ def test_hugging_face_checkpoint_gives_vjepa2model_features(hf_dir, capsys):
         torch.testing.assert_close(encoder(images), want, atol=1e-4, rtol=0)
 
 
+def test_a_sharded_hugging_face_directory_loads_and_a_float8_tensor_is_named(tmp_path, hf_dir):
+    from safetensors.torch import load_file, save_file
+
+    model, _ = hf_dir
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # refused before
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    encoder = load_vjepa2_encoder(tmp_path / "sharded", progress=False)
+    video = torch.randn(1, 4, 3, 48, 48, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(encoder.encode_video(video), model.get_vision_features(video),
+                                   atol=1e-4, rtol=0)
+    model.save_pretrained(tmp_path / "f8")
+    file = tmp_path / "f8" / "model.safetensors"
+    tensors = load_file(file)
+    key = next(k for k in tensors if k.endswith("fc1.weight"))
+    tensors[key] = tensors[key].to(torch.float8_e4m3fn)  # it read as torch.uint8
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"key '{key}' holds F8_E4M3, which this loader does "
+                                         "not read"):
+        load_vjepa2_encoder(tmp_path / "f8", progress=False)
+
+
 def test_upstream_pt_layout_gives_upstream_vision_transformer_features(tmp_path):
     ref = reference()
     config = tiny_encoder_config(hidden=48)
@@ -124,6 +148,29 @@ def test_damaged_encoder_checkpoints_name_the_key(tmp_path, hf_dir):
     with pytest.raises(ValueError, match="'encoder.embeddings.patch_embeddings.proj.weight' "
                                          r"has shape \(48, 3, 2, 16, 16\)"):
         load_vjepa2_encoder(tmp_path / "ok.pt", wide, progress=False)
+
+
+@pytest.mark.parametrize("change, words", [
+    # transformers' StrictDataclassFieldValidationError, a ZeroDivisionError, a KeyError deep in
+    # the model's build, or minutes of building 100000 layers on the meta device
+    ({"hidden_size": "32"}, "'hidden_size'"),
+    ({"mlp_ratio": "x"}, "'mlp_ratio'"),
+    ({"num_attention_heads": 0}, "'num_attention_heads'"),
+    ({"patch_size": 0}, "'patch_size'"),
+    ({"hidden_act": "nonsense"}, "hidden_act 'nonsense'"),
+    ({"hidden_size": 33}, "hidden_size 33 .* not a multiple"),
+    ({"num_hidden_layers": 100000}, r"'num_hidden_layers'.*\[1, 1024\]"),
+])
+def test_a_config_json_the_encoder_cannot_take_is_named(tmp_path, hf_dir, change, words):
+    import shutil
+
+    d = tmp_path / "damaged"
+    shutil.copytree(hf_dir[1], d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=words) as e:
+        load_vjepa2_encoder(d, progress=False)
+    assert "config.json" in str(e.value)
 
 
 @pytest.mark.parametrize("images, words", [

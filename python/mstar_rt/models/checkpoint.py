@@ -303,7 +303,7 @@ class ConfigFields:
 def dataclass_config(cls: type, config: Any, source: str, ignore: tuple[str, ...] = ()) -> Any:
     """``cls(**config)`` for a dataclass of sizes, after checking every field against its type:
     integers in [1, MAX_SIZE] ([0, ...] for "max_" counts; at most MAX_LAYERS for fields that
-    count layers), positive
+    count layers: "layers", "depth"), positive
     finite floats, bools, strings, tuples of such integers, optional ones, nested dataclasses.
     Unknown fields are errors; ``ignore`` names keys to skip."""
     fields = ConfigFields(config, source)
@@ -333,7 +333,7 @@ def _field(fields: ConfigFields, name: str, hint: Any) -> Any:
         raise fields._bad(name, value, f"a {getattr(hint, '__name__', hint)}, not null")
     # A "max_..." count may be 0 (a pi0 without a prompt: max_prompt_tokens=0); sizes may not.
     low = 0 if name.startswith("max_") else 1
-    high = MAX_LAYERS if "layers" in name else MAX_SIZE
+    high = MAX_LAYERS if "layers" in name or name.endswith("depth") else MAX_SIZE
     if hint is int:
         return fields.integer(name, minimum=low, maximum=high)
     if hint is float:

@@ -100,13 +100,17 @@ def checked_args(args: Mapping[str, Any], accepted: list[str], what: str,
         raise ValueError(f"model.args: {what} takes no {unknown}; it takes {accepted}")
     out = dict(args)
     dtype = out.get("dtype")
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        # 16 or a typo reached torch ("Cannot access accelerator device", "Invalid device")
+        name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
         if name not in DTYPES:
             raise ValueError(f"model.args.dtype: {dtype!r} is not one of {list(DTYPES)}")
         out["dtype"] = DTYPES[name]
     device = out.get("device")
-    if isinstance(device, str):
+    if device is not None:
+        if not isinstance(device, str):
+            raise ValueError(f"model.args.device: {device!r} is not a device name ('cpu', "
+                             "'cuda', 'cuda:1')")
         try:
             kind = torch.device(device).type
         except RuntimeError as e:
@@ -114,6 +118,9 @@ def checked_args(args: Mapping[str, Any], accepted: list[str], what: str,
         if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"model.args.device: {device!r}, but torch sees no CUDA device "
                              "on this machine; use 'cpu'")
+        if kind not in ("cpu", "cuda"):  # mps, xpu, meta: no loader here runs there
+            raise ValueError(f"model.args.device: {device!r}; the checkpoints served here run "
+                             "on 'cpu' or 'cuda'")
     for k in PATH_ARGS:
         if isinstance(out.get(k), str) and not os.path.isabs(out[k]):
             out[k] = str(Path(base_dir) / out[k])

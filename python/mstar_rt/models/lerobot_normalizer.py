@@ -9,6 +9,7 @@ its config fails there by name instead of as a shape error in every request.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 import torch
@@ -16,6 +17,15 @@ import torch
 #: The statistics each normalisation mode reads: (low, high).
 NORM_STATS = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"),
               "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90"), "IDENTITY": ()}
+
+
+def step_eps(config: Mapping, where: str) -> float:
+    """A normalizer step's ``eps`` (default 1e-8): a finite number >= 0, else a ValueError
+    naming ``where`` (the processor file and step)."""
+    eps = config.get("eps", 1e-8)
+    if type(eps) not in (int, float) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{where}: eps {eps!r} must be a finite number >= 0")
+    return float(eps)
 
 
 class Normalizer:

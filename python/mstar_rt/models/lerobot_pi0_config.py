@@ -197,6 +197,9 @@ def config_from_checkpoint(cfg: Mapping[str, Any], shapes: Mapping[str, tuple], 
     unknown = sorted(set(sizes) - set(SIZE_OVERRIDES))
     if unknown:
         raise ValueError(f"sizes {unknown} are not known; give any of {list(SIZE_OVERRIDES)}")
+    bad = {k: v for k, v in sizes.items() if type(v) is not int or v < 1}
+    if bad:  # 0 divided by zero in a layer, '2' failed as a TypeError
+        raise ValueError(f"sizes {bad}: head counts are integers >= 1")
     f = ConfigFields(cfg, source)
     family = f.text("type")
     if family not in FAMILIES:
@@ -227,17 +230,34 @@ def config_from_checkpoint(cfg: Mapping[str, Any], shapes: Mapping[str, tuple], 
     vocab = _shape(shapes, BACKBONE + "embed_tokens.weight", source)[0]
     max_state = f.integer("max_state_dim", 32)
     max_action = f.integer("max_action_dim", 32)
-    state = inputs.get("observation.state", {}).get("shape", [max_state])
-    action = outputs.get("action", {}).get("shape", [max_action])
+    state = _feature_size(inputs, "observation.state", max_state, source)
+    action = _feature_size(outputs, "action", max_action, source)
+    chunk, steps = f.integer("chunk_size", 50), f.integer("n_action_steps", 50)
+    if steps > chunk:
+        raise ValueError(f"{source}: n_action_steps {steps} is more than chunk_size {chunk} "
+                         "(a chunk holds that many actions)")
+    dtype = f.text("dtype", "float32")
+    if dtype not in ("float32", "bfloat16", "float16"):  # 'bf16' loaded float32 without a word
+        raise ValueError(f"{source}: dtype {dtype!r} is not one of 'float32', 'bfloat16', "
+                         "'float16'")
     return PiConfig(
         family=family, backbone=backbone, expert=expert,
         vision=_vision(shapes, res[0], heads["vision_heads"], source), vocab_size=vocab,
-        cameras=cameras, state_dim=int(state[0]), action_dim=int(action[0]),
-        chunk_size=f.integer("chunk_size", 50), n_action_steps=f.integer("n_action_steps", 50),
+        cameras=cameras, state_dim=state, action_dim=action,
+        chunk_size=chunk, n_action_steps=steps,
         max_state_dim=max_state, max_action_dim=max_action,
         num_steps=f.integer("num_inference_steps", 10),
         min_period=f.number("min_period", 4e-3), max_period=f.number("max_period", 4.0),
         tokenizer_max_length=f.integer("tokenizer_max_length", 48 if family == "pi0" else 200),
         state_norm=modes.get("STATE", "IDENTITY"), action_norm=modes.get("ACTION", "IDENTITY"),
         rtc=rtc_settings(cfg.get("rtc_config"), source),
-        checkpoint_dtype=f.text("dtype", "float32"))
+        checkpoint_dtype=dtype)
+
+
+def _feature_size(features: Mapping[str, Any], key: str, default: int, source: str) -> int:
+    """The one size of a 1-D feature (``shape: [n]``); [] was an IndexError, [6.7] taken as 6."""
+    shape = features.get(key, {}).get("shape", [default])
+    if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int
+            and shape[0] >= 1):
+        raise ValueError(f"{source}: {key}.shape {shape!r} must be [n], n an integer >= 1")
+    return shape[0]

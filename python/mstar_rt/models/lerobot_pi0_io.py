@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from mstar_rt.models.checkpoint import read_json, read_tokenizer
 from mstar_rt.models.lerobot_inputs import unit_image
-from mstar_rt.models.lerobot_normalizer import Normalizer
+from mstar_rt.models.lerobot_normalizer import Normalizer, step_eps
 from mstar_rt.models.lerobot_processor import processor_steps
 from mstar_rt.models.lerobot_pi0_config import PiConfig
 
@@ -67,7 +67,7 @@ def _normalizer(path: PathLike, step: Mapping[str, Any], name: str, mode: str,
     from safetensors.torch import load_file
 
     config = step.get("config") or {}
-    eps = float(config.get("eps", 1e-8))
+    eps = step_eps(config, f"{path} (its {step['registry_name']} step)")
     state_file = step.get("state_file")
     if not state_file:
         return Normalizer(name, mode, {}, eps, size, f"{path} (its {step['registry_name']} "

@@ -184,10 +184,15 @@ def lerobot_precision(module: PiModule, dtype: torch.dtype) -> PiModule:
     module.to(dtype)
     if dtype != torch.float32:
         for name, p in module.named_parameters():
-            key = lerobot_key(name)
-            if not key.startswith(WITH_EXPERT) or any(part in key for part in LEROBOT_FLOAT32):
+            if stays_float32(name):
                 p.data = p.data.float()
     return module
+
+
+def stays_float32(name: str) -> bool:
+    """Whether parameter ``name`` stays float32 in a reduced-precision LeRobot pi0."""
+    key = lerobot_key(name)
+    return not key.startswith(WITH_EXPERT) or any(part in key for part in LEROBOT_FLOAT32)
 
 
 def meta_pi_module(config: PiConfig) -> PiModule:

@@ -28,7 +28,7 @@ from mstar_rt.models.lerobot_pi0_config import (BACKBONE, LM_HEADS, PiConfig,
                                                 checkpoint_layout, config_from_checkpoint)
 from mstar_rt.models.lerobot_pi0_io import PiProcessor
 from mstar_rt.models.lerobot_pi0_layers import (PiModule, lerobot_precision, make_rope,
-                                                own_key)
+                                                own_key, stays_float32)
 
 PathLike = Union[str, os.PathLike]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,12 +144,14 @@ def _size(b: float) -> str:
     return f"{int(b)} B"
 
 
-def describe_memory(config: PiConfig, kept: int, dropped: int, dtype: torch.dtype,
+def describe_memory(config: PiConfig, kept: int, wide: int, dropped: int, dtype: torch.dtype,
                     device: str) -> str:
-    """One line: parameters, weight memory per dtype, the KV cache per cached token."""
+    """One line: parameters, weight memory per dtype, the KV cache per cached token. In
+    bfloat16 / float16 the ``wide`` parameters (vision tower, projector, norms, heads) stay
+    float32, as LeRobot keeps them."""
     b = config.backbone
-    sizes = ", ".join(f"{_size(kept * n)} in {name}" for name, n in
-                      (("float32", 4), ("bfloat16", 2), ("float16", 2)))
+    sizes = ", ".join(f"{_size(kept * 4 if n == 4 else (kept - wide) * n + wide * 4)} in {name}"
+                      for name, n in (("float32", 4), ("bfloat16", 2), ("float16", 2)))
     elt = torch.empty((), dtype=dtype).element_size()
     kv = 2 * b.depth * b.num_kv_heads * b.head_dim * elt
     return (f"{config.family}: {kept:,} parameters ({dropped:,} more in the lm_heads, not kept); "
@@ -188,9 +190,10 @@ def load_lerobot_pi0(path: PathLike, tokenizer: Optional[PathLike] = None,
     with torch.device("meta"):
         module = PiModule(config)
     kept = sum(p.numel() for p in module.state_dict().values())
+    wide = sum(p.numel() for n, p in module.named_parameters() if stays_float32(n))
     dropped = sum(found[k][0][0] * found[k][0][1] for k in LM_HEADS if k in found)
     if verbose:
-        print(describe_memory(config, kept, dropped, dtype, device))
+        print(describe_memory(config, kept, wide, dropped, dtype, device))
     module = lerobot_precision(module.to_empty(device=device), dtype)
     module.rope = make_rope(config.backbone.head_dim).to(device)  # a buffer to_empty left empty
     params = module.state_dict()

@@ -23,7 +23,7 @@ import torch
 
 from mstar_rt.models.checkpoint import (check_weights, checkpoint_files, load_weights,
                                         meta_module, read_config, read_tokenizer)
-from mstar_rt.models.lerobot_normalizer import Normalizer
+from mstar_rt.models.lerobot_normalizer import Normalizer, step_eps
 from mstar_rt.models.lerobot_processor import processor_steps
 from mstar_rt.models.smolvla_config import (ACTION_KEY, STATE_KEY, SmolVLAConfig,
                                             smolvla_config)
@@ -112,7 +112,7 @@ def load_normalizer(path: str, pipeline: str, registry: str, key: str,
     feature = (step.get("features") or {}).get(key) or {}
     ftype = feature.get("type", "STATE" if key == STATE_KEY else "ACTION")
     mode = (step.get("norm_map") or {}).get(ftype, config.norm_mode(ftype))
-    eps = float(step.get("eps", 1e-8))
+    eps = step_eps(step, f"{os.path.join(path, pipeline)}.json ({registry} step)")
     if mode == "IDENTITY":
         return Normalizer(key, mode, {}, eps)
     try:

@@ -57,28 +57,36 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _safetensors_source(file: str, section: str) -> TensorSource:
+def _safetensors_source(files: list[str], section: str, source: str) -> TensorSource:
+    """The section's tensors in one safetensors file or the shards of a directory."""
     from safetensors import safe_open
 
-    try:
-        f = safe_open(file, framework="pt")
-        keys = list(f.keys())
-    except Exception as e:  # SafetensorError, OSError: truncated, corrupt
-        raise ValueError(f"{file} is not a readable safetensors file: {type(e).__name__}: "
-                         f"{e}") from None
-    sections = {k.split(".", 1)[0] for k in keys}
-    if section and section in sections and len(sections) > 1:  # a combined file: our section
-        keys = [k for k in keys if k.startswith(section + ".")]
-    names, shapes = {}, {}
-    for k in keys:
-        name = strip_wrappers(k, section)
-        if name in names:
-            raise ValueError(f"{file} holds both '{names[name]}' and '{k}', which are the "
-                             f"same parameter '{name}' once wrapper prefixes are removed")
-        s = f.get_slice(k)
-        names[name] = k
-        shapes[name] = (tuple(s.get_shape()), _ST_DTYPES.get(s.get_dtype(), torch.uint8))
-    return TensorSource(file, shapes, lambda name: f.get_tensor(names[name]))
+    names: dict[str, tuple[Any, str]] = {}  # parameter -> (open file, key in it)
+    shapes = {}
+    for file in files:
+        try:
+            f = safe_open(file, framework="pt")
+            keys = list(f.keys())
+        except Exception as e:  # SafetensorError, OSError: truncated, corrupt
+            raise ValueError(f"{file} is not a readable safetensors file: {type(e).__name__}: "
+                             f"{e}") from None
+        sections = {k.split(".", 1)[0] for k in keys}
+        if section and section in sections and len(sections) > 1:  # a combined file: ours
+            keys = [k for k in keys if k.startswith(section + ".")]
+        for k in keys:
+            name = strip_wrappers(k, section)
+            if name in names:
+                raise ValueError(f"{source} holds both '{names[name][1]}' and '{k}' ({file}), "
+                                 f"which are the same parameter '{name}' once wrapper prefixes "
+                                 "are removed")
+            s = f.get_slice(k)
+            kind = s.get_dtype()
+            if kind not in _ST_DTYPES:  # F8_E4M3 read as uint8 before
+                raise ValueError(f"{file}: key '{k}' holds {kind}, which this loader does not "
+                                 "read (a quantized checkpoint?); give float weights")
+            names[name] = (f, k)
+            shapes[name] = (tuple(s.get_shape()), _ST_DTYPES[kind])
+    return TensorSource(source, shapes, lambda name: names[name][0].get_tensor(names[name][1]))
 
 
 def _torch_source(file: str, section: str) -> TensorSource:
@@ -118,16 +126,13 @@ def open_section(path: PathLike, section: str) -> TensorSource:
     if os.path.isdir(path):
         from mstar_rt.models.checkpoint import checkpoint_files
 
-        files = checkpoint_files(path)
-        if len(files) != 1:
-            raise ValueError(f"{path} holds {len(files)} safetensors files; a V-JEPA 2 "
-                             "predictor directory holds one model.safetensors")
-        return _safetensors_source(files[0], section)
+        files = checkpoint_files(path)  # one model.safetensors, or an index and its shards
+        return _safetensors_source(files, section, files[0] if len(files) == 1 else path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist; give upstream's .pt checkpoint, a "
                                 ".safetensors file or a directory saved by save_vjepa2_predictor")
     if path.endswith(".safetensors"):
-        return _safetensors_source(path, section)
+        return _safetensors_source([path], section, path)
     return _torch_source(path, section)
 
 

@@ -182,6 +182,42 @@ def _hf_encoder_only(found: TensorSource) -> TensorSource:
     return TensorSource(found.source, shapes, lambda name: found.read(names[name]))
 
 
+def _checked_hf_config(fields: dict[str, Any], source: str) -> Any:
+    """transformers' VJEPA2Config from config.json, after the checks it leaves out: its own
+    errors are not all ValueErrors (StrictDataclassFieldValidationError), and a head count of
+    0, an unknown activation or 100000 layers failed deep in the model's build, or after
+    minutes of it."""
+    from mstar_rt.models.checkpoint import MAX_LAYERS, ConfigFields
+
+    c = ConfigFields(fields, source)
+    for name in ("hidden_size", "num_attention_heads", "patch_size", "tubelet_size",
+                 "crop_size", "frames_per_clip", "in_chans", "pred_hidden_size",
+                 "pred_num_attention_heads"):
+        if name in fields:
+            c.integer(name)
+    for name in ("num_hidden_layers", "pred_num_hidden_layers", "num_pooler_layers"):
+        if name in fields:
+            c.integer(name, maximum=MAX_LAYERS)
+    for name in ("mlp_ratio", "pred_mlp_ratio", "layer_norm_eps"):
+        if name in fields:
+            c.number(name)
+    for name in ("hidden_size", "pred_hidden_size"):
+        heads = fields.get(name.replace("hidden_size", "num_attention_heads"))
+        if name in fields and type(heads) is int and heads > 0 and fields[name] % heads:
+            raise ValueError(f"{name} {fields[name]} in {source} is not a multiple of its "
+                             f"attention heads ({heads})")
+    act = fields.get("hidden_act", "gelu")
+    from transformers.activations import ACT2FN
+
+    if act not in ACT2FN:
+        raise ValueError(f"hidden_act {act!r} in {source} is not an activation transformers "
+                         f"knows")
+    try:
+        return _transformers()[0](**fields)
+    except Exception as e:  # TypeError, ValueError, StrictDataclassFieldValidationError
+        raise ValueError(f"{source} is not a V-JEPA 2 config: {type(e).__name__}: {e}") from None
+
+
 def load_vjepa2_encoder(path: PathLike, config: Any = None, dtype: Optional[torch.dtype] = None,
                         device: str = "cpu", progress: bool = True,
                         normalize_reps: bool = True, section: str = "encoder"
@@ -200,17 +236,18 @@ def load_vjepa2_encoder(path: PathLike, config: Any = None, dtype: Optional[torc
 
             fields = {k: v for k, v in read_config(path).items()
                       if k not in ("architectures", "model_type", "transformers_version")}
-            try:
-                config = _transformers()[0](**fields)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{os.path.join(path, 'config.json')} is not a V-JEPA 2 "
-                                 f"config: {e}") from None
+            source = os.path.join(path, "config.json")
+            config = _checked_hf_config(fields, source)
         else:
             config = vitg_encoder_config()
     found = open_section(path, "" if hf else section)
     found = _hf_encoder_only(found) if hf else from_upstream_keys(found)
-    with torch.device("meta"):
-        meta = VJEPA2FrameEncoder(config, normalize_reps)
+    try:
+        with torch.device("meta"):
+            meta = VJEPA2FrameEncoder(config, normalize_reps)
+    except Exception as e:  # sizes transformers' modules cannot take (a head count of 0, ...)
+        raise ValueError(f"the V-JEPA 2 config cannot build the encoder: {type(e).__name__}: "
+                         f"{e}") from None
     check_state(meta, found, "V-JEPA 2 encoder", " (pass the VJEPA2Config it was trained with)")
     if progress:
         print(describe_memory(meta, "V-JEPA 2 encoder", dtype), file=sys.stderr)
