@@ -313,3 +313,15 @@ def test_cli_refuses_an_unknown_log_level_and_a_host_that_does_not_resolve(tmp_p
     assert e.value.code == 2 and "invalid choice: 'foo'" in capsys.readouterr().err
     assert main(["serve", str(config), "--host", "not a host!", "--port", "0"]) == 2
     assert "check server.host" in capsys.readouterr().err
+
+
+def test_a_ray_address_where_nothing_answers_fails_at_once(tmp_path, capsys):
+    """ray.init retried it for minutes (killed at 120 s in the audit)."""
+    pytest.importorskip("ray")
+    config = tmp_path / "robot.yaml"
+    config.write_text(yaml.safe_dump({"model": {**ROBOT["model"],
+                                                "path": [str(ROOT / "examples" / "robot")]}}))
+    t0 = time.monotonic()
+    assert main(["serve", str(config), "--ray-address", "127.0.0.1:1"]) == 1
+    assert "ray address 127.0.0.1:1: nothing answers there" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 30

@@ -141,6 +141,9 @@ def _serve_on_ray(args: argparse.Namespace, config: Any, t0: float) -> int:
     except Exception as e:  # a replica that fails to build, a cluster not reachable
         print(f"mstar-rt: Ray Serve did not start the app: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # while connecting or starting: what was started is undone
+        print("mstar-rt: interrupted while Ray Serve started the app", file=sys.stderr)
+        return 130
     # After ray.init, whose own SIGTERM handler would end this process without deleting the app
     # (it would keep serving on a cluster this process did not start).
     stop = threading.Event()

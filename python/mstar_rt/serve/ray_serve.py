@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -157,6 +158,19 @@ def check(config: ServeConfig, spec: RaySpec) -> None:
                           "and scale with ray.replicas")
 
 
+def reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ValueError naming ``address`` when nothing answers there: ray.init retried an
+    unreachable GCS for minutes. ``auto`` and ``ray://`` addresses are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"ray address {address}: nothing answers there ({e}); start the cluster "
+                         "(ray start --head) or check --ray-address / ray.address") from None
+
+
 def start(config: ServeConfig, spec: RaySpec, address: Optional[str] = None,
           warm_up: bool = True) -> RayServing:
     """Connects to the cluster at ``address`` (else ``spec.address``, else ``RAY_ADDRESS``; with
@@ -167,6 +181,7 @@ def start(config: ServeConfig, spec: RaySpec, address: Optional[str] = None,
     if address is None:
         ray.init(address="local", include_dashboard=False, logging_level="warning")
     else:
+        reachable(address)
         ray.init(address=address, logging_level="warning")
     info = ray.get_runtime_context().gcs_address
     try:
