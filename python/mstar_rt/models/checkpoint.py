@@ -81,20 +81,25 @@ def checkpoint_files(path: Union[str, os.PathLike]) -> list[str]:
     return [os.path.join(path, f) for f in found]
 
 
+def open_safetensors(file: str) -> tuple[Any, list[str]]:
+    """(the open file, its keys); a truncated, corrupt or missing file is a ValueError naming
+    it."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(file, framework="pt")
+        return f, list(f.keys())
+    except Exception as e:  # SafetensorError, OSError
+        raise ValueError(f"{file} is not a readable safetensors file: "
+                         f"{type(e).__name__}: {e}") from None
+
+
 class _Shard:
     """One safetensors file opened for reading; every failure names the file (and key)."""
 
     def __init__(self, file: str) -> None:
-        from safetensors import safe_open
-
         self.file = file
-        self._f: Any = None
-        try:
-            self._f = safe_open(file, framework="pt")
-            self.keys = list(self._f.keys())
-        except Exception as e:  # SafetensorError, OSError: truncated, corrupt, missing
-            raise ValueError(f"{file} is not a readable safetensors file: "
-                             f"{type(e).__name__}: {e}") from None
+        self._f, self.keys = open_safetensors(file)
 
     def header(self, key: str) -> tuple[tuple[int, ...], str]:
         try:

@@ -52,20 +52,13 @@ class _Headers:
     tensors themselves on demand."""
 
     def __init__(self, path: PathLike) -> None:
-        from safetensors import safe_open
-
-        from mstar_rt.models.checkpoint import check_once, checkpoint_files
+        from mstar_rt.models.checkpoint import check_once, checkpoint_files, open_safetensors
 
         self.files: dict[str, Any] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         seen: dict[str, str] = {}
         for file in checkpoint_files(path):
-            try:
-                f = safe_open(file, framework="pt")
-                keys = list(f.keys())
-            except Exception as e:  # SafetensorError, OSError: truncated, corrupt
-                raise ValueError(f"{file} is not a readable safetensors file: "
-                                 f"{type(e).__name__}: {e}") from None
+            f, keys = open_safetensors(file)
             for key in keys:
                 check_once(seen, key, file)
             try:

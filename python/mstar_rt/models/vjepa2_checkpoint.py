@@ -59,17 +59,12 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 
 def _safetensors_source(files: list[str], section: str, source: str) -> TensorSource:
     """The section's tensors in one safetensors file or the shards of a directory."""
-    from safetensors import safe_open
+    from mstar_rt.models.checkpoint import open_safetensors
 
     names: dict[str, tuple[Any, str]] = {}  # parameter -> (open file, key in it)
     shapes = {}
     for file in files:
-        try:
-            f = safe_open(file, framework="pt")
-            keys = list(f.keys())
-        except Exception as e:  # SafetensorError, OSError: truncated, corrupt
-            raise ValueError(f"{file} is not a readable safetensors file: {type(e).__name__}: "
-                             f"{e}") from None
+        f, keys = open_safetensors(file)
         sections = {k.split(".", 1)[0] for k in keys}
         if section and section in sections and len(sections) > 1:  # a combined file: ours
             keys = [k for k in keys if k.startswith(section + ".")]
