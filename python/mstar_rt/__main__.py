@@ -14,9 +14,10 @@ def cmake_prefix() -> pathlib.Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mstar_rt")
-    parser.add_argument("--cmake-prefix", action="store_true",
-                        help="print the CMAKE_PREFIX_PATH entry for find_package(mstar_rt CONFIG)")
-    parser.add_argument("--include-dir", action="store_true", help="print the C++ include folder")
+    one = parser.add_mutually_exclusive_group()  # both printed only the first
+    one.add_argument("--cmake-prefix", action="store_true",
+                     help="print the CMAKE_PREFIX_PATH entry for find_package(mstar_rt CONFIG)")
+    one.add_argument("--include-dir", action="store_true", help="print the C++ include folder")
     args = parser.parse_args(argv)
     if args.cmake_prefix:
         print(cmake_prefix())

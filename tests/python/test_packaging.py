@@ -63,3 +63,13 @@ def test_cpp_consumer_builds_with_find_package_against_the_installed_wheel(fresh
     # The embedded interpreter took the fresh venv, where the wheel is installed.
     assert f"via {python}" in out, out
     assert str(tmp / "venv") in out.split("embed_consumer: mstar_rt from", 1)[1], out
+
+
+def test_the_location_flags_are_one_or_the_other(capsys):
+    from mstar_rt.__main__ import main
+
+    with pytest.raises(SystemExit) as e:  # both printed the first one only
+        main(["--cmake-prefix", "--include-dir"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
+    assert main(["--include-dir"]) == 0
+    assert capsys.readouterr().out.strip().endswith("include")

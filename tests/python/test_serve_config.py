@@ -325,3 +325,19 @@ def test_a_ray_address_where_nothing_answers_fails_at_once(tmp_path, capsys):
     assert main(["serve", str(config), "--ray-address", "127.0.0.1:1"]) == 1
     assert "ray address 127.0.0.1:1: nothing answers there" in capsys.readouterr().err
     assert time.monotonic() - t0 < 30
+
+
+def test_a_key_given_twice_in_the_yaml_is_named_with_its_line(tmp_path):
+    config = tmp_path / "twice.yaml"
+    config.write_text("model: {class: 'policy:ChunkPolicyModel', path: [x]}\n"
+                      "server: {port: 8001}\n"
+                      "server: {port: 8002}\n")  # the last one won without a word
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line 3\): the key 'server' is "
+                                          "given twice"):
+        load_config(config)
+
+
+def test_a_checkpoint_with_worker_processes_is_refused_before_it_loads(tmp_path):
+    with pytest.raises(ConfigError, match="model.checkpoint: worker processes"):
+        load_config({"model": {"checkpoint": str(tmp_path)},
+                     "node_groups": [{"nodes": ["lm"], "rank": 1, "process": True}]})

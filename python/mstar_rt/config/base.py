@@ -169,6 +169,29 @@ Device = Annotated[str, BeforeValidator(_device)]
 # ---- files -------------------------------------------------------------------------------------
 
 
+def _unique_keys_loader() -> type:
+    """yaml's SafeLoader, refusing a key given twice in one mapping (two ``server:`` blocks:
+    the last one won without a word)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    hash(key)
+                except TypeError:  # a list as a key: SafeLoader's own error names it
+                    continue
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys
+
+
 def read_mapping(source: Union[str, os.PathLike, Mapping[str, Any]],
                  base_dir: Optional[str] = None) -> tuple[Mapping[str, Any], str]:
     """A parsed config and the folder its relative paths start from (the file's folder, or
@@ -181,9 +204,12 @@ def read_mapping(source: Union[str, os.PathLike, Mapping[str, Any]],
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_unique_keys_loader())
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        where = getattr(e, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{line}: {problem}") from None
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: the config must be a mapping with at least a 'model:' key")
     return raw, base_dir or str(path.resolve().parent)

@@ -278,6 +278,14 @@ class ServeConfig(ModelAndGroups):
                                             else g for g in groups]}
         return data
 
+    @model_validator(mode="after")
+    def _checkpoint_not_in_workers(self) -> "ServeConfig":
+        # for_workers refuses it too, but only once the checkpoint has loaded (minutes)
+        if self.model.checkpoint is not None and any(g.process for g in self.node_groups):
+            raise ValueError("model.checkpoint: worker processes (process: true) build the "
+                             "model from model.class; a checkpoint is not supported there")
+        return self
+
     @property
     def base_dir(self) -> str:
         return self._base_dir
