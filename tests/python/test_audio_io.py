@@ -98,16 +98,21 @@ def test_output_plays_speech_and_tone_without_underruns(devices, tmp_path):
         rec.wait_flowing()
         # 100 ms of device buffering rides out scheduling stalls on a loaded 2-core machine.
         with devices.AudioOutput(RATE, blocksize=BLOCK, pulse_sink="mstar_spk",
-                                 source_rate=sr, latency=0.1) as out:
+                                 source_rate=sr, latency=0.1, start=False) as out:
             # A producer in 40 ms chunks that keeps 250 ms queued, more than the device pulls
-            # in one burst: the ring must never run dry.
-            chunk = sr // 25
+            # in one burst: the ring must never run dry. The stream starts only once 250 ms are
+            # queued, as a player prebuffers: a fresh stream primes its device buffer in one
+            # burst within milliseconds, faster than a producer's second chunk can follow.
+            chunk, started = sr // 25, False
             for i in range(0, len(signal), chunk):
                 deadline = time.monotonic() + 5
-                while out.queued > 0.25 * RATE and time.monotonic() < deadline:
+                while started and out.queued > 0.25 * RATE and time.monotonic() < deadline:
                     time.sleep(0.005)
                 last = i + chunk >= len(signal)
                 assert out.write(signal[i: i + chunk], timeout=5, end=last) > 0
+                if not started and (out.queued > 0.25 * RATE or last):
+                    out.start()
+                    started = True
             assert out.drain(timeout=10)
             time.sleep(0.3)  # the device latency
             c = out.counters()
