@@ -15,6 +15,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from mstar_rt import RequestCancelled, RequestFailed, Runtime
 from mstar_rt.engines import SamplingParams
@@ -161,6 +162,15 @@ def test_a_worker_that_cannot_build_the_model_fails_clearly_and_leaves_nothing()
                       ready_timeout_s=0.2, progress=False)
     assert our_segments() == before
     assert wait_until(lambda: worker_children() <= children, timeout=5.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the group would start")
+def test_a_group_on_a_gpu_that_is_not_there_is_refused_by_its_worker():
+    # It ran on the CPU without a word, ten times slower than the user planned for.
+    with pytest.raises(WorkerStartError, match=r"rank 1 failed to start.*placed on device "
+                       r"'cuda:0', but this worker process .* sees no CUDA device"):
+        PlacedRuntime("placement_models:pipeline", [NodeGroup(["encoder"], rank=1,
+                                                              device="cuda:0")], progress=False)
 
 
 def test_workers_exit_and_clean_up_when_the_parent_is_killed(tmp_path):

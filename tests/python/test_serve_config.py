@@ -341,3 +341,13 @@ def test_a_checkpoint_with_worker_processes_is_refused_before_it_loads(tmp_path)
     with pytest.raises(ConfigError, match="model.checkpoint: worker processes"):
         load_config({"model": {"checkpoint": str(tmp_path)},
                      "node_groups": [{"nodes": ["lm"], "rank": 1, "process": True}]})
+
+
+@pytest.mark.parametrize("section", ["ray", "policy", "speech"])
+def test_a_section_left_empty_in_the_yaml_is_refused(tmp_path, section):
+    # a bare "ray:" read as null served without Ray, while "ray: {}" started one replica
+    config = tmp_path / "empty.yaml"
+    config.write_text(f"model: {{class: 'policy:ChunkPolicyModel', path: [x]}}\n{section}:\n")
+    with pytest.raises(ConfigError, match=f"{section}: is empty, which would leave the section "
+                                          f"out; write '{section}: {{}}'"):
+        load_config(config)

@@ -272,6 +272,10 @@ class ServeConfig(ModelAndGroups):
     @model_validator(mode="before")
     @classmethod
     def _groups_in_process(cls, data: Any) -> Any:
+        for key in ("speech", "policy", "ray"):  # YAML reads a bare "ray:" as null
+            if isinstance(data, Mapping) and key in data and data[key] is None:
+                raise KeyProblem(key, "is empty, which would leave the section out; write "
+                                      f"'{key}: {{}}' for its defaults, or remove the line")
         groups = data.get("node_groups") if isinstance(data, Mapping) else None
         if isinstance(groups, (list, tuple)):
             data = {**data, "node_groups": [{"process": False, **g} if isinstance(g, Mapping)

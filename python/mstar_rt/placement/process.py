@@ -31,6 +31,26 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def worker_device(device: str, rank: int) -> Optional[str]:
+    """Inside the worker: "cuda" when its group is placed on a GPU (the one it sees), else None.
+    A GPU asked for where this process sees none is refused: the group would otherwise run on
+    the CPU without a word (on Ray the GPU may sit on another node, so only the worker knows)."""
+    if not device.startswith("cuda"):
+        return None
+    import socket
+
+    import torch
+
+    if not torch.cuda.is_available():
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(
+            f"node group rank {rank} is placed on device '{device}', but this worker process "
+            f"(host {socket.gethostname()}, CUDA_VISIBLE_DEVICES={seen!r}) sees no CUDA device "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False); place the group "
+            "on 'cpu', or on a machine with a GPU and a CUDA build of torch")
+    return "cuda"
+
+
 def say(rank: int, text: str) -> None:
     print(f"[mstar worker rank {rank}] {text}", file=sys.stderr, flush=True)
 

@@ -34,9 +34,9 @@ from mstar_rt.placement.inline import InlineArena
 from mstar_rt.placement.mailbox import Bell, Mailbox, MailboxError, MailboxSocket
 from mstar_rt.placement.outbox import Outbox
 from mstar_rt.placement.peer_bytes import DirectEnds
+from mstar_rt.placement.process import worker_device
 from mstar_rt.placement.protocol import (PARENT_ID, TO_WORKER, TO_WORKER_HEADER, check_opens,
                                          VERSION, ProtocolError, check_header, field, int_list)
-
 
 BURST_MAX = 64  # messages taken off the socket before any of them is handled
 
@@ -98,7 +98,7 @@ class Worker:
         self.exports = self.direct.exports
         self.outbox = Outbox(sock, self.w2p, self.rank, self.gen, self.exports,
                              frozenset(cfg.get("direct") or ()), int(cfg.get("direct_bytes", 0)))
-        cuda = "cuda" if str(cfg["device"]).startswith("cuda") else None  # (its visible GPU)
+        cuda = worker_device(str(cfg["device"]), self.rank)  # (its visible GPU)
         self.decoder = Decoder(self.p2w, remote_arena=self.direct.reader, cuda=cuda)
         self.plain = Decoder(None)
         say(f"building {cfg['factory']} for nodes {cfg['nodes']} on {cfg['device']}")
