@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import traceback
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -20,6 +21,14 @@ _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 def track(runtime: Any) -> None:
     """Closes ``runtime`` at exit unless it is gone or closed by then."""
     _LIVE.add(runtime)
+
+
+def join_all(threads: list, timeout: Optional[float]) -> bool:
+    """Joins ``threads`` within ``timeout`` seconds in all (None: forever); whether all ended."""
+    end = None if timeout is None else time.monotonic() + timeout
+    for t in threads:
+        t.join(None if end is None else max(0.0, end - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 EXIT_WAIT_S = 10.0  # a node that never returns must not hold the exit forever
@@ -42,4 +51,4 @@ def _close(runtimes: list) -> None:
             traceback.print_exc()
 
 
-__all__ = ["track"]
+__all__ = ["join_all", "track"]

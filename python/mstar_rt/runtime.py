@@ -16,14 +16,14 @@ from mstar_rt import _core
 from mstar_rt.compiler import CompiledGraph, compile_graph
 from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.graph import GraphError, GraphNode
-from mstar_rt.lifetime import track
+from mstar_rt.lifetime import join_all, track
 from mstar_rt.model import (NO_DEADLINE, Model, NodeSubmodule, RequestContext, hears_stream_end,
                             node_engines, node_submodules)
 from mstar_rt.nodes import NodeRunner, NodeTable, overrides
 from mstar_rt.registry import RequestRegistry
 
-_TIMELINE_RECORD = "<IIIIqqq"
-_GATHER = threading.Lock()  # RequestHandle.result() gathering (brief; not one lock per request)  # the C++ TimelineEvent: node, walk, iteration, batch, 3 clocks
+_TIMELINE_RECORD = "<IIIIqqq"  # the C++ TimelineEvent: node, walk, iteration, batch, 3 clocks
+_GATHER = threading.Lock()  # RequestHandle.result() gathering (brief; not one lock per request)
 
 
 class RequestFailed(RuntimeError):
@@ -471,16 +471,15 @@ class Runtime:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Cancels what runs, stops the workers, joins them (after the nodes running now)."""
-        if self._closed:
-            return
-        for handle in self.requests.entries():
-            handle.cancel()
-        self._closed = True
-        self.conductor.shutdown()
-        for t in self._workers:
-            t.join()
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Cancels what runs, stops the workers, joins them (after the nodes running now);
+        False if one still runs a node after ``timeout`` seconds (it stops once that returns)."""
+        if not self._closed:
+            for handle in self.requests.entries():
+                handle.cancel()
+            self._closed = True
+            self.conductor.shutdown()
+        return join_all(self._workers, timeout)
 
     def health(self) -> Optional[str]:
         """None while the runtime can serve; else why not (closed, or :meth:`Model.health`)."""

@@ -312,6 +312,29 @@ def test_close_with_requests_in_flight_returns_cancels_them_and_joins_the_worker
     close_within(rt)  # a second close is a no-op
 
 
+def test_close_with_a_timeout_returns_while_a_node_never_returns():
+    # It joined the engine threads forever: a stop of `mstar-rt serve` hung on one stuck node.
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(d):
+        entered.set()
+        release.wait(T)
+        return {"y": d["x"]}
+
+    nodes = [GraphNode("a", ["x"], [GraphEdge(EMIT, "y")])]
+    rt = Runtime(WalkModel(nodes, {"w": "a"}, {"a": Fn(stuck)}))
+    h = rt.submit({"x": 1})
+    assert entered.wait(T)
+    t0 = time.monotonic()
+    assert rt.close(timeout=0.2) is False
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(RequestCancelled):
+        h.result(timeout=0)
+    release.set()
+    assert rt.close(timeout=T) is True
+    assert engine_threads() == []
+
+
 def test_runtime_as_context_manager_closes_on_exit():
     nodes = [GraphNode("a", ["x"], [GraphEdge(EMIT, "y")])]
     with Runtime(WalkModel(nodes, {"w": "a"}, {"a": Fn(lambda d: {"y": -d["x"]})})) as rt:

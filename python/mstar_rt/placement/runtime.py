@@ -338,14 +338,14 @@ class PlacedRuntime(Runtime):
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, timeout: Optional[float] = None) -> bool:
         """Cancels what runs, stops the engine threads, shuts every worker down (killing one
-        that does not exit within 5 s) and removes its sockets and shared memory."""
+        that does not exit within 5 s) and removes its sockets and shared memory; False if an
+        engine thread of this process still ran a node after ``timeout`` seconds."""
         if getattr(self, "_placement_closed", False):
-            return
+            return True
         self._placement_closed = True
-        if self._runtime_started:
-            super().close()
+        joined = super().close(timeout) if self._runtime_started else True
         self._closed = True
         for link in self._links.values():
             try:
@@ -362,6 +362,7 @@ class PlacedRuntime(Runtime):
             shutil.rmtree(self._workdir, ignore_errors=True)
         if self._ray_owned:
             disconnect_ray()
+        return joined
 
     def __enter__(self) -> "PlacedRuntime":
         return self

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 from mstar_rt.malloc_tuning import tune_malloc
 
+CLOSE_WAIT_S = 30.0  # after a stop: how long nodes running then may take to return
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mstar-rt", description="mstar_rt serving")
@@ -108,7 +110,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        runtime.close()
+        # a node that never returns must not keep a service manager's stop waiting forever
+        if not runtime.close(timeout=CLOSE_WAIT_S):
+            print(f"mstar-rt: a node was still running {CLOSE_WAIT_S:g} s after the stop; "
+                  "exiting without it", file=sys.stderr, flush=True)
         print("mstar-rt: stopped", flush=True)
     return 0
 
