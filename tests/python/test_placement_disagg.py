@@ -205,6 +205,16 @@ def test_cancels_racing_the_walk_change_leave_no_pages_and_hang_nothing(split):
     assert one["kv_pages_in_use"] == two["kv_pages_in_use"] == 0 and two["kv_waiting"] == 0
 
 
+def test_workers_that_moved_kv_exit_cleanly_at_close(capfd):
+    # The sender's channel thread dropped its gloo group while the worker process finalized:
+    # "terminate called without an active exception" and SIGABRT at every close.
+    with PlacedRuntime("placement_models:tiny_llama", SPLIT, progress=True) as rt:
+        run_all(rt, CASES[:2])
+        assert rt.kv_moves.moved == 2
+    err = capfd.readouterr().err
+    assert "terminate called" not in err and "killed by signal" not in err, err[-2000:]
+
+
 def test_config_form():
     config = {"model": {"class": "placement_models:tiny_llama", "args": {"num_pages": 64}},
               "node_groups": [{"nodes": ["prefill"], "rank": 1}, {"nodes": ["decode"], "rank": 2}],

@@ -257,7 +257,8 @@ class _Pair:
         self.jobs: "queue.Queue[Any]" = queue.Queue()
         self.expected: set[int] = set()  # receiver: requests whose message is still due
         self.broken: Optional[str] = None
-        threading.Thread(target=self.run, daemon=True, name=f"mstar-kv-{key}").start()
+        self.thread = threading.Thread(target=self.run, daemon=True, name=f"mstar-kv-{key}")
+        self.thread.start()
 
     def run(self) -> None:
         from mstar_rt.distributed.group import join_store
@@ -481,3 +482,10 @@ class WorkerMoves:
     def close(self) -> None:
         for p in self.pairs.values():
             p.jobs.put(None)
+        # A sender's channel is dropped as its thread ends: on a live interpreter, not while
+        # the process finalizes (its gloo group's destructor, cut short there, aborted the
+        # process: "terminate called without an active exception"). A receiver may wait in a
+        # recv for good; it holds no GIL there and never wakes.
+        for p in self.pairs.values():
+            if p.rank == 0:
+                p.thread.join(timeout=5)
