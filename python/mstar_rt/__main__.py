@@ -19,12 +19,17 @@ def main(argv: list[str] | None = None) -> int:
                      help="print the CMAKE_PREFIX_PATH entry for find_package(mstar_rt CONFIG)")
     one.add_argument("--include-dir", action="store_true", help="print the C++ include folder")
     args = parser.parse_args(argv)
-    if args.cmake_prefix:
-        print(cmake_prefix())
-    elif args.include_dir:
-        print(cmake_prefix().parent / "include")
-    else:
+    if not (args.cmake_prefix or args.include_dir):
         parser.print_help()
+        return 0
+    path = cmake_prefix() if args.cmake_prefix else cmake_prefix().parent / "include"
+    marker = path / ("mstar_rtConfig.cmake" if args.cmake_prefix else "mstar")
+    if not marker.exists():  # a source checkout on PYTHONPATH holds neither
+        print(f"python -m mstar_rt: {marker} does not exist: this mstar_rt "
+              f"({cmake_prefix().parent}) is not an installed build; install it (pip install .) "
+              "or point CMake at your build folder", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 

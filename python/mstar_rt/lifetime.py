@@ -23,6 +23,18 @@ def track(runtime: Any) -> None:
     _LIVE.add(runtime)
 
 
+class OwnThreadError(RuntimeError):
+    """close() was called on a thread it would have to join."""
+
+
+def refuse_own_thread(threads: list) -> None:
+    """A close() from one of the threads it would join (a node, an output callback) is refused
+    before anything is shut: a thread cannot join itself."""
+    if threading.current_thread() in threads:
+        raise OwnThreadError("close() was called on one of the runtime's own worker threads (from "
+                           "a node or an output callback); close it from another thread")
+
+
 def join_all(threads: list, timeout: Optional[float]) -> bool:
     """Joins ``threads`` within ``timeout`` seconds in all (None: forever); whether all ended."""
     end = None if timeout is None else time.monotonic() + timeout
@@ -51,4 +63,4 @@ def _close(runtimes: list) -> None:
             traceback.print_exc()
 
 
-__all__ = ["join_all", "track"]
+__all__ = ["OwnThreadError", "join_all", "refuse_own_thread", "track"]

@@ -16,7 +16,7 @@ from mstar_rt import _core
 from mstar_rt.compiler import CompiledGraph, compile_graph
 from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.graph import GraphError, GraphNode
-from mstar_rt.lifetime import join_all, track
+from mstar_rt.lifetime import join_all, refuse_own_thread, track
 from mstar_rt.model import (NO_DEADLINE, Model, NodeSubmodule, RequestContext, hears_stream_end,
                             node_engines, node_submodules)
 from mstar_rt.nodes import NodeRunner, NodeTable, overrides
@@ -474,6 +474,7 @@ class Runtime:
     def close(self, timeout: Optional[float] = None) -> bool:
         """Cancels what runs, stops the workers, joins them (after the nodes running now);
         False if one still runs a node after ``timeout`` seconds (it stops once that returns)."""
+        refuse_own_thread(self._workers)
         if not self._closed:
             for handle in self.requests.entries():
                 handle.cancel()

@@ -70,9 +70,27 @@ PythonModel::PythonModel(const std::string& module, const std::string& cls,
   }
 }
 
+namespace {
+bool own_thread_error(py::error_already_set& e) {
+  return e.matches(py::module_::import("mstar_rt.lifetime").attr("OwnThreadError"));
+}
+}  // namespace
+
 PythonModel::~PythonModel() {
-  close();
   py::gil_scoped_acquire gil;
+  if (!impl_->closed && impl_->runtime) {
+    impl_->closed = true;
+    try {
+      impl_->runtime.attr("close")();
+    } catch (py::error_already_set& e) {
+      // Destroyed in its own on_output: the close goes on on a thread of its own. Any other
+      // failure cannot leave a destructor.
+      try {
+        if (own_thread_error(e)) impl_->runtime.attr("close_soon")();
+      } catch (py::error_already_set&) {
+      }
+    }
+  }
   impl_->runtime = py::object();
 }
 
@@ -82,6 +100,25 @@ Request PythonModel::submit(const std::map<std::string, Tensor>& inputs, Request
   auto state = std::make_shared<Request::State>();
   state->on_output = std::move(options.on_output);
   std::weak_ptr<Impl> weak = impl_;
+  state->live_timeline = [weak](RequestId r) {
+    std::vector<NodeRun> runs;
+    auto m = weak.lock();
+    if (!m) return runs;
+    py::gil_scoped_acquire gil;
+    if (m->closed || !m->runtime) return runs;
+    try {
+      for (py::handle x : m->runtime.attr("timeline_of")(r)) {
+        auto t = x.cast<py::tuple>();
+        runs.push_back({t[0].cast<std::string>(), t[1].cast<std::string>(),
+                        t[2].cast<std::uint32_t>(), t[3].cast<std::uint32_t>(),
+                        t[4].cast<std::int64_t>(), t[5].cast<std::int64_t>(),
+                        t[6].cast<std::int64_t>()});
+      }
+    } catch (py::error_already_set& e) {
+      throw PythonError("timeline: " + python_error_text(e));
+    }
+    return runs;
+  };
   state->cancel = [weak](RequestId r) {
     auto m = weak.lock();
     if (!m) return false;
@@ -101,13 +138,18 @@ Request PythonModel::submit(const std::map<std::string, Tensor>& inputs, Request
   std::weak_ptr<Request::State> ws = state;
   py::cpp_function emit([ws](const std::string& name, const std::string& node, py::array value) {
     auto s = ws.lock();
-    if (!s) return;
-    s->push({node, name, from_numpy(value)});
-    if (s->on_output) {
+    if (s) s->push({node, name, from_numpy(value)});
+  });
+  // on_output runs from here, called once Python let go of its sink lock: a slow callback
+  // holds up its own worker only, not every other thread's submit.
+  py::object deliver = py::none();
+  if (state->on_output)
+    deliver = py::cpp_function([ws]() {
+      auto s = ws.lock();
+      if (!s) return;
       py::gil_scoped_release nogil;
       s->deliver();
-    }
-  });
+    });
   py::cpp_function end([ws](const std::string& status, const std::string& message,
                             const std::vector<std::tuple<std::string, std::string, std::uint32_t,
                                                          std::uint32_t, std::int64_t, std::int64_t,
@@ -124,7 +166,7 @@ Request PythonModel::submit(const std::map<std::string, Tensor>& inputs, Request
   try {
     state->id = impl_->runtime.attr("submit_to")(in, deadline, options.priority,
                                                         options.fail_late).cast<RequestId>();
-    impl_->runtime.attr("attach")(state->id, emit, end);
+    impl_->runtime.attr("attach")(state->id, emit, end, deliver);
   } catch (py::error_already_set& e) {
     const std::string text = python_error_text(e);
     if (e.matches(PyExc_ValueError) || e.matches(PyExc_TypeError) || e.matches(PyExc_KeyError))
@@ -137,12 +179,18 @@ Request PythonModel::submit(const std::map<std::string, Tensor>& inputs, Request
 void PythonModel::close() {
   py::gil_scoped_acquire gil;
   if (impl_->closed || !impl_->runtime) return;
-  impl_->closed = true;
   try {
     impl_->runtime.attr("close")();  // joins the workers; the join releases the GIL
   } catch (py::error_already_set& e) {
+    // from one of its own workers (on_output): refused before anything was shut, as
+    // Runtime::close() refuses it
+    if (own_thread_error(e))
+      throw std::logic_error("PythonModel::close() called from one of the model's own worker "
+                             "threads (an on_output callback); close it from another thread");
+    impl_->closed = true;
     throw PythonError("close: " + python_error_text(e));
   }
+  impl_->closed = true;
 }
 
 }  // namespace mstar

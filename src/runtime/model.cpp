@@ -8,6 +8,8 @@
 namespace mstar {
 
 Model& Model::input(std::string name, TensorSpec spec) {
+  for (const auto& [x, s] : inputs_)
+    if (x == name) throw GraphError("input '" + name + "' is declared twice; declare each input once");
   inputs_.emplace_back(std::move(name), std::move(spec));
   return *this;
 }
@@ -56,7 +58,16 @@ Model& Model::next_walk(NextWalkFn fn) {
 Model Model::load(GraphSpec ir, std::vector<std::string> inputs) {
   Model m;
   m.loaded_ = true;
-  for (auto& n : inputs) m.inputs_.emplace_back(std::move(n), TensorSpec{});
+  for (auto& n : inputs) {
+    // submit() looks each input up among the IR's values: one not there failed every request
+    if (std::find(ir.names.begin(), ir.names.end(), n) == ir.names.end()) {
+      std::string all;
+      for (const auto& x : ir.names) all += (all.empty() ? "'" : ", '") + x + "'";
+      throw GraphError("Model::load: input '" + n + "' is not a value of the IR (its values are [" +
+                       all + "]); pass the request inputs the IR was compiled with");
+    }
+    m.input(std::move(n));
+  }
   for (const NodeSpec& n : ir.nodes) {
     NodeDef d;
     d.name = n.name;
@@ -101,6 +112,16 @@ GraphSpec Model::compile() const {
     if (!n.fn && !n.batch_fn)
       throw GraphError("node '" + n.name + "' has no function; bind() one before running the model");
   if (loaded_) return loaded_ir_;
+  for (const NodeDef& n : nodes_) {
+    if (!n.stream_end_fn) continue;
+    const bool streamed = std::any_of(nodes_.begin(), nodes_.end(), [&](const NodeDef& p) {
+      return std::any_of(p.outputs.begin(), p.outputs.end(),
+                         [&](const Edge& e) { return e.streaming && e.to == n.name; });
+    });
+    if (!streamed)
+      throw GraphError("on_stream_end: node '" + n.name + "' reads no stream, so its stream never "
+                       "ends; stream an edge into it (Edge::stream) or drop the callback");
+  }
   GraphBuilder graph;
   for (const auto& [x, spec] : inputs_) graph.input(x);
   for (const NodeDef& n : nodes_)

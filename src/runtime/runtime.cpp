@@ -88,21 +88,14 @@ void NodeCall::stop(const std::string& loop_name) {
   d_->stops.push_back(it->second);
 }
 
-// ---- Request ---------------------------------------------------------------------------------
-
-const char* status_name(RequestStatus status) noexcept {
-  switch (status) {
-    case RequestStatus::running: return "running";
-    case RequestStatus::finished: return "finished";
-    case RequestStatus::failed: return "failed";
-    case RequestStatus::cancelled: return "cancelled";
-  }
-  return "?";
-}
+// ---- Runtime::Impl ---------------------------------------------------------------------------
 
 namespace {
 // The runtime (its Impl) whose worker runs on this thread, if any: close() from inside a node.
 thread_local const void* serving_runtime = nullptr;
+// A Runtime destroyed on one of its own workers (from on_output): that thread is still inside
+// the Impl's code, so it keeps the Impl alive until it exits.
+thread_local std::shared_ptr<void> outlive_until_exit;
 }  // namespace
 
 struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
@@ -123,6 +116,29 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
                            "'; mstar::Runtime has no state machine choosing a Part's walks: "
                            "serve the model with the Python Runtime, or drive the Conductor "
                            "(Conductor::choose_part)");
+  }
+
+  // Cancels every request, stops the Conductor and joins the workers; the calling thread, when
+  // it is one of them (the destructor in on_output), is detached instead and exits on its own.
+  void shut() {
+    if (closed.exchange(true)) return;
+    std::vector<RequestId> live;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (const auto& [r, s] : requests) live.push_back(r);
+    }
+    for (RequestId r : live) {
+      bool ok = false;
+      cancel(r, &ok);
+    }
+    conductor.shutdown();
+    for (auto& t : workers) {
+      if (t.get_id() == std::this_thread::get_id())
+        t.detach();
+      else
+        t.join();
+    }
+    workers.clear();
   }
 
   void start() {
@@ -388,61 +404,6 @@ struct Runtime::Impl : std::enable_shared_from_this<Runtime::Impl> {
   }
 };
 
-RequestId Request::id() const noexcept { return state_->id; }
-
-bool Request::next(Output* out, std::chrono::nanoseconds timeout) {
-  std::unique_lock<std::mutex> lock(state_->mu);
-  auto ready = [&] { return !state_->outputs.empty() || state_->status != RequestStatus::running; };
-  if (timeout == std::chrono::nanoseconds::max())
-    state_->changed.wait(lock, ready);
-  else
-    state_->changed.wait_for(lock, timeout, ready);
-  if (state_->outputs.empty()) return false;
-  *out = std::move(state_->outputs.front());
-  state_->outputs.pop_front();
-  return true;
-}
-
-RequestStatus Request::wait(std::chrono::nanoseconds timeout) {
-  std::unique_lock<std::mutex> lock(state_->mu);
-  auto over = [&] { return state_->status != RequestStatus::running; };
-  if (timeout == std::chrono::nanoseconds::max())
-    state_->changed.wait(lock, over);
-  else
-    state_->changed.wait_for(lock, timeout, over);
-  return state_->status;
-}
-
-std::map<std::string, std::vector<Tensor>> Request::result() {
-  const RequestStatus status = wait();
-  std::lock_guard<std::mutex> lock(state_->mu);
-  if (status != RequestStatus::finished) throw RequestError(status, state_->error);
-  std::map<std::string, std::vector<Tensor>> out;
-  for (Output& o : state_->outputs) out[o.name].push_back(std::move(o.value));
-  state_->outputs.clear();
-  return out;
-}
-
-bool Request::cancel() { return state_->cancel ? state_->cancel(state_->id) : false; }
-
-RequestStatus Request::status() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->status;
-}
-
-std::string Request::error() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->error;
-}
-
-std::vector<NodeRun> Request::timeline() const {
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    if (state_->status != RequestStatus::running) return state_->timeline;
-  }
-  return state_->live_timeline ? state_->live_timeline(state_->id) : std::vector<NodeRun>{};
-}
-
 // ---- Runtime ---------------------------------------------------------------------------------
 
 Runtime::Runtime(Model model, RuntimeOptions options)
@@ -450,7 +411,14 @@ Runtime::Runtime(Model model, RuntimeOptions options)
   impl_->start();
 }
 
-Runtime::~Runtime() { close(); }
+Runtime::~Runtime() {
+  if (serving_runtime == impl_.get()) {  // destroyed in its own on_output: a worker cannot join itself
+    impl_->shut();
+    outlive_until_exit = impl_;
+    return;
+  }
+  close();
+}
 
 const GraphSpec& Runtime::graph() const noexcept { return impl_->ir; }
 
@@ -503,9 +471,19 @@ Request Runtime::submit(const std::map<std::string, Tensor>& inputs, RequestOpti
   {
     std::lock_guard<std::mutex> lock(m.mu);  // the state must be known before a worker reports
     std::vector<NamedHandle> handles;
-    for (const auto& [name, value] : inputs) handles.push_back({m.name_ids.at(name), m.put_locked(value)});
     Outcome o;
-    state->id = m.conductor.submit(m.initial_walk, handles, so, &o);
+    try {  // a refused submit leaves none of its inputs in the store
+      for (const auto& [name, value] : inputs) {
+        const auto id = m.name_ids.find(name);
+        if (id == m.name_ids.end())
+          throw std::invalid_argument("submit: input '" + name + "' is not a value of the graph");
+        handles.push_back({id->second, m.put_locked(value)});
+      }
+      state->id = m.conductor.submit(m.initial_walk, handles, so, &o);
+    } catch (...) {
+      for (const NamedHandle& h : handles) m.store.erase(h.handle);
+      throw;
+    }
     m.requests[state->id] = state;
     if (state->fail_late) m.fail_late_live.fetch_add(1);
     m.submitted.fetch_add(1);
@@ -522,19 +500,7 @@ void Runtime::close() {
   if (serving_runtime == &m)
     throw std::logic_error("Runtime::close() called from one of this runtime's own worker threads "
                            "(a node, next_walk or on_output callback); close it from another thread");
-  if (m.closed.exchange(true)) return;
-  std::vector<RequestId> live;
-  {
-    std::lock_guard<std::mutex> lock(m.mu);
-    for (const auto& [r, s] : m.requests) live.push_back(r);
-  }
-  for (RequestId r : live) {
-    bool ok = false;
-    m.cancel(r, &ok);
-  }
-  m.conductor.shutdown();
-  for (auto& t : m.workers) t.join();
-  m.workers.clear();
+  m.shut();
 }
 
 RuntimeStats Runtime::stats() const {

@@ -3,7 +3,10 @@
 // sanitizers: libpython and numpy are not instrumented (see tests/cpp/CMakeLists.txt).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include "mstar/embed.hpp"
@@ -122,7 +125,101 @@ TEST(EmbedModel, LoadErrorsNameWhatFailed) {
   } catch (const mstar::PythonError& e) {
     EXPECT_NE(std::string(e.what()).find("colour"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(PythonModel("no_such_module_xyz", "M"), mstar::PythonError);
+  try {  // in a C++ caller's words, not the YAML config's (model.class, model.path)
+    PythonModel m("no_such_module_xyz", "M");
+    FAIL();
+  } catch (const mstar::PythonError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("put its folder in PythonConfig::paths or $PYTHONPATH"), std::string::npos) << what;
+    EXPECT_EQ(what.find("model.path"), std::string::npos) << what;
+  }
+}
+
+TEST(EmbedModel, AFailLateRequestThatCannotMakeItComesBackFailedNotThrown) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 1, "delay_s": 0.2})");
+  for (int i = 0; i < 2; ++i)  // the Conductor learns how long count takes
+    ASSERT_EQ(model.submit({{"x", Tensor::from<float>({1}, {1})}}).wait(30s), RequestStatus::finished);
+  for (int k = 0; k < 2; ++k) {
+    auto busy = model.submit({{"x", Tensor::from<float>({1}, {1})}});
+    mstar::Output y;
+    ASSERT_TRUE(busy.next(&y, 30s));  // scale ran: its 200 ms count starts, ahead of r's
+    std::this_thread::sleep_for(50ms);  // (started: r's count cannot join its batch)
+    mstar::RequestOptions opt;
+    opt.deadline = 50ms;
+    opt.fail_late = true;
+    mstar::Request r = model.submit({{"x", Tensor::from<float>({1}, {1})}}, opt);  // threw
+    EXPECT_EQ(r.wait(30s), RequestStatus::failed);
+    EXPECT_NE(r.error().find("deadline cannot be met"), std::string::npos) << r.error();
+    EXPECT_EQ(busy.wait(30s), RequestStatus::finished);
+  }
+  // nothing of theirs is left waiting for a C++ sink on the Python side
+  mstar::PythonInterpreter::exec(
+      "import gc\nfrom mstar_rt.embed import EmbeddedRuntime\n"
+      "left = [len(o._pending) for o in gc.get_objects() if isinstance(o, EmbeddedRuntime) "
+      "and not o.closed]\nassert left == [0], left\n");
+}
+
+TEST(EmbedModel, ASlowOutputCallbackHoldsUpNoOtherSubmit) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 1})");
+  std::atomic<bool> inside{false};
+  mstar::RequestOptions opt;
+  opt.on_output = [&](mstar::RequestId, const mstar::Output&) {
+    inside = true;
+    std::this_thread::sleep_for(800ms);
+  };
+  auto slow = model.submit({{"x", Tensor::from<float>({1}, {1})}}, opt);
+  while (!inside) std::this_thread::sleep_for(1ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto quick = model.submit({{"x", Tensor::from<float>({1}, {1})}});  // took the 800 ms
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 400ms);
+  EXPECT_EQ(slow.wait(30s), RequestStatus::finished);
+  EXPECT_EQ(quick.wait(30s), RequestStatus::finished);
+}
+
+TEST(EmbedModel, ARunningRequestsTimelineShowsItsNodesSoFar) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 50, "delay_s": 0.01})");
+  auto r = model.submit({{"x", Tensor::from<float>({1}, {1})}});
+  mstar::Output out;
+  ASSERT_TRUE(r.next(&out, 30s));
+  ASSERT_TRUE(r.next(&out, 30s));  // a step: scale has run
+  const auto runs = r.timeline();  // was always empty while it ran
+  ASSERT_FALSE(runs.empty());
+  EXPECT_EQ(runs.front().node, "scale");
+  EXPECT_EQ(runs.front().walk, "main");
+  r.cancel();
+}
+
+TEST(EmbedModel, CloseInItsOwnCallbackIsRefusedAndDestroyingItThereIsSafe) {
+  PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 1})");
+  std::string refused;
+  mstar::RequestOptions opt;
+  opt.on_output = [&](mstar::RequestId, const mstar::Output&) {
+    if (!refused.empty()) return;
+    try {
+      model.close();
+      refused = "closed";
+    } catch (const std::logic_error& e) {
+      refused = e.what();
+    }
+  };
+  EXPECT_EQ(model.submit({{"x", Tensor::from<float>({1}, {1})}}, opt).wait(30s), RequestStatus::finished);
+  EXPECT_NE(refused.find("from one of the model's own worker threads"), std::string::npos) << refused;
+  // it closed nothing (it had marked the model closed): the model still serves
+  EXPECT_EQ(model.submit({{"x", Tensor::from<float>({1}, {1})}}).wait(30s), RequestStatus::finished);
+
+  // The owner drops the model in its output callback: the process aborted (a throwing destructor).
+  auto owned = std::make_unique<PythonModel>(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 3})");
+  std::mutex mu;
+  mstar::RequestOptions drop;
+  drop.on_output = [&](mstar::RequestId, const mstar::Output&) {
+    std::lock_guard<std::mutex> lock(mu);
+    owned.reset();
+  };
+  auto r = owned->submit({{"x", Tensor::from<float>({1}, {1})}}, drop);
+  const auto status = r.wait(30s);
+  EXPECT_NE(status, RequestStatus::running);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(owned, nullptr);
 }
 
 }  // namespace

@@ -59,6 +59,18 @@ def test_serving_placement_and_embed_build_the_model_through_one_resolver(monkey
         rt.close()
 
 
+def test_a_model_file_named_like_a_loaded_module_does_not_replace_it(tmp_path):
+    import json
+    import sys
+
+    # json.py took sys.modules["json"] for the whole process: json.dumps was gone
+    (tmp_path / "json.py").write_text((ROOT / "examples/robot/policy.py").read_text())
+    factory = resolve_factory(f"{tmp_path / 'json.py'}:ChunkPolicyModel")
+    assert sys.modules["json"] is json and json.dumps({"a": 1}) == '{"a": 1}'
+    assert factory.__module__.startswith("mstar_model_json_")
+    assert resolve_factory(f"{tmp_path / 'json.py'}:ChunkPolicyModel") is factory  # reused
+
+
 def test_a_factory_that_refuses_its_args_is_a_config_error_but_its_own_bugs_are_not():
     with pytest.raises(ConfigError, match=r"model\.args: policy:ChunkPolicyModel rejected them"):
         build_model(_serve(model={**ROBOT, "args": {"layers": 3}}))

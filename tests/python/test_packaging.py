@@ -65,11 +65,17 @@ def test_cpp_consumer_builds_with_find_package_against_the_installed_wheel(fresh
     assert str(tmp / "venv") in out.split("embed_consumer: mstar_rt from", 1)[1], out
 
 
-def test_the_location_flags_are_one_or_the_other(capsys):
-    from mstar_rt.__main__ import main
+def test_the_location_flags_are_one_or_the_other(capsys, tmp_path, monkeypatch):
+    import mstar_rt.__main__ as cli
 
     with pytest.raises(SystemExit) as e:  # both printed the first one only
-        main(["--cmake-prefix", "--include-dir"])
+        cli.main(["--cmake-prefix", "--include-dir"])
     assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
-    assert main(["--include-dir"]) == 0
-    assert capsys.readouterr().out.strip().endswith("include")
+    monkeypatch.setattr(cli, "cmake_prefix", lambda: tmp_path / "mstar_rt" / "cmake")
+    # a source checkout on PYTHONPATH: the paths printed did not exist, exit 0, and CMake then
+    # failed without a reason
+    assert cli.main(["--include-dir"]) == 1
+    assert "is not an installed build; install it (pip install .)" in capsys.readouterr().err
+    (tmp_path / "mstar_rt" / "include" / "mstar").mkdir(parents=True)
+    assert cli.main(["--include-dir"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "mstar_rt" / "include")

@@ -61,7 +61,9 @@ class PythonModel {
   /// a config the constructor rejects, a graph error).
   PythonModel(const std::string& module, const std::string& cls,
               const std::string& config_json = "{}", PythonConfig config = {});
-  ~PythonModel();  ///< close()
+  /// close(); destroyed in its own on_output callback, it lets the close finish on a thread of
+  /// its own (a thread cannot join itself). Never throws.
+  ~PythonModel();
   PythonModel(const PythonModel&) = delete;
   PythonModel& operator=(const PythonModel&) = delete;
 
@@ -69,9 +71,12 @@ class PythonModel {
   std::vector<std::string> inputs() const;
   /// Starts a request; inputs are copied into numpy arrays. Throws std::invalid_argument when
   /// the model refuses them (unknown or missing names, its validate_inputs), std::logic_error
-  /// after close(). options.on_output runs on a Python worker thread, without the GIL.
+  /// after close(). options.on_output runs on a Python worker thread, without the GIL or any
+  /// lock of the model's. A fail_late request whose deadline cannot be met comes back failed
+  /// ("deadline cannot be met: ..."), as from Runtime::submit.
   Request submit(const std::map<std::string, Tensor>& inputs, RequestOptions options = {});
-  /// Cancels running requests and stops the Python Runtime's workers.
+  /// Cancels running requests and stops the Python Runtime's workers. Called from one of its own
+  /// worker threads (on_output) it throws std::logic_error and closes nothing.
   void close();
 
   struct Impl;

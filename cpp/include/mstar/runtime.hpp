@@ -100,7 +100,8 @@ class Request {
   std::vector<NodeRun> timeline() const;  ///< every node execution so far
 
   struct State;
-  Request(std::shared_ptr<State> state) : state_(std::move(state)) {}  // NOLINT
+  /// What a server makes (Runtime::submit, PythonModel::submit); throws on a null state.
+  explicit Request(std::shared_ptr<State> state);
 
  private:
   std::shared_ptr<State> state_;
@@ -123,7 +124,8 @@ class Runtime {
  public:
   /// Compiles `model` (throws GraphError) and starts the workers.
   explicit Runtime(Model model, RuntimeOptions options = {});
-  /// Cancels what still runs and joins the workers.
+  /// Cancels what still runs and joins the workers; destroyed in its own on_output callback, it
+  /// stops them and the calling worker exits once the callback returns. Never throws.
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;

@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import re
 import sys
+import zlib
 from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar, Mapping, Optional, Sequence
 
@@ -172,6 +173,10 @@ def _import(module: str, base_dir: str) -> Any:
     loaded = sys.modules.get(name)
     if loaded is not None and getattr(loaded, "__file__", None) == str(path):
         return loaded
+    if loaded is not None:  # another module has that name (json.py): never replace it
+        name = f"mstar_model_{name}_{zlib.crc32(str(path).encode()):08x}"
+        if name in sys.modules:
+            return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

@@ -3,7 +3,8 @@
 The C++ library (cpp/include/mstar/embed.hpp) calls :func:`load` to build the model and its
 :class:`EmbeddedRuntime`, then, per request, :meth:`EmbeddedRuntime.submit_to` and
 :meth:`EmbeddedRuntime.attach` with two C++ callables: ``emit(name, node, array)`` for every EMIT
-output, in order, and ``end(status, message, timeline)`` once. Values are handed over as C-contiguous numpy arrays; C++ copies them.
+output, in order, and ``end(status, message, timeline)`` once. Values are handed over as
+C-contiguous numpy arrays; C++ copies them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from mstar_rt.config import ModelSpec
-from mstar_rt.config.errors import FactoryNotFound
+from mstar_rt.config.errors import ConfigError, FactoryNotFound
 from mstar_rt.model import Model
-from mstar_rt.runtime import RequestCancelled, RequestHandle, Runtime
+from mstar_rt.runtime import DeadlineExceeded, RequestCancelled, RequestHandle, Runtime
 
 __all__ = ["EmbeddedRuntime", "load", "to_array"]
 
@@ -55,14 +56,27 @@ def load(module: str, cls: str, config_json: str = "{}") -> "EmbeddedRuntime":
         model = ModelSpec(f"{module}:{cls}", config).build()
     except FactoryNotFound:  # C++ callers name a class; say it in their words
         raise AttributeError(f"module {module} has no class {cls!r}") from None
+    except ConfigError as e:  # worded for a YAML config: say it in a C++ caller's words
+        text = str(e).replace("model.class: ", "").replace("model.args: ", "config_json: ")
+        text = text.replace("add its folder to model.path",
+                            "put its folder in PythonConfig::paths or $PYTHONPATH")
+        kind = next((t for t in (FileNotFoundError, ImportError, TypeError) if isinstance(e, t)),
+                    ValueError)  # the builtin C++ (and older callers) tell apart
+        raise kind(text) from None
     return EmbeddedRuntime(model)
+
+
+def _timeline(handle: RequestHandle) -> list[tuple]:
+    """The request's node executions as C++ NodeRun fields (nanoseconds)."""
+    return [(r["node"], r["walk"], r["iteration"], r["batch_size"], int(r["queued"] * 1e9),
+             int(r["started"] * 1e9), int(r["finished"] * 1e9)) for r in handle.stats()]
 
 
 class EmbeddedRuntime(Runtime):
     """A Runtime whose request outputs also go to C++ callables, in order."""
 
     def __init__(self, model: Model, **kw: Any) -> None:
-        self._sinks: dict[int, tuple[Callable, Callable]] = {}
+        self._sinks: dict[int, tuple[Callable, Callable, Optional[Callable]]] = {}
         # Outputs and ends of requests submit_to returned but attach has not wired up yet.
         self._pending: dict[int, list] = {}
         self._sink_lock = threading.RLock()
@@ -81,24 +95,47 @@ class EmbeddedRuntime(Runtime):
         """
         with self._sink_lock:
             self._submitting = threading.get_ident()
+            before = set(self._pending)
             try:
                 rid = self.submit(inputs, deadline=deadline, priority=priority,
                                   fail_late=fail_late).id
+            except DeadlineExceeded as e:
+                # refused at once: a failed request, as the C++ Runtime returns, whose end
+                # waits in _pending for attach (it was left there for good)
+                new = [r for r in self._pending if r not in before]
+                if not (e.refused and len(new) == 1):
+                    raise
+                rid = new[0]
             finally:
                 self._submitting = None
             self._pending.setdefault(rid, [])
             return rid
 
-    def attach(self, rid: int, emit: Callable, end: Callable) -> None:
-        """Sends the request's outputs (those so far, then the rest as they come) and its end."""
+    def attach(self, rid: int, emit: Callable, end: Callable,
+               deliver: Optional[Callable] = None) -> None:
+        """Sends the request's outputs (those so far, then the rest as they come) and its end.
+        ``emit`` only queues an output; ``deliver`` (C++'s on_output, when set) is called after
+        the sink lock is let go, so a slow callback holds up no other request's submit."""
         with self._sink_lock:
-            self._sinks[rid] = (emit, end)
+            self._sinks[rid] = (emit, end, deliver)
             for event in self._pending.pop(rid, []):
                 self._forward(rid, event)
+        if deliver is not None:
+            deliver()
 
     def cancel_request(self, rid: int) -> bool:
         handle = self.requests.get(rid)
         return handle.cancel() if handle is not None else False
+
+    def timeline_of(self, rid: int) -> list[tuple]:
+        """A running request's node executions so far (Request::timeline)."""
+        handle = self.requests.get(rid)
+        return _timeline(handle) if handle is not None else []
+
+    def close_soon(self) -> None:
+        """Closes on a thread of its own: C++ destroyed the model on one of its workers (in an
+        output callback), which cannot join itself."""
+        threading.Thread(target=self.close, name="mstar-embed-close", daemon=True).start()
 
     def _forward(self, rid: int, event: tuple) -> None:
         sink = self._sinks.get(rid)
@@ -129,6 +166,10 @@ class EmbeddedRuntime(Runtime):
             with self._sink_lock:
                 for rid, name, value, *_ in emits:
                     self._forward(rid, ("emit", name, "", value))
+                calls = {rid: self._sinks[rid][2] for rid, *_ in emits if rid in self._sinks}
+            for deliver in calls.values():  # before the request's end, on this same thread
+                if deliver is not None:
+                    deliver()
         super().report(outcome)
 
     def ended(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
@@ -139,7 +180,5 @@ class EmbeddedRuntime(Runtime):
             status, message = "cancelled", str(error)
         else:
             status, message = "failed", str(error)
-        timeline = [(r["node"], r["walk"], r["iteration"], r["batch_size"], int(r["queued"] * 1e9),
-                     int(r["started"] * 1e9), int(r["finished"] * 1e9)) for r in handle.stats()]
         with self._sink_lock:
-            self._forward(rid, ("end", status, message, timeline))
+            self._forward(rid, ("end", status, message, _timeline(handle)))
