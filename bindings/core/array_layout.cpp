@@ -29,13 +29,18 @@ ItemLayout::ItemLayout(const py::object& dtype_like, std::vector<py::ssize_t> it
   if (dtype.attr("hasobject").cast<bool>())
     throw py::type_error("streams hold raw bytes: dtype " + py::str(dtype).cast<std::string>() +
                          " contains Python objects; use a numeric or fixed-size dtype");
-  std::size_t elements = 1;
+  // (checked here, not at the first pop: the views have one dimension more)
+  if (shape.size() > 15) throw py::value_error("items may have at most 15 dimensions");
+  std::size_t bytes = static_cast<std::size_t>(dtype.itemsize());
   for (py::ssize_t d : shape) {
     if (d <= 0) throw py::value_error("item_shape " + shape_str(shape.data(), shape.size()) +
                                       " must have positive dimensions");
-    elements *= static_cast<std::size_t>(d);
+    // a wrapped product made 4-byte items of (2^63-1, 2^63-1), then a segfault
+    if (__builtin_mul_overflow(bytes, static_cast<std::size_t>(d), &bytes) || bytes > (SIZE_MAX >> 2))
+      throw py::value_error("item_shape " + shape_str(shape.data(), shape.size()) +
+                            " is too large: one item would not fit in memory");
   }
-  item_bytes = elements * static_cast<std::size_t>(dtype.itemsize());
+  item_bytes = bytes;
   if (item_bytes == 0) throw py::value_error("items must be at least one byte");
 }
 

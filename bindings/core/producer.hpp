@@ -65,8 +65,10 @@ inline py::array reserve_view(SpscRing& ring, const ItemLayout& layout, Producer
                               std::size_t max_count, py::handle owner) {
   require_open(ring, "reserve");
   const WriteRegion region = ring.reserve(max_count);
+  // reserved only once the view exists: a view that failed let commit() publish unwritten slots
+  py::array view = layout.view(region.data, region.count, owner, /*writable=*/true);
   state.reserved = region.count;
-  return layout.view(region.data, region.count, owner, /*writable=*/true);
+  return view;
 }
 
 inline void commit_reserved(SpscRing& ring, ProducerState& state, std::size_t count) {

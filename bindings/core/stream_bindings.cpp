@@ -15,6 +15,17 @@ class PyChunk {
  public:
   PyChunk(py::object owner, PyStreamBuffer* buffer, const ChunkView& view, std::uint64_t serial)
       : owner_(std::move(owner)), buffer_(buffer), view_(view), serial_(serial) {}
+  // A chunk dropped unreleased (its consumer raised) wedged the buffer: nothing was left to
+  // release it. Its views keep it alive (they are based on it), so this runs once none is left.
+  ~PyChunk() { release(); }
+  PyChunk(PyChunk&& o) noexcept  // (into its Python object: the moved-from one releases nothing)
+      : owner_(std::move(o.owner_)), buffer_(o.buffer_), view_(o.view_), serial_(o.serial_),
+        released_(o.released_) {
+    o.released_ = true;
+  }
+  PyChunk(const PyChunk&) = delete;
+  PyChunk& operator=(const PyChunk&) = delete;
+  PyChunk& operator=(PyChunk&&) = delete;
 
   py::array data();
   py::array fresh() {
@@ -32,7 +43,6 @@ class PyChunk {
   ChunkView view_;
   std::uint64_t serial_;
   bool released_ = false;
-  py::object data_;
 };
 
 class PyStreamBuffer {
@@ -131,14 +141,15 @@ py::array PyChunk::data() {
   if (released_)
     throw std::logic_error("chunk " + std::to_string(view_.chunk.index) +
                            " was released; its items may already be overwritten");
-  if (!data_) data_ = buffer_->layout().view(view_.data, view_.chunk.size(), owner_, false);
-  return py::reinterpret_borrow<py::array>(data_);
+  // based on the chunk, not the buffer: the chunk (and its place in the ring) is held while a
+  // view of it lives; not cached here, as that would be a cycle Python cannot collect
+  return buffer_->layout().view(view_.data, view_.chunk.size(),
+                                   py::cast(this, py::return_value_policy::reference), false);
 }
 
 void PyChunk::release() {
   if (released_) return;
   released_ = true;
-  data_ = py::object();
   buffer_->release_chunk(serial_);
 }
 
@@ -160,7 +171,8 @@ Fixed, SlidingWindow, LeftContext or Ramp.)doc")
 
   py::class_<PyChunk>(m, "Chunk", R"doc(
 A ready chunk: items [begin, end) of the stream, of which [new_begin, end) are new. `data` and
-`new` are read-only views into the ring (no copy), valid until release().)doc")
+`new` are read-only views into the ring (no copy), valid until release(); a chunk dropped
+unreleased is released once neither it nor a view of it is left.)doc")
       .def_property_readonly("data", &PyChunk::data)
       .def_property_readonly("new", &PyChunk::fresh)
       .def_property_readonly("begin", [](PyChunk& c) { return c.chunk().begin; })

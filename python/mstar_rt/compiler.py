@@ -34,6 +34,7 @@ from mstar_rt.graph import (
     Sequential,
     StreamingGraphEdge,
 )
+from mstar_rt.model import Model, NodeSubmodule, hears_stream_end, node_engines, node_submodules
 
 
 @dataclass
@@ -234,3 +235,29 @@ def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
     compiled = CompiledGraph.of(builder.compile())
     compiled.parts = parts
     return compiled
+
+
+def _submodule_batch(sub: NodeSubmodule) -> Any:
+    """A submodule's max_batch, below 1 taken for 1; what is no integer goes as it is, for
+    compile_graph to refuse naming the node."""
+    value = getattr(sub, "max_batch", 1)
+    try:
+        return max(1, int(value))
+    except (TypeError, ValueError, OverflowError):
+        return value
+
+
+def compile_model(model: Model) -> CompiledGraph:
+    """Validates the model's graph and walks (GraphError on problems) and builds the IR."""
+    for n in model.nodes:
+        if not isinstance(n, GraphNode):
+            raise GraphError(f"{n!r} in {type(model).__name__}.nodes is not a GraphNode")
+    subs = node_submodules(model)
+    missing = [n.name for n in model.nodes if n.name not in subs]
+    if missing:
+        raise ValueError(f"model {type(model).__name__} has no submodule for nodes {missing}; "
+                         "give each GraphNode its submodule (GraphNode(..., submodule=...))")
+    batch = {n: _submodule_batch(s) for n, s in subs.items()}
+    batch.update({n.name: n.max_batch for n in model.nodes if n.max_batch is not None})
+    return compile_graph(model.nodes, model.walks, model.inputs, node_engines(model), batch,
+                         frozenset(n for n, s in subs.items() if hears_stream_end(s)))

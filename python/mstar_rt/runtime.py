@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import queue
@@ -13,12 +14,10 @@ import weakref
 from typing import Any, Iterator, Mapping, Optional
 
 from mstar_rt import _core
-from mstar_rt.compiler import CompiledGraph, compile_graph
+from mstar_rt.compiler import compile_model
 from mstar_rt.engines.base import Engine, StatelessEngine
-from mstar_rt.graph import GraphError, GraphNode
 from mstar_rt.lifetime import join_all, refuse_own_thread, track
-from mstar_rt.model import (NO_DEADLINE, Model, NodeSubmodule, RequestContext, hears_stream_end,
-                            node_engines, node_submodules)
+from mstar_rt.model import NO_DEADLINE, Model, NodeSubmodule, RequestContext
 from mstar_rt.nodes import NodeRunner, NodeTable, overrides
 from mstar_rt.registry import RequestRegistry
 
@@ -56,32 +55,6 @@ def _deadline_ns(deadline: float) -> int:
     if deadline <= -now / 1e9:
         return 0
     return now + int(deadline * 1e9)
-
-
-def _max_batch(sub: NodeSubmodule) -> Any:
-    """A submodule's max_batch, below 1 taken for 1; what is no integer goes as it is, for
-    compile_graph to refuse naming the node."""
-    value = getattr(sub, "max_batch", 1)
-    try:
-        return max(1, int(value))
-    except (TypeError, ValueError, OverflowError):
-        return value
-
-
-def compile_model(model: Model) -> CompiledGraph:
-    """Validates the model's graph and walks (GraphError on problems) and builds the IR."""
-    for n in model.nodes:
-        if not isinstance(n, GraphNode):
-            raise GraphError(f"{n!r} in {type(model).__name__}.nodes is not a GraphNode")
-    subs = node_submodules(model)
-    missing = [n.name for n in model.nodes if n.name not in subs]
-    if missing:
-        raise ValueError(f"model {type(model).__name__} has no submodule for nodes {missing}; "
-                         "give each GraphNode its submodule (GraphNode(..., submodule=...))")
-    batch = {n: _max_batch(s) for n, s in subs.items()}
-    batch.update({n.name: n.max_batch for n in model.nodes if n.max_batch is not None})
-    return compile_graph(model.nodes, model.walks, model.inputs, node_engines(model), batch,
-                         frozenset(n for n, s in subs.items() if hears_stream_end(s)))
 
 
 class RequestHandle:
@@ -122,6 +95,11 @@ class RequestHandle:
         self._error = error
         self._timeline = timeline
         self._finished = True
+        if isinstance(error, RequestCancelled):  # a barge-in: what it made is unwanted, and
+            self._emitted = {}  # was yielded after the cancel (stale audio played on)
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self._events.get_nowait()
         self._latch.release()
         self._events.put(None)
 

@@ -39,7 +39,10 @@ SpscRing::SpscRing(std::size_t item_size, std::size_t capacity, Overflow overflo
                                 ") must not exceed capacity (" + std::to_string(capacity) + ")");
   // Cache-line aligned so slot 0 does not share a line with anything else; zeroed so that a
   // reader of never-written memory (a bug) sees zeros, not garbage.
-  const std::size_t bytes = (capacity + mirror) * item_size;
+  std::size_t bytes = 0;  // 2^62 items wrapped to a 0-byte buffer, then a double free
+  if (__builtin_mul_overflow(capacity + mirror, item_size, &bytes) || bytes > (SIZE_MAX >> 2))
+    throw std::length_error("SpscRing: " + std::to_string(capacity) + " items of " +
+                            std::to_string(item_size) + " bytes do not fit in memory");
   const std::size_t rounded = (bytes + kLine - 1) / kLine * kLine;
   buf_ = static_cast<std::byte*>(::operator new(rounded, std::align_val_t{kLine}));
   std::memset(buf_, 0, rounded);

@@ -81,6 +81,12 @@ TEST(SpscRingConstruction, RejectsMirrorLargerThanCapacity) {
   EXPECT_NO_THROW(SpscRing(8, 8, Overflow::block, 8));
 }
 
+TEST(SpscRingConstruction, RejectsASizeThatWrapsAround) {
+  // 2^62 items of 4 bytes wrapped to a 0-byte buffer, and the first push corrupted the heap
+  EXPECT_THROW(SpscRing(4, std::size_t{1} << 62), std::length_error);
+  EXPECT_THROW(SpscRing(std::size_t{1} << 40, std::size_t{1} << 30), std::length_error);
+}
+
 TEST(SpscRingConstruction, ReportsItsParametersAndStorageSize) {
   SpscRing ring(12, 16, Overflow::drop_oldest, 5);
   EXPECT_EQ(ring.item_size(), 12u);

@@ -262,3 +262,21 @@ def test_resampler_24k_to_48k_keeps_frequency_and_is_seamless():
     assert np.abs(np.diff(steady)).max() < 1.05 * max_step  # no discontinuity anywhere
     ideal = 0.5 * np.sin(2 * np.pi * f * np.arange(len(whole)) / 48000)  # no delay to undo
     assert np.abs(whole - ideal)[100:-100].max() < 0.01
+
+
+@pytest.mark.parametrize("rates", [(float("nan"), 24000), (16000, float("inf")), (1e-9, 16000),
+                                   (0, 16000), ("16000", 24000)])
+def test_resampler_refuses_rates_that_are_not_hz(rates):
+    # NaN and inf hung inside soxr, deaf to Ctrl-C; 1e-9 died of std::bad_alloc
+    with pytest.raises(ValueError, match="rates must be numbers of Hz"):
+        Resampler(*rates)
+
+
+def test_resampler_refuses_integer_pcm_and_odd_shapes():
+    r = Resampler(16000, 24000)
+    # int16 came out at full-scale values: 32767 where 1.0 was meant
+    with pytest.raises(TypeError, match=r"float samples in \[-1, 1\], got int16.*x / 32768"):
+        r.process(np.zeros(160, np.int16))
+    with pytest.raises(ValueError, match=r"\[n\] or \[n, channels\] samples, got shape \[\]"):
+        r.process(np.float32(1))
+    assert r.process(np.zeros(160, np.float64), last=True).dtype == np.float32

@@ -122,6 +122,22 @@ def test_in_process_refusals_reach_python_callers_and_the_placement_planner():
         make_plan(pm.pipeline(), [planned])
 
 
+def test_tp_size_in_the_model_args_beside_worker_processes_is_refused_before_any_build():
+    # Every process built a tensor-parallel group of its own; a split KV engine then failed
+    # every request, and the parent's group outlived close().
+    from mstar_rt.placement import PlacedRuntime
+
+    needle = r"model: args.tp_size 2 beside worker processes .* give the LM's node group tp_size"
+    lm = {"class": "placement_models:checkpoint_lm", "args": {"path": "x", "tp_size": 2}}
+    split = [{"nodes": ["prefill"], "rank": 1}, {"nodes": ["decode"], "rank": 2}]
+    with pytest.raises(ConfigError, match=needle):
+        read_placement({"model": lm, "node_groups": split})
+    with pytest.raises(ConfigError, match=needle):
+        load_config({"model": lm, "node_groups": [{**g, "process": True} for g in split]})
+    with pytest.raises(ConfigError, match=needle):  # nothing is built: "x" is no checkpoint
+        PlacedRuntime(ModelSpec(lm["class"], lm["args"]), [NodeGroup(["prefill"], rank=1)])
+
+
 def test_constructor_errors_name_the_class_and_key():
     with pytest.raises(ConfigError, match=r"NodeGroup\.rank: must be an integer >= 0, not '1'"):
         NodeGroup(["a"], rank="1")

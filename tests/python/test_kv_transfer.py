@@ -372,3 +372,22 @@ def test_with_restart_manual_a_killed_decode_process_fails_every_later_request()
     with pytest.raises(ValueError, match="tp_size=2: .*tensor-parallel cache.*give tp_size 1"):
         DisaggregatedLM("never:built", {"tp_size": 2})  # before any process starts
     assert set(children()) <= before
+
+
+@pytest.mark.parametrize("kw, error, needle", [
+    (dict(kwargs={"engine": KVCacheEngine(page_size=4, num_pages=8)}), ValueError,
+     "engine: each side builds a KVCacheEngine of its own; give their settings as "
+     "prefill_engine="),
+    (dict(kwargs={"logits_processor": lambda x: x}), TypeError,
+     r"kwargs\['logits_processor'\] \(function\) cannot reach the decode process"),
+    (dict(max_restarts=-1), ValueError, "max_restarts=-1: give a count >= 0"),
+    (dict(timeout_s=0), ValueError, "timeout_s=0: give seconds > 0"),
+    (dict(devices=("cpu",)), ValueError, "devices=.*give two of 'cpu' or 'cuda:N'"),
+], ids=["engine", "lambda", "max_restarts", "timeout", "devices"])
+def test_arguments_the_decode_process_cannot_take_are_refused_before_it_starts(kw, error,
+                                                                              needle):
+    # a pickling error (with a decode process left running), or nothing at all (-1 restarts)
+    before = children()
+    with pytest.raises(error, match=needle):
+        DisaggregatedLM("kv_models:tiny_llm", **kw)
+    assert children() == before

@@ -64,8 +64,7 @@ def test_cancel_mid_loop_raises_request_cancelled_and_frees_everything(serve):
     with pytest.raises(RequestCancelled):
         h.result(timeout=T)
     events, error = drain(h, T)
-    assert isinstance(error, RequestCancelled)
-    assert 5 <= len(events) < 1000 and [v for _, v in events] == list(range(1, len(events) + 1))
+    assert isinstance(error, RequestCancelled) and events == []  # what it made is dropped
     assert h.cancel() is False  # already over
     assert settled(rt) == ZERO_LIVE
     # the runtime goes on serving
@@ -89,10 +88,15 @@ def test_cancel_mid_stream_raises_request_cancelled_and_frees_everything(serve):
                          {"gen": CtxFn(gen), "snac": Fn(snac)}))
     h = rt.submit({"x": 0})
     assert windows.wait(T)
+    it = iter(h)
+    assert next(it) == ("audio", 0 + 1 + 2 + 3)
+    time.sleep(0.05)  # more windows queue up, not yet taken
     assert h.cancel() is True
+    # A barge-in: what was queued is dropped, never yielded (a voice agent played it on).
+    with pytest.raises(RequestCancelled):
+        next(it)
     events, error = drain(h, T)
-    assert isinstance(error, RequestCancelled)
-    assert events and events[0] == ("audio", 0 + 1 + 2 + 3)
+    assert isinstance(error, RequestCancelled) and events == []
     assert settled(rt) == ZERO_LIVE
 
 

@@ -351,3 +351,12 @@ def test_a_section_left_empty_in_the_yaml_is_refused(tmp_path, section):
     with pytest.raises(ConfigError, match=f"{section}: is empty, which would leave the section "
                                           f"out; write '{section}: {{}}'"):
         load_config(config)
+
+
+def test_a_group_tp_size_the_model_cannot_take_is_blamed_on_the_group():
+    # it said "model.args: ... got an unexpected keyword argument 'tp_size'", a key never written
+    config = load_config({"model": {"class": "placement_models:smolvla_policy"},
+                          "node_groups": [{"nodes": ["vision"], "tp_size": 2}]})
+    with pytest.raises(ConfigError, match=r"node_groups\[0\]\.tp_size: 2 needs a model that "
+                                          r"runs tensor-parallel .* takes no tp_size"):
+        build_model(config)

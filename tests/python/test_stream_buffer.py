@@ -94,6 +94,38 @@ def test_released_chunk_refuses_access_and_next_chunk_needs_a_release():
     assert not buf.holding
 
 
+def test_a_chunk_dropped_unreleased_is_released_once_no_view_of_it_is_left():
+    # A consumer that raised between next_chunk() and release() wedged the buffer for good:
+    # nothing was left to release, and a blocking producer hung.
+    buf = mstar_rt.StreamBuffer(np.int32, 8, mstar_rt.Fixed(4), overflow="reject")
+    buf.push(np.arange(8, dtype=np.int32))
+
+    def decode() -> None:
+        chunk = buf.next_chunk()
+        raise ValueError(f"decoder hiccup at {chunk.begin}")
+
+    with pytest.raises(ValueError, match="hiccup at 0"):
+        decode()
+    assert not buf.holding
+    new = buf.next_chunk().new  # the chunk object is gone at once; its view holds it
+    assert buf.holding and new.tolist() == [4, 5, 6, 7]
+    assert buf.push(np.arange(4, dtype=np.int32)) == 4  # chunk 0's slots came free
+    del new
+    assert not buf.holding
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mstar_rt.Ring(np.float32, 2**62),
+    lambda: mstar_rt.StreamBuffer(np.float32, 2**62, mstar_rt.Fixed(4)),
+    lambda: mstar_rt.Ring(np.float32, 4, item_shape=(2**63 - 1, 2**63 - 1)),
+    lambda: mstar_rt.Ring(np.float32, 4, item_shape=(1,) * 16),
+], ids=["ring", "stream_buffer", "item_shape", "dims"])
+def test_sizes_past_memory_are_refused_when_built(make):
+    # each wrapped around: a 0-byte buffer (double free), 4-byte items (segfault at pop)
+    with pytest.raises(ValueError, match="do not fit in memory|too large|at most 15 dimensions"):
+        make()
+
+
 def test_next_chunk_times_out_and_then_ends():
     buf = mstar_rt.StreamBuffer(np.int32, 8, mstar_rt.Fixed(4))
     buf.push(np.arange(3, dtype=np.int32))

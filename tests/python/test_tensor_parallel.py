@@ -112,6 +112,12 @@ def test_splits_that_do_not_divide_are_refused_before_any_process_starts(checkpo
     with pytest.raises(ValueError, match=r"expert_parallel=True splits a mixture of experts .* "
                                          r"has none: drop expert_parallel"):
         CausalLM.from_pretrained(checkpoint, tp_size=2, expert_parallel=True)
+    with pytest.raises(ValueError, match="tp_restart must be 'auto', 'eager' or 'manual'"):
+        CausalLM.from_pretrained(checkpoint, tp_restart="bogus")  # unread at tp_size 1
+    if torch.cuda.device_count() < 2:  # each follower died of a torch._C error
+        with pytest.raises(ValueError, match=r"device='cuda:0' with tp_size 2 needs CUDA "
+                                             r"devices cuda:0 and the 1 after it"):
+            CausalLM.from_pretrained(checkpoint, tp_size=2, device="cuda:0")
     assert set(children()) == before
     with pytest.raises(ValueError, match="tensor-parallel .* drop cuda_graphs"):
         CausalLM(tp2, cuda_graphs=True)

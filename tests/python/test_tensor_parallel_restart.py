@@ -105,6 +105,22 @@ def test_a_rebuilt_group_refuses_kv_built_before_it_and_serves_new_sequences(che
         m.close()
 
 
+def test_kv_lost_at_one_rebuild_stays_lost_through_the_next(checkpoint):
+    # The second rebuild counted only the caches stepped since the first: a refused step had
+    # mirrored none, so the K/V lost at the first rebuild read as whole and decoded wrong (3.08).
+    m = load_llama_tp(checkpoint, 2)
+    try:
+        cache = PagedKVCache(m.kv_layout(), page_size=4, num_pages=32)
+        step(m, cache, [("main", PROMPT)])
+        for restarts in (1, 2):
+            kill_follower(m)
+            with pytest.raises(RuntimeError, match="K/V was built before"):
+                step(m, cache, [("main", [4])])
+            assert m.restarts == restarts
+    finally:
+        m.close()
+
+
 def test_manual_restart_and_spent_restarts_leave_the_group_failing_with_the_fix(checkpoint):
     manual = load_llama_tp(checkpoint, 2, restart="manual")
     try:

@@ -10,7 +10,7 @@ node per walk, so it refuses ``device`` (other than cpu), ``model_kwargs``, ``wa
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar, Mapping, Optional, Union
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -213,6 +213,24 @@ class PlacementOptions(Section):
         return self
 
 
+def refuse_tp_args_beside_workers(model: Any, groups: Sequence[Any]) -> None:
+    """``model.args.tp_size`` with worker processes (groups as mappings or NodeGroups): the
+    parent and every worker built a tensor-parallel group of their own, and a split KV engine
+    then failed every request."""
+    if isinstance(model, ModelSpec):
+        model = model.model_dump(exclude_defaults=True)
+    if not isinstance(model, Mapping):
+        return
+    args = model.get("kwargs" if "kwargs" in model else "args")
+    tp = args.get("tp_size") if isinstance(args, Mapping) else None
+    workers = any((g.get("process", True) if isinstance(g, Mapping)
+                   else getattr(g, "process", True)) is not False for g in groups)
+    if type(tp) is int and tp > 1 and workers:
+        raise KeyProblem("model", f"args.tp_size {tp} beside worker processes (process: true) "
+                         "would make every process build a tensor-parallel group of its own; "
+                         "give the LM's node group tp_size instead, and leave it out of args")
+
+
 class ModelAndGroups(Section):
     """What every deployment config has: the model and where its nodes run. An in-process
     group's ``tp_size`` becomes ``model.args.tp_size`` (the serving process builds the model
@@ -232,6 +250,7 @@ class ModelAndGroups(Section):
         sizes = {g["tp_size"] for g in raw if g.get("process") is False
                  and type(g.get("tp_size")) is int and g["tp_size"] > 1}
         if not sizes:
+            refuse_tp_args_beside_workers(data.get("model"), raw)
             return data
         if len(sizes) > 1:
             raise KeyProblem("node_groups", f"in-process groups ask for tp_size {sorted(sizes)}; "

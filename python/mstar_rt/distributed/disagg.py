@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from mstar_rt.distributed import disagg_worker as dw
 from mstar_rt.distributed.child import spawn_child
+from mstar_rt.distributed.disagg_args import check_args
 from mstar_rt.distributed.group import open_store
 from mstar_rt.distributed.kv_handoff import PrefillSide
 from mstar_rt.distributed.kv_transfer import KVChannel
@@ -135,13 +136,9 @@ class DisaggregatedLM:
                  start_timeout_s: float = 120.0, num_threads: Optional[int] = None,
                  import_path: Sequence[str] = (), restart: str = "auto",
                  max_restarts: int = 3) -> None:
-        if restart not in ("auto", "manual"):
-            raise ValueError(f"restart must be 'auto' or 'manual', not {restart!r}")
         kwargs = dict(kwargs or {})
-        if kwargs.get("tp_size", 1) != 1:
-            raise ValueError(f"tp_size={kwargs['tp_size']}: a DisaggregatedLM moves a request's "
-                             "K/V pages between two processes, and a tensor-parallel cache is "
-                             "split over ranks that cannot export them; give tp_size 1")
+        check_args(kwargs, devices, restart, max_restarts,
+                   dict(timeout_s=timeout_s, start_timeout_s=start_timeout_s))
         if num_threads is None and (os.cpu_count() or 1) <= 4:
             num_threads = 1
         self.lock = threading.RLock()

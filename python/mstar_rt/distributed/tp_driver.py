@@ -320,8 +320,11 @@ class TensorParallelLM(nn.Module):
             raise RuntimeError(self.why()) from None
         self.ref.group = group
         self.followers[:] = followers  # the finalizer's list
+        # and those lost at an earlier rebuild that no step has mirrored since (a refused step
+        # or the eager watcher's rebuild): forgetting them let a later step read them, wrong
+        caches = list(self.cache_ids) + [c for c in list(self.lost) if c not in self.cache_ids]
         self.lost = weakref.WeakKeyDictionary(
-            {c: LostPages(c.pages_in_use(), c.page_size) for c in self.cache_ids})
+            {c: LostPages(c.pages_in_use(), c.page_size) for c in caches})
         self.cache_ids = weakref.WeakKeyDictionary()  # the new followers mirror no cache yet
         del self.dropped[:]
         self.loss, self.broken = cause, None
@@ -399,6 +402,12 @@ def load_tp(path: Union[str, os.PathLike], tp_size: int, loader: str, name: str,
     path = os.fspath(path)
     if restart not in ("auto", "eager", "manual"):
         raise ValueError(f"restart must be 'auto', 'eager' or 'manual', not {restart!r}")
+    local = ray_followers() is None  # (Ray actors may find their GPUs on other nodes)
+    if local and torch.device(device).type == "cuda" and torch.cuda.device_count() < tp_size + (
+            torch.device(device).index or 0):  # each follower died of a torch._C error
+        raise ValueError(f"device={device!r} with tp_size {tp_size} needs CUDA devices "
+                         f"{device} and the {tp_size - 1} after it; this process sees "
+                         f"{torch.cuda.device_count()}: give device='cpu' or a smaller tp_size")
     if num_threads is None and torch.device(device).type == "cpu":
         num_threads = 1 if (os.cpu_count() or 1) <= 4 else None
     spec = GroupSpec(os.path.abspath(path), tp_size, loader, name,

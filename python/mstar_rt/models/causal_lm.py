@@ -317,6 +317,9 @@ class CausalLM(Model):
             raise ValueError(f"expert_parallel=True splits a mixture of experts by whole experts "
                              f"(Qwen3-Omni's thinker); the Llama at {os.fspath(path)} has none: "
                              "drop expert_parallel (tp_size alone splits its heads and MLP)")
+        if tp_restart not in ("auto", "eager", "manual"):  # (at tp_size 1 it went unread)
+            raise ValueError(f"tp_restart must be 'auto', 'eager' or 'manual', not "
+                             f"{tp_restart!r}")
         if tp_size != 1:
             from mstar_rt.distributed.llama_tp import load_llama_tp
 

@@ -239,8 +239,13 @@ def load_llama(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
 
 
 def checkpoint_dtype(config: LlamaConfig, path: Union[str, os.PathLike],
-                     dtype: Optional[torch.dtype] = None) -> torch.dtype:
-    """``dtype``, or else the checkpoint's (a ValueError when torch has no such dtype here)."""
+                     dtype: Union[torch.dtype, str, None] = None) -> torch.dtype:
+    """``dtype`` (a torch dtype, or its name as JSON data gives it: "bfloat16"), or else the
+    checkpoint's (a ValueError when torch has no such dtype here)."""
+    if isinstance(dtype, str):  # it reached torch as a device string: "Invalid device string"
+        if dtype.removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: give one of {list(_DTYPES)} (or a torch dtype)")
+        return _DTYPES[dtype.removeprefix("torch.")]
     if dtype is not None:
         return dtype
     if config.dtype not in _DTYPES:

@@ -21,7 +21,7 @@ from mstar_rt.placement.codec import scalar_items
 from mstar_rt.placement.segment_runner import SegmentRunner
 from mstar_rt.placement.segments import Segment
 from mstar_rt.registry import RequestRegistry
-from mstar_rt.runtime import compile_model
+from mstar_rt.compiler import compile_model
 
 _EMPTY: tuple = ((), (), ())  # an outcome with nothing for the (absent) Conductor to act on
 INLINE_MAX_S = 1e-3  # a node this quick runs on the receiving thread when its engine is idle

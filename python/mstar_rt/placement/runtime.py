@@ -30,7 +30,10 @@ from mstar_rt.placement.ray_rank import RayLauncher, connect_ray, disconnect_ray
 from mstar_rt.placement.remote import PlacedModel, RemoteEngine
 from mstar_rt.model import RequestContext, node_engines
 from mstar_rt.placement.segments import SEGMENT_ENGINE, SegmentPlan, find_segments, section_nodes
-from mstar_rt.runtime import Runtime, compile_model
+from mstar_rt.compiler import compile_model
+from mstar_rt.config.errors import ConfigError, KeyProblem
+from mstar_rt.config.placement import refuse_tp_args_beside_workers
+from mstar_rt.runtime import Runtime
 
 _STAND_IN = re.compile(r"node 'segment:[^']*'")  # how a failure names a segment's stand-in
 
@@ -152,6 +155,10 @@ class PlacedRuntime(Runtime):
         elif model_kwargs:
             raise ValueError("give model_kwargs inside the ModelSpec, not beside it")
         self.spec = model
+        try:  # before the parent builds a tensor-parallel group too
+            refuse_tp_args_beside_workers(model, node_groups)
+        except KeyProblem as e:
+            raise ConfigError(f"model: {e}") from None
         self.user_model = model.build(model.parent_kwargs)
         self.plan = plan = make_plan(self.user_model, node_groups)
         self.spin_us = float(spin_us if spin_us is not None else
@@ -362,6 +369,9 @@ class PlacedRuntime(Runtime):
             shutil.rmtree(self._workdir, ignore_errors=True)
         if self._ray_owned:
             disconnect_ray()
+        close = getattr(getattr(self, "user_model", None), "close", None)
+        if callable(close):  # the parent's own model may hold processes (tensor-parallel)
+            close()
         return joined
 
     def __enter__(self) -> "PlacedRuntime":

@@ -19,7 +19,15 @@ __all__ = ["ConfigError", "KVCacheSpec", "ModelSpec", "NodeGroup", "PolicySpec",
 def build_model(config: ServeConfig) -> Any:
     """Calls the model factory (or loads the checkpoint) and checks the config against the
     model's nodes, walks and engines."""
-    model = config.model.build(base_dir=config.base_dir)
+    try:
+        model = config.model.build(base_dir=config.base_dir)
+    except Exception as e:  # the group's tp_size reached the model as an arg the user never wrote
+        tp = [i for i, g in enumerate(config.node_groups) if g.tp_size > 1 and not g.process]
+        if not (tp and "tp_size" in str(e)):
+            raise
+        raise ConfigError(f"node_groups[{tp[0]}].tp_size: {config.node_groups[tp[0]].tp_size} "
+                          "needs a model that runs tensor-parallel (the Llama family), and this "
+                          f"one takes no tp_size ({type(e).__name__}: {e}); drop tp_size") from None
     check_placement(config, model)
     return model
 
