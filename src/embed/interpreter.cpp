@@ -7,6 +7,7 @@
 #include <pybind11/embed.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <sys/stat.h>
 
@@ -80,6 +81,14 @@ std::string python_error_text(py::error_already_set& e, bool where) {
   }
 }
 
+namespace {
+bool same_file(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  std::error_code ec;  // another spelling of one path (a symlink, a relative path) is the same
+  return !b.empty() && std::filesystem::equivalent(a, b, ec) && !ec;
+}
+}  // namespace
+
 void PythonInterpreter::ensure(const PythonConfig& config) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (!g_started) {
@@ -107,6 +116,12 @@ void PythonInterpreter::ensure(const PythonConfig& config) {
       PyEval_SaveThread();
     }
     g_started = true;
+  } else if (!config.executable.empty() && !same_file(config.executable, g_executable)) {
+    // One interpreter per process: a later model's executable was ignored without a word.
+    throw PythonError("PythonConfig::executable is " + config.executable + ", but this process's " +
+                      "embedded Python already runs " +
+                      (g_executable.empty() ? std::string("(the host process's own)") : g_executable) +
+                      "; a process has one interpreter: leave executable empty after the first model");
   }
   py::gil_scoped_acquire gil;
   try {

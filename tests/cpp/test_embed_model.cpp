@@ -135,6 +135,21 @@ TEST(EmbedModel, LoadErrorsNameWhatFailed) {
   }
 }
 
+TEST(EmbedModel, ALaterModelNamingAnotherPythonIsRefused) {
+  PythonModel first(MSTAR_TEST_MODEL, "TinyModel");  // the interpreter runs from here on
+  mstar::PythonConfig other;
+  other.executable = "/no/such/python3.12";  // ignored without a word
+  try {
+    PythonModel second(MSTAR_TEST_MODEL, "TinyModel", "{}", other);
+    FAIL();
+  } catch (const mstar::PythonError& e) {
+    EXPECT_NE(std::string(e.what()).find("a process has one interpreter"), std::string::npos) << e.what();
+  }
+  mstar::PythonConfig same;
+  same.executable = mstar::PythonInterpreter::executable();
+  if (!same.executable.empty()) PythonModel third(MSTAR_TEST_MODEL, "TinyModel", "{}", same);
+}
+
 TEST(EmbedModel, AFailLateRequestThatCannotMakeItComesBackFailedNotThrown) {
   PythonModel model(MSTAR_TEST_MODEL, "TinyModel", R"({"steps": 1, "delay_s": 0.2})");
   for (int i = 0; i < 2; ++i)  // the Conductor learns how long count takes

@@ -45,7 +45,8 @@ struct PythonConfig {
 };
 
 /// The process's embedded interpreter. The first call starts it with `config` (later calls add
-/// their paths to sys.path); throws PythonError if Python or mstar_rt cannot be loaded.
+/// their paths to sys.path; one naming another executable throws PythonError, as a process
+/// has one interpreter); throws PythonError if Python or mstar_rt cannot be loaded.
 class PythonInterpreter {
  public:
   static void ensure(const PythonConfig& config = {});
