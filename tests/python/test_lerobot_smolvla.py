@@ -176,6 +176,7 @@ def test_flow_steps_read_the_prefix_pages_without_writing_them(serve, policy, io
 @pytest.mark.parametrize("change, words", [
     (dict(task=None), ["'task'", "missing"]),
     (dict(state=torch.zeros(3)), ["'state'", "[6]"]),
+    (dict(state=torch.zeros(3, 2)), ["'state'", "[6]", "[3, 2]"]),  # it was flattened
     (dict(noise=torch.zeros(10, 6)), ["'noise'", "[10, 32]"]),
     (dict(images={"observation.images.wrist": torch.zeros(3, 8, 8)}), ["unknown cameras",
                                                                        "wrist"]),

@@ -10,6 +10,7 @@ a request whose sequence can never fit fails alone with an error that says what 
 from __future__ import annotations
 
 import abc
+import numbers
 import os
 import time
 import traceback
@@ -124,6 +125,11 @@ class KVCacheEngine(Engine):
     def __init__(self, page_size: int = 16, num_pages: int = 1024, max_batch: int = 64,
                  max_tokens_per_step: int = 4096, attention_backend: str = "auto",
                  num_threads: Union[int, str, None] = "auto") -> None:
+        for name, value in (("page_size", page_size), ("num_pages", num_pages),
+                            ("max_batch", max_batch), ("max_tokens_per_step", max_tokens_per_step)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                # max_batch=0 took no work at all: every request hung
+                raise ValueError(f"KVCacheEngine {name}={value!r}; give an integer >= 1")
         super().__init__(None if num_threads == "auto" else num_threads)
         #: num_threads="auto": one intra-op thread on a small CPU machine, else torch's default.
         self.auto_threads = num_threads == "auto"

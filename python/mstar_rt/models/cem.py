@@ -86,6 +86,9 @@ def plan_context(predictor: ACPredictor, frames: Any, states: Any, past_actions:
             raise ValueError(f"planner input '{name}' is missing")
     frames_t = real_tensor(frames, "frames")
     ctx = 1 if frames_t.dim() == 2 else int(frames_t.shape[0])
+    if ctx < 1:  # it blamed 'past_actions' for the 0 observed frames
+        raise ValueError(f"'frames' holds no observed frame; give at least one, got "
+                         f"{list(frames_t.shape)}")
     if past_actions is None:
         past_actions = torch.zeros(0, c.action_dim)
     past = real_tensor(past_actions, "past_actions", predictor.device, predictor.dtype)

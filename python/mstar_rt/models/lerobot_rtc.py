@@ -39,6 +39,23 @@ class RtcSettings:
     execution_horizon: int = 10
     enabled: bool = True
 
+    def __post_init__(self) -> None:
+        # Built by hand, "exp" ran as LINEAR, a NaN cap served NaN actions and a negative
+        # horizon failed every request: refused here, naming the field, as config.json is.
+        given = self.schedule
+        if not isinstance(given, str) or given.upper() not in RTC_SCHEDULES:
+            raise ValueError(f"RtcSettings.schedule is {given!r}; LeRobot knows "
+                             f"{list(RTC_SCHEDULES)} (any case)")
+        object.__setattr__(self, "schedule", given.upper())
+        w = self.max_guidance_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < math.inf:
+            raise ValueError(f"RtcSettings.max_guidance_weight is {w!r}; give a finite number > 0")
+        h = self.execution_horizon
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ValueError(f"RtcSettings.execution_horizon is {h!r}; give an integer >= 0")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"RtcSettings.enabled is {self.enabled!r}; give True or False")
+
 
 def rtc_settings(value: Any, source: str) -> Optional[RtcSettings]:
     """The ``rtc_config`` field of the ``config.json`` ``source`` names: None for null, else

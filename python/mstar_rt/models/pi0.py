@@ -25,6 +25,7 @@ encoder and the whole prefix at every flow step.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Mapping, Optional, Union
 
@@ -40,7 +41,7 @@ from mstar_rt.model import Model, NodeSubmodule, RequestContext, WorkContext
 from mstar_rt.models.pi0_layers import Pi0Module, load_pi0
 from mstar_rt.models.pi0_rtc import (RTC_MODES, action_times, euler_step, guided_step,
                                      prefix_weights)
-from mstar_rt.models.sampling import request_seed
+from mstar_rt.models.sampling import request_seed, whole_number
 from mstar_rt.models.siglip import preprocess_image
 
 
@@ -72,16 +73,6 @@ class Pi0Request:
         return target, prefix_weights(self.delay, overlap, h, target.device, target.dtype)
 
 
-def _int(value: Any, name: str, low: int) -> int:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = int(value)
-    if isinstance(value, (np.integer,)):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"'{name}' must be an integer >= {low}; got {value!r}")
-    return value
-
-
 def check_images(c: Any, images: Any) -> list:
     """``images`` as a list of uint8 ``[H, W, 3]`` arrays (a list, a dict by camera or one
     array); a ValueError names what is wrong."""
@@ -89,17 +80,17 @@ def check_images(c: Any, images: Any) -> list:
         images = []
     elif isinstance(images, Mapping):
         images = list(images.values())
-    elif isinstance(images, np.ndarray) and images.ndim == 3:
-        images = [images]
+    elif isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim == 3:
+        images = [images]  # one camera (a tensor's rows were counted as cameras)
     images = list(images)
     if len(images) > c.max_images:
         raise ValueError(f"'images' must hold 0 to {c.max_images} camera images; got "
                          f"{len(images)}")
     for i, im in enumerate(images):
         a = np.asarray(im)
-        if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
-            raise ValueError(f"'images'[{i}] must be a uint8 array [H, W, 3] (RGB); got "
-                             f"{a.dtype} {list(a.shape)}")
+        if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3 or min(a.shape[:2]) < 1:
+            raise ValueError(f"'images'[{i}] must be a uint8 array [H >= 1, W >= 1, 3] (RGB); "
+                             f"got {a.dtype} {list(a.shape)}")
     return images
 
 
@@ -111,6 +102,9 @@ def check_pi0_inputs(module: Pi0Module, inputs: Mapping[str, Any]) -> Pi0Request
         if inputs.get(key) is None:
             raise ValueError(f"pi0 input '{key}' is missing")
     images = check_images(c, inputs.get("images"))
+    if isinstance(inputs["prompt"], (str, bytes)):
+        raise ValueError("'prompt' must be token ids (this pi0 takes no text: tokenize it "
+                         "first, e.g. with the checkpoint's tokenizer); got a string")
     prompt = torch.as_tensor(inputs["prompt"]).reshape(-1)
     if prompt.numel() == 0:  # an empty list comes out as float
         prompt = prompt.long()
@@ -133,7 +127,7 @@ def check_pi0_inputs(module: Pi0Module, inputs: Mapping[str, Any]) -> Pi0Request
     if tuple(noise.shape) != shape:
         raise ValueError(f"'noise' must be [{shape[0]}, {shape[1]}] (action_horizon, "
                          f"action_dim); got {list(noise.shape)}")
-    delay = _int(inputs.get("delay", 0) or 0, "delay", 0)
+    delay = whole_number(inputs.get("delay", 0) or 0, "delay")
     if delay >= c.action_horizon:
         raise ValueError(f"'delay' {delay} must be below the action horizon "
                          f"{c.action_horizon} (some actions must be left to generate)")
@@ -279,6 +273,9 @@ class Pi0Policy(Model):
                  max_batch: int = 32, rtc: str = "trained", guidance_beta: float = 5.0) -> None:
         if rtc not in RTC_MODES:
             raise ValueError(f"rtc must be one of {RTC_MODES}; got {rtc!r}")
+        if isinstance(guidance_beta, bool) or not isinstance(guidance_beta, (int, float)) \
+                or not 0 < guidance_beta < math.inf:  # NaN or inf served NaN actions
+            raise ValueError(f"guidance_beta must be a finite number > 0; got {guidance_beta!r}")
         self.module = module.eval()
         self.rtc = rtc
         c = module.config

@@ -80,8 +80,8 @@ def check_request(policy: LeRobotSmolVLA, inputs: Mapping[str, Any],
     if inputs.get("state") is None:
         raise ValueError(f"SmolVLA input 'state' is missing; give [{c.state_dim}] floats")
     state = torch.as_tensor(np.asarray(inputs["state"]) if not isinstance(
-        inputs["state"], torch.Tensor) else inputs["state"]).float().reshape(-1)
-    if state.shape != (c.state_dim,):
+        inputs["state"], torch.Tensor) else inputs["state"]).float()
+    if state.shape != (c.state_dim,):  # (a [3, 2] state was flattened into [6])
         raise ValueError(f"'state' must be [{c.state_dim}]; got {list(state.shape)}")
     if not bool(torch.isfinite(state).all()):
         raise ValueError("'state' holds NaN or infinite values; give finite numbers")

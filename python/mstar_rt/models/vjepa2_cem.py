@@ -94,6 +94,9 @@ def vjepa2_plan_context(predictor: VJEPA2ACPredictor, frames: Any, states: Any,
             raise ValueError(f"planner input '{name}' is missing")
     frames_t = real_tensor(frames, "frames")
     ctx = 1 if frames_t.dim() == 2 else int(frames_t.shape[0])
+    if ctx < 1:  # it blamed 'past_actions' for the 0 observed frames
+        raise ValueError(f"'frames' holds no observed frame; give at least one, got "
+                         f"{list(frames_t.shape)}")
     dev, dt = predictor.device, predictor.dtype
     past = torch.zeros(0, c.action_dim) if past_actions is None else past_actions
     past = real_tensor(past, "past_actions", dev, dt)

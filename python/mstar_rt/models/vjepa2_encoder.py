@@ -33,6 +33,8 @@ PathLike = Union[str, os.PathLike]
 #: ImageNet statistics, which upstream's and transformers' V-JEPA 2 preprocessing normalize with.
 IMAGE_MEAN = (0.485, 0.456, 0.406)
 IMAGE_STD = (0.229, 0.224, 0.225)
+#: What normalized pixels span (0 and 255 through the mean and std above), with a margin.
+NORMALIZED_RANGE = (-2.2, 2.7)
 #: Sections of a Hugging Face V-JEPA 2 checkpoint that are not the encoder.
 NOT_ENCODER = ("predictor.", "pooler.", "classifier.")
 
@@ -124,6 +126,13 @@ def check_images(images: Any, crop: int, what: str = "images") -> torch.Tensor:
                          f"got {x.dtype} {list(x.shape)}")
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"'{what}' holds NaN or infinite values; give finite numbers")
+    # Normalized pixels lie within about [-2.2, 2.7]; 0-255 floats (or 0-1 ones of another
+    # recipe, which stay in range) passed and predicted another frame.
+    low, high = float(x.min()), float(x.max())
+    if low < NORMALIZED_RANGE[0] or high > NORMALIZED_RANGE[1]:
+        raise ValueError(f"float '{what}' must be normalized pixels ((x / 255 - mean) / std, "
+                         f"within {list(NORMALIZED_RANGE)}); got values from {low:g} to "
+                         f"{high:g}: give uint8 [C, {crop}, {crop}, 3] to have them normalized")
     return x.float()
 
 

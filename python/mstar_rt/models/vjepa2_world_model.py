@@ -87,7 +87,7 @@ class VJEPA2WorldModel(WorldModel):
     :class:`~mstar_rt.models.world_model.WorldModel`."""
 
     def __init__(self, predictor: VJEPA2ACPredictor, encoder: Optional[VJEPA2FrameEncoder] = None,
-                 max_horizon: int = 32, engine: Optional[KVCacheEngine] = None,
+                 max_horizon: Optional[int] = None, engine: Optional[KVCacheEngine] = None,
                  max_batch: int = 64) -> None:
         predictor.kv_layout()  # refuses predictors the cached walk cannot serve, now
         super().__init__(predictor, max_horizon, engine, max_batch)
@@ -98,7 +98,7 @@ class VJEPA2WorldModel(WorldModel):
         self.inputs = ("images", "states", "actions", "horizon")
         self.nodes = [GraphNode("encoder", ["images"], ["frames"]), *self.nodes]
         self.walks = {"rollout": Sequential("encoder", DynamicLoop(
-            "predictor", max_horizon, LOOP, outputs=["frames", "states"]))}
+            "predictor", self.max_horizon, LOOP, outputs=["frames", "states"]))}
         self.submodules = {**self.submodules, "encoder": EncoderNode(
             encoder, {"images": "frames"}, predictor.device, predictor.dtype)}
         self.engines = {**self.engines, "encoder": "encoder"}

@@ -38,6 +38,7 @@ from mstar_rt.engines.masks import BlockCausal
 from mstar_rt.engines.paged_kv import KVLayout
 from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode
 from mstar_rt.model import Model, WorkContext
+from mstar_rt.models.sampling import whole_number
 from mstar_rt.models.world_model_layers import (ACPredictor, DenseAttention, WorldModelConfig,
                                                 block_causal_mask, load_world_model)
 
@@ -107,12 +108,10 @@ def check_rollout_inputs(config: WorldModelConfig, inputs: Mapping[str, Any],
         _check_finite(name, t)
     available = actions.shape[0] - (ctx - 1)
     horizon = inputs.get("horizon")
-    horizon = available if horizon is None else horizon
-    if (isinstance(horizon, torch.Tensor) and horizon.numel() == 1) or isinstance(
-            horizon, np.integer):  # as openpi_client sends an integer
-        horizon = int(horizon)
-    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
-        raise ValueError(f"'horizon' must be an integer >= 1; got {horizon!r}")
+    if horizon is None and available < 1:  # it blamed a horizon the request never gave
+        raise ValueError(f"'actions' has {actions.shape[0]} rows; {ctx} observed frames need "
+                         f"{ctx - 1} between them and one more per predicted frame")
+    horizon = available if horizon is None else whole_number(horizon, "horizon", minimum=1)
     if horizon > available:
         raise ValueError(f"'actions' has {actions.shape[0]} rows but {ctx} observed frames and "
                          f"horizon {horizon} need {ctx - 1 + horizon} ({ctx - 1} taken between "
@@ -171,8 +170,10 @@ class PredictorNode(KVNodeSubmodule):
         last = torch.stack([out[e - f:e] for e in ends])              # each work's newest block
         frames, states = p.predict(last, torch.stack([w.payload[1][-1] for w in works]),
                                    torch.stack([w.payload[2][-1] for w in works]))
-        return [{"frames": frames[i:i + 1], "states": states[i:i + 1], "frame": frames[i],
-                 "state": states[i]} for i in range(len(works))]
+        # copies: a view kept the whole batch's output alive as long as one frame was held
+        return [{"frames": frames[i:i + 1].clone(), "states": states[i:i + 1].clone(),
+                 "frame": frames[i].clone(), "state": states[i].clone()}
+                for i in range(len(works))]
 
     def check_stop(self, works: list[KVWork], outputs: list) -> list:
         return [(LOOP,) if w.payload[3] + 1 >= w.payload[4]["horizon"] else () for w in works]
@@ -181,7 +182,8 @@ class PredictorNode(KVNodeSubmodule):
 class WorldModel(Model):
     """The ``rollout`` walk over a predictor (see the module docstring).
 
-    ``max_horizon`` bounds a request's horizon (the DynamicLoop's ``max_iters``). The default
+    ``max_horizon`` bounds a request's horizon (the DynamicLoop's ``max_iters``; default 32,
+    at most the predictor's ``max_frames``). The default
     engine has pages of one frame block and room for four rollouts of ``max_horizon`` frames at
     once (more wait for pages); pass ``engine`` to size the cache for a large predictor.
     """
@@ -189,8 +191,15 @@ class WorldModel(Model):
     inputs = ("frames", "states", "actions", "horizon")
     input_defaults = {"horizon": None}
 
-    def __init__(self, predictor: Predictor, max_horizon: int = 32,
+    def __init__(self, predictor: Predictor, max_horizon: Optional[int] = None,
                  engine: Optional[KVCacheEngine] = None, max_batch: int = 64) -> None:
+        if max_horizon is None:
+            max_horizon = min(32, predictor.config.max_frames)
+        if isinstance(max_horizon, bool) or not isinstance(max_horizon, int) or \
+                not 1 <= max_horizon <= predictor.config.max_frames:
+            # above max_frames no request can reach it, but the cache was sized for it
+            raise ValueError(f"max_horizon={max_horizon!r}: give an integer from 1 to the "
+                             f"predictor's max_frames={predictor.config.max_frames}")
         self.predictor = predictor.eval()
         self.max_horizon = max_horizon
         self.node = PredictorNode(self.predictor, max_horizon, max_batch)
