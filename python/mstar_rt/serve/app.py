@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, Union
 
 import anyio
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mstar_rt.runtime import DeadlineExceeded
 from mstar_rt.serve.bodies import BadBody, Body, GenerateBody, SpeechBody, parse, request_body
@@ -23,10 +23,12 @@ from mstar_rt.serve.bridge import AtCapacity, Bridge, RequestTimeout
 from mstar_rt.serve.deployment import Deployment
 from mstar_rt.serve.metrics import ServerMetrics
 from mstar_rt.serve.openapi_doc import GENERATE_200, SPEECH_200, error_responses, input_schemas
+from mstar_rt.serve.requests_in import BodyProblem, json_object, key_error
 from mstar_rt.serve.wire import as_array, decode_input, encode_value, pcm16, wav_header
 
 _B = TypeVar("_B", bound=Body)
 OPEN_PATHS = ("/health", "/healthz")  # for load balancers: no key needed
+STALL_S = 60.0  # without request_timeout_s: how long a streamed response waits on its reader
 
 
 class ApiError(Exception):
@@ -35,30 +37,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = (status, message, kind,
                                                                        param, code)
+        self.counted = False  # its request is in the metrics already
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param":
                                        self.param, "code": self.code}}, status_code=self.status,
                             headers={"Retry-After": "1"} if self.status in (429, 503) else None)
-
-
-def key_error(headers: Mapping[str, str], api_key: Optional[str]) -> Optional[str]:
-    """None if the request carries the key (``Authorization: Bearer K``, ``Authorization:
-    Api-Key K`` as openpi sends it, or ``x-api-key: K``), else what is wrong."""
-    if api_key is None:
-        return None
-    given = headers.get("x-api-key")
-    auth = headers.get("authorization")
-    if given is None and auth:
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() in ("bearer", "api-key"):
-            given = token.strip()
-    if not given:
-        return ("missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>', "
-                "or openpi's 'Authorization: Api-Key <key>')")
-    if not hmac.compare_digest(given.encode(), api_key.encode()):
-        return "wrong API key"
-    return None
 
 
 class _Stream(StreamingResponse):
@@ -67,13 +51,21 @@ class _Stream(StreamingResponse):
     stream ends."""
 
     on_close: Any = None
+    stall_s: Optional[float] = None  # a client that takes no bytes for this long is gone
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def bounded(message: Any) -> None:
+            # A client that stopped reading held its request slot forever (every other client
+            # got 429), past request_timeout_s: its send waited on a full socket.
+            with anyio.fail_after(self.stall_s):
+                await send(message)
+
         try:
             async with anyio.create_task_group() as tg:
                 async def stream() -> None:
-                    with contextlib.suppress(OSError):  # the client went away mid-send
-                        await self.stream_response(send)
+                    # the client went away mid-send, or stalled
+                    with contextlib.suppress(OSError, TimeoutError):
+                        await self.stream_response(bounded)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
@@ -101,7 +93,9 @@ class _KeyCheck:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             problem = key_error(Headers(scope=scope), self.api_key)
             if problem is not None:
-                self.state.metrics.requests.inc(scope["path"], "unauthorized")
+                # a fixed label: one series per path a keyless client made up grew /metrics
+                path = scope["path"] if scope["path"] in self.state.paths else "other"
+                self.state.metrics.requests.inc(path, "unauthorized")
                 await ApiError(401, problem, "authentication_error",
                                code="invalid_api_key").response()(scope, receive, send)
                 return
@@ -116,6 +110,7 @@ class ServeState:
         self.bridge = Bridge(deployment.runtime, deployment.max_concurrent_requests,
                              deployment.request_timeout_s)
         self.metrics = ServerMetrics(deployment.runtime, lambda: self.bridge.admission.in_flight)
+        self.paths: frozenset[str] = frozenset()  # the app's routes (create_app)
 
     def close(self) -> None:
         self.bridge.close()
@@ -145,13 +140,22 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        state.metrics.requests.inc(request.url.path, _status_word(exc.status))
+        if not exc.counted:  # (a deadline refused at submit was counted twice)
+            state.metrics.requests.inc(request.url.path, _status_word(exc.status, exc.code))
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # 404 / 405 in the documented error shape too, not {"detail": ...}
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                        kind).response()
 
     if d.api_key is not None:
         app.add_middleware(_KeyCheck, api_key=d.api_key, state=state)
 
-    @app.get("/health", responses={503: {"description": "the model cannot serve (`reason`)"}})
+    @app.api_route("/health", methods=["GET", "HEAD"],  # HEAD: what load balancers probe
+                   responses={503: {"description": "the model cannot serve (`reason`)"}})
     async def health() -> Any:
         reason = await state.bridge.health()  # e.g. a tensor-parallel rank or a worker lost
         body = {"status": "ok" if reason is None else "unavailable", "model": d.name,
@@ -194,9 +198,10 @@ def create_app(deployment: Deployment) -> FastAPI:
                          **error_responses(400, *keyed, 429, 500, 503, 504)})
     async def generate(request: Request) -> Response:
         body = parse_body(GenerateBody, await json_body(request), inputs=d.inputs)
-        try:
-            inputs = {k: check_input(d.policy, k, decode_input(v, f"inputs.{k}"), f"inputs.{k}")
-                      for k, v in body.inputs.items()}
+        try:  # off the event loop, like the parse: other clients' round trips go on meanwhile
+            inputs = await state.bridge.call(lambda: {
+                k: check_input(d.policy, k, decode_input(v, f"inputs.{k}"), f"inputs.{k}")
+                for k, v in body.inputs.items()})
         except ValueError as e:
             raise ApiError(400, str(e), param="inputs") from None
         return await start_stream(state, request, "/generate", inputs, body.priority,
@@ -207,6 +212,7 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     add_policy_routes(app, state)
     add_chat_routes(app, state)
+    state.paths = frozenset(getattr(r, "path", "") for r in app.routes)
     return app
 
 
@@ -279,8 +285,13 @@ async def _ndjson(first: Optional[tuple], rest: AsyncIterator, arrays: str
     def line(name: str, value: Any) -> bytes:
         i = counts.get(name, 0)
         counts[name] = i + 1
-        return (json.dumps({"output": name, "index": i, **encode_value(value, arrays)})
-                + "\n").encode()
+        try:  # a bare NaN token is no JSON: strict parsers (JSON.parse) failed on the line
+            text = json.dumps({"output": name, "index": i, **encode_value(value, arrays)},
+                              allow_nan=False)
+        except ValueError:
+            raise ValueError(f"output '{name}' [{i}] holds NaN or infinite values, which JSON "
+                             "cannot carry; none were sent") from None
+        return (text + "\n").encode()
 
     if first is not None:
         yield line(*first)
@@ -322,7 +333,9 @@ async def start_stream(state: ServeState, request: Request, endpoint: str, input
             raise ApiError(400, f"{type(e).__name__}: {e}") from None
         except DeadlineExceeded as e:  # refused at submit: the queue ahead is too long
             state.metrics.requests.inc(endpoint, "deadline")
-            raise error_of(e) from None
+            error = error_of(e)
+            error.counted = True
+            raise error from None
         outputs = bridge.outputs(handle, started)
         try:
             first: Optional[tuple] = await _first(outputs, request)
@@ -379,6 +392,7 @@ async def start_stream(state: ServeState, request: Request, endpoint: str, input
 
     response = _Stream(body(), media_type=media_type, headers=headers)
     response.on_close = lambda: close(ClientGone())
+    response.stall_s = state.deployment.request_timeout_s or STALL_S
     return response
 
 
@@ -435,16 +449,11 @@ def error_of(e: BaseException) -> ApiError:
 
 
 async def json_body(request: Request) -> dict:
-    raw = await request.body()
+    """The request's JSON object: capped in size (413), parsed off the event loop (400)."""
     try:
-        body = json.loads(raw)
-    except ValueError as e:  # not JSON, not UTF-8, or an integer past Python's digit limit
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-    except RecursionError:
-        raise ApiError(400, "the request body nests arrays or objects too deeply") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
-    return body
+        return await json_object(request, request.app.state.serve.bridge.call)
+    except BodyProblem as e:
+        raise ApiError(e.status, e.message) from None
 
 
 def parse_body(cls: type[_B], body: dict, **context: Any) -> _B:
@@ -454,6 +463,9 @@ def parse_body(cls: type[_B], body: dict, **context: Any) -> _B:
         raise ApiError(400, str(e), param=e.param) from None
 
 
-def _status_word(status: int) -> str:
-    return {400: "bad_request", 401: "unauthorized", 404: "bad_request", 429: "rejected",
-            500: "failed", 503: "cancelled", 504: "timeout"}.get(status, str(status))
+def _status_word(status: int, code: Optional[str] = None) -> str:
+    if code in ("deadline_refused", "deadline_exceeded"):  # (504 read as a timeout)
+        return "deadline"
+    return {400: "bad_request", 401: "unauthorized", 404: "bad_request", 413: "bad_request",
+            429: "rejected", 500: "failed", 503: "cancelled", 504: "timeout"}.get(status,
+                                                                                 str(status))

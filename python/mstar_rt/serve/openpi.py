@@ -322,7 +322,7 @@ def image_size(data: bytes) -> Optional[tuple[int, int]]:
 
 def add_policy_routes(app: Any, state: Any) -> None:
     """``GET /healthz`` and the websocket at ``/`` on ``app`` (a FastAPI app)."""
-    from mstar_rt.serve.app import key_error
+    from mstar_rt.serve.requests_in import key_error
 
     d = state.deployment
     adapter = PolicyAdapter(d.policy, d.inputs, d.name, d.optional_inputs)
@@ -330,7 +330,7 @@ def add_policy_routes(app: Any, state: Any) -> None:
     bridge, metrics = state.bridge, state.metrics
     endpoint = "policy"
 
-    @app.get("/healthz", response_class=PlainTextResponse)
+    @app.api_route("/healthz", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def healthz() -> PlainTextResponse:
         reason = await bridge.health()
         return PlainTextResponse("OK\n" if reason is None else f"{reason}\n",
@@ -345,21 +345,25 @@ def add_policy_routes(app: Any, state: Any) -> None:
             return
         await ws.accept()
         prev_total: Optional[float] = None
-        nxt: Optional[asyncio.Future] = None  # the next message, listened for while serving
+        # Messages are read on a task of their own, one ahead at most, so a client that leaves
+        # while its observation is served cancels it at once, even with its next one sent
+        # already (that one held the only receive, and the leaving went unseen).
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=1)
+        gone = asyncio.Event()
+        reader = asyncio.ensure_future(_read_messages(ws, inbox, gone))
         serving: Optional[asyncio.Future] = None
         try:
             await ws.send_bytes(metadata)
             while True:
-                message = await (nxt or ws.receive())
-                nxt = None
-                if message["type"] == "websocket.disconnect":
+                message = await inbox.get()
+                if message is None:
                     return
                 t0 = time.monotonic()
-                # a client that leaves while its observation is served cancels it at once
                 serving = asyncio.ensure_future(_serve_one(message, adapter, bridge, state))
-                nxt = asyncio.ensure_future(ws.receive())
-                await asyncio.wait({serving, nxt}, return_when=asyncio.FIRST_COMPLETED)
-                if not serving.done() and _gone(nxt):
+                left = asyncio.ensure_future(gone.wait())
+                await asyncio.wait({serving, left}, return_when=asyncio.FIRST_COMPLETED)
+                left.cancel()
+                if not serving.done():  # the client left
                     serving.cancel()
                     with contextlib.suppress(BaseException):
                         await serving
@@ -385,18 +389,26 @@ def add_policy_routes(app: Any, state: Any) -> None:
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client left, possibly while its observation was served
         finally:  # (the handler cancelled too, e.g. at shutdown: so is what it waits for)
-            for task in (nxt, serving):
+            for task in (reader, serving):
                 if task is not None and not task.done():
                     task.cancel()
 
 
-def _gone(message: asyncio.Future) -> bool:
-    """Whether a received message says the client left (a receive that failed says so too)."""
-    if not message.done():
-        return False
-    if message.cancelled() or message.exception() is not None:
-        return True
-    return message.result()["type"] == "websocket.disconnect"
+async def _read_messages(ws: Any, inbox: asyncio.Queue, gone: asyncio.Event) -> None:
+    """Puts the client's messages in ``inbox`` until it leaves (a receive that fails says so
+    too); then sets ``gone`` and puts None."""
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            await inbox.put(message)
+    except Exception:
+        pass
+    finally:
+        gone.set()
+        with contextlib.suppress(asyncio.QueueFull):  # (the handler stopped reading)
+            inbox.put_nowait(None)
 
 
 async def _serve_one(message: dict, adapter: PolicyAdapter, bridge: Any, state: Any

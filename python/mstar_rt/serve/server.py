@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from mstar_rt.serve.requests_in import MAX_BODY_BYTES
+
 
 class Server:
     """``Server(app, host, port)``; ``start()`` returns once it accepts connections, ``stop()``
@@ -38,7 +40,7 @@ class Server:
         self.port: int = self._sock.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(
             app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3,
-            ws_max_size=64 * 2**20))
+            ws_max_size=MAX_BODY_BYTES))
         self._thread: Optional[threading.Thread] = None
 
     @property
