@@ -4,23 +4,22 @@ speaker, with barge-in.
 Listening is a walk graph too: :class:`ListenModel` is one long request whose ``mic`` node (a
 DynamicLoop on its own engine) reads one 32 ms block per iteration and streams it, one block per
 ``Fixed(1)`` window, into the ``vad`` node (Silero + endpointer), which EMITs the endpointer's
-events. The agent's mic thread only turns those events into turns; it never waits on the reply,
-so it hears the user while the agent talks. The reply thread submits each utterance to a
-Runtime serving :class:`ReplyModel` (walk ``asr → respond → DynamicLoop(tts)``, EMITting the
-text, the reply and the audio chunks as the TTS makes them; with an LM responder the LM's
-decode loop streams into a sentence splitter that feeds the speech loop) and streams the chunks
-into the speaker ring as they come.
-Barge-in (speech starting while a reply is queued or playing) cancels the request in the
-Conductor and flushes the output ring, and writes tagged with the old epoch are dropped.
+events. The agent's mic thread only turns those events into turns; it never waits on the reply, so
+it hears the user while the agent talks. The reply thread submits each utterance to a Runtime
+serving :class:`ReplyModel` (walk ``asr → respond → DynamicLoop(tts)``, EMITting the text, the
+reply and the audio chunks as the TTS makes them; with an LM responder the LM's decode loop streams
+into a sentence splitter that feeds the speech loop) and streams the chunks into the speaker ring
+as they come. Barge-in (speech starting while a reply is queued or playing) cancels the request in
+the Conductor and flushes the output ring, and writes tagged with the old epoch are dropped.
 
 Preemptive replies: the reply starts at the first quiet window of an utterance (the endpointer's
 "pause"), while the endpointer still waits for its silence; its outputs are kept, not played.
-Speech resuming cancels it (KV pages freed, the work counted as wasted); the endpoint confirmed
-at that pause adopts it, so its audio is ready or nearly so. Adaptive endpointing: when the
-preemptive recognition already reads as a whole command (``complete``: the grammar's, or a
-finished sentence), the endpointer ends the utterance after its shorter silence.
-Every turn records when each stage finished (:class:`~mstar_rt.audio.turns.Turn`;
-``agent.stats()`` gives p50 / p90 per stage) and the reply walk's Chrome trace.
+Speech resuming cancels it (KV pages freed, the work counted as wasted); the endpoint confirmed at
+that pause adopts it, so its audio is ready or nearly so. Adaptive endpointing: when the preemptive
+recognition already reads as a whole command (``complete``: the grammar's, or a finished sentence),
+the endpointer ends the utterance after its shorter silence. Every turn records when each stage
+finished (:class:`~mstar_rt.audio.turns.Turn`; ``agent.stats()`` gives p50 / p90 per stage) and the
+reply walk's Chrome trace.
 """
 
 from __future__ import annotations
@@ -99,8 +98,7 @@ class VoiceAgent:
         constructor calls it once."""
         self.input, self.output = input, output
         self.vad, self.endpointer, self.runtime = vad, endpointer, runtime
-        self.barge_in, self.reply_timeout = barge_in, reply_timeout
-        self.preemptive = preemptive
+        self.barge_in, self.reply_timeout, self.preemptive = barge_in, reply_timeout, preemptive
         self.complete, self.partial = complete, partial
         if self.preemptive or partial is not None:
             endpointer.pauses = True
@@ -149,9 +147,7 @@ class VoiceAgent:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._interrupt()
-        stream, self._preempt = self._preempt, None
-        if stream is not None:
-            stream.cancel()
+        self._drop_preemption()
         self._utterances.put(None)
         for t in self._threads:
             t.join(timeout)
@@ -261,11 +257,9 @@ class VoiceAgent:
     def _submit(self, audio: np.ndarray, pause: Optional[int] = None,
                 guess: Optional[str] = None, text: Optional[str] = None) -> ReplyStream:
         assert self.runtime is not None
-        inputs: dict[str, Any] = {"audio": audio}
-        if guess is not None:
-            inputs["guess"] = guess
-        if text is not None:  # already recognized: the reply starts from it
-            inputs["text"] = text
+        # text: already recognized, the reply starts from it
+        inputs = {"audio": audio, **({"guess": guess} if guess is not None else {}),
+                  **({"text": text} if text is not None else {})}
         return ReplyStream(self.runtime.submit(inputs), pause, self._on_text, guess)
 
     def _guess(self) -> Optional[str]:
@@ -339,6 +333,12 @@ class VoiceAgent:
             if item is None:
                 return
             turn, audio, stream = item
+            if self._stop.is_set():  # stopping: queued turns go unanswered (they played on)
+                if stream is not None:
+                    stream.cancel()
+                turn.error = "the agent stopped before this turn was answered"
+                turn.done.set()
+                continue
             try:
                 self._reply(turn, audio, stream)
             except Exception as e:
@@ -420,7 +420,8 @@ class VoiceAgent:
     def _reply(self, turn: Turn, audio: np.ndarray, stream: Optional[ReplyStream]) -> None:
         out = self.output
         with self._lock:
-            self._cancel.clear()
+            if not self._stop.is_set():  # (a stop's cancel holds for what comes after it)
+                self._cancel.clear()
             self._current = turn
         epoch = out.epoch
         under0 = out.underruns

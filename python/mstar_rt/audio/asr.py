@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from mstar_rt.audio.samples import mono_float
 from mstar_rt.model import NodeSubmodule, WorkContext
 
 ROBOT_COMMANDS_JSGF = """#JSGF V1.0;
@@ -90,7 +91,7 @@ class PocketSphinxASR:
 
     def recognize(self, samples: np.ndarray) -> Recognition:
         """Decodes one whole utterance of float samples in [-1, 1] at ``sample_rate``."""
-        x = np.asarray(samples, np.float32).reshape(-1)
+        x = mono_float(samples, "PocketSphinxASR.recognize")
         if self.trim:
             x = trim_silence(x, self.sample_rate)
         # Dither: digital silence (exact zeros) otherwise derails the features. Seeded

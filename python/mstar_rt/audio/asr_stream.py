@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from mstar_rt.audio.samples import mono_float
 from mstar_rt.audio.vad import SpeechSegment
 from mstar_rt.model import NodeSubmodule, RequestContext, WorkContext
 
@@ -60,7 +61,7 @@ class PartialRecognizer:
             d.start_utt()
             self._utterance = seg.utterance
         if len(seg.audio):
-            x = np.asarray(seg.audio, np.float32).reshape(-1)
+            x = mono_float(seg.audio, "PartialRecognizer.feed")
             # the batch recognizer's dither: exact zeros otherwise derail the features
             noise = self._rng.random(len(x)) < 0.25
             d.process_raw(np.clip(np.round(x * 32767) + noise, -32768, 32767)

