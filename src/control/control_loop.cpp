@@ -155,6 +155,27 @@ void SimulatedClock::sleep_until(std::int64_t deadline_ns) {
   }
 }
 
+namespace {
+// start + n * period, saturated: a clock that jumps to the end of time (a simulation's) must
+// not wrap the deadlines around (signed overflow).
+std::int64_t deadline_at(std::int64_t start, std::uint64_t n, std::int64_t period) noexcept {
+  std::int64_t offset = 0, d = 0;  // period > 0: only upward overflow is possible
+  if (n > static_cast<std::uint64_t>(INT64_MAX) ||
+      __builtin_mul_overflow(static_cast<std::int64_t>(n), period, &offset) ||
+      __builtin_add_overflow(start, offset, &d))
+    return INT64_MAX;
+  return d;
+}
+
+// The first tick whose deadline is at or after `finished` (the ceiling of its distance in
+// periods), saturated likewise.
+std::uint64_t first_tick_after(std::int64_t start, std::int64_t finished, std::int64_t period) noexcept {
+  std::int64_t since = 0;
+  if (__builtin_sub_overflow(finished, start, &since)) since = INT64_MAX;
+  return static_cast<std::uint64_t>(since / period + (since % period != 0));
+}
+}  // namespace
+
 // ---- Histogram ----
 
 Histogram::Histogram(double max_value, std::size_t bins)
@@ -163,6 +184,9 @@ Histogram::Histogram(double max_value, std::size_t bins)
     throw std::invalid_argument("Histogram: needs max_value > 0 and bins > 0, got max_value " +
                                 std::to_string(max_value) + " and bins " + std::to_string(bins));
   }
+  if (bins > kMaxBins)  // bins + 1 wrapped to 0 at SIZE_MAX: the first add() wrote nowhere
+    throw std::invalid_argument("Histogram: bins " + std::to_string(bins) + " is above the " +
+                                std::to_string(kMaxBins) + " it takes");
   bins_.assign(bins + 1, 0);
 }
 
@@ -244,6 +268,7 @@ ControlLoop::~ControlLoop() {
   // Never throws: a callback exception nobody collected with stop() is dropped here.
   stop_.store(true, std::memory_order_release);
   // Destroying the loop from its own callback is a bug; std::thread then terminates loudly.
+  std::lock_guard<std::mutex> lock(control_mu_);
   if (t_current_loop != this && thread_.joinable()) thread_.join();
 }
 
@@ -262,11 +287,16 @@ void ControlLoop::run(std::uint64_t ticks) {
 }
 
 void ControlLoop::start(std::uint64_t ticks) {
-  if (thread_.joinable()) {
-    throw std::logic_error("ControlLoop::start: call stop() after the previous start() first");
-  }
+  std::lock_guard<std::mutex> lock(control_mu_);
   if (running_.exchange(true, std::memory_order_acq_rel)) {
     throw std::logic_error("ControlLoop::start: the loop is already running");
+  }
+  if (thread_.joinable()) {  // a previous start()'s loop has ended: stop() from its callback
+    thread_.join();
+    if (thread_error_) {
+      running_.store(false, std::memory_order_release);
+      std::rethrow_exception(std::exchange(thread_error_, nullptr));
+    }
   }
   // Reset here, not on the new thread, so a stop() right after start() is never lost.
   stop_.store(false, std::memory_order_release);
@@ -294,9 +324,21 @@ void ControlLoop::start(std::uint64_t ticks) {
 void ControlLoop::stop() {
   stop_.store(true, std::memory_order_release);
   // From the callback: the flag suffices (and joining ourselves would deadlock).
-  if (t_current_loop == this || !thread_.joinable()) return;
-  thread_.join();
-  if (thread_error_) std::rethrow_exception(std::exchange(thread_error_, nullptr));
+  if (t_current_loop == this) return;
+  // One caller joins: two joins of one thread (a watchdog and the main thread) hung.
+  std::thread t;
+  {
+    std::lock_guard<std::mutex> lock(control_mu_);
+    t = std::move(thread_);
+  }
+  if (!t.joinable()) return;
+  t.join();
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(control_mu_);
+    error = std::exchange(thread_error_, nullptr);
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 void ControlLoop::loop(std::uint64_t ticks) {
@@ -333,7 +375,7 @@ void ControlLoop::loop(std::uint64_t ticks) {
     if (stop_.load(std::memory_order_acquire)) break;
     TickInfo info;
     info.tick = n;
-    info.deadline_ns = start + static_cast<std::int64_t>(n) * period_ns_;
+    info.deadline_ns = deadline_at(start, n, period_ns_);
     clock.sleep_until(info.deadline_ns);
     // A stop() during the sleep must not cost one more callback.
     if (stop_.load(std::memory_order_acquire)) break;
@@ -350,9 +392,8 @@ void ControlLoop::loop(std::uint64_t ticks) {
     // No catch-up burst: skip every deadline already in the past. A deadline equal to now is
     // not missed (it runs at once with lateness 0).
     std::uint64_t next = n + 1;
-    if (finished > start + static_cast<std::int64_t>(next) * period_ns_) {
-      const std::int64_t since = finished - start;
-      next = static_cast<std::uint64_t>((since + period_ns_ - 1) / period_ns_);
+    if (finished > deadline_at(start, next, period_ns_)) {
+      next = first_tick_after(start, finished, period_ns_);
       // Deadlines beyond the end of a bounded run were never going to run: not misses.
       missed += std::min(next, end) - (n + 1);
       missed_.store(missed, std::memory_order_relaxed);

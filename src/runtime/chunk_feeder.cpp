@@ -27,6 +27,7 @@ ChunkFeeder::ChunkFeeder(std::shared_ptr<ActionChunkBuffer> actions, ChunkFeeder
 ChunkFeeder::~ChunkFeeder() { stop(); }
 
 void ChunkFeeder::start() {
+  std::lock_guard<std::mutex> lock(control_mu_);
   if (thread_.joinable()) throw std::logic_error("ChunkFeeder::start: already running");
   stop_.store(false);
   running_.store(true, std::memory_order_release);
@@ -37,14 +38,30 @@ void ChunkFeeder::stop() {
   stop_.store(true, std::memory_order_release);
   seq_.fetch_add(1, std::memory_order_release);
   detail::wake_all(seq_);
-  if (thread_.joinable()) thread_.join();
+  // One caller joins; another stop() at the same time (a watchdog and the main thread) returns
+  // at once: two joins of one thread hung.
+  std::thread t;
+  {
+    std::lock_guard<std::mutex> lock(control_mu_);
+    t = std::move(thread_);
+  }
+  if (t.joinable()) t.join();
   running_.store(false, std::memory_order_release);
 }
+
+namespace {
+// Chunks the loop has taken in (merged, replaced or dropped as stale): a relaxed sum, no lock.
+std::uint64_t consumed(const ActionChunkBuffer& actions) noexcept {
+  const ActionBufferStats s = actions.stats();
+  return s.applied + s.superseded + s.stale;
+}
+}  // namespace
 
 void ChunkFeeder::observe(const float* obs, std::uint64_t obs_tick) noexcept {
   Slot& s = slots_[back_];
   for (std::size_t i = 0; i < options_.obs_dim; ++i) s.obs[i] = obs[i];
   s.tick = obs_tick;
+  s.consumed = consumed(*actions_);  // before remaining(): its plan has at least these merged
   s.left = actions_->remaining(obs_tick, plan_.data(), actions_->options().horizon);
   const bool due = s.left < options_.refill_below;
   back_ = middle_.exchange(back_ | kFresh, std::memory_order_acq_rel) & 3;
@@ -58,6 +75,10 @@ void ChunkFeeder::run() {
   bool have = false;
   std::uint64_t published_at = 0;  // the newest tick seen when the last chunk went out
   bool published = false;
+  // After a chunk went out, an observation counts only once the loop had taken it in: one made
+  // between the loop's pop and its merge saw the old plan run short, and asked for a second
+  // chunk (about a third of the policy calls at 50 Hz with 20-40 ms inference).
+  std::uint64_t merged_by = 0;
   Tensor obs = Tensor::empty(DType::float32, {static_cast<std::int64_t>(options_.obs_dim)});
   const std::size_t action_dim = actions_->options().action_dim;
   auto take = [&] {
@@ -70,7 +91,7 @@ void ChunkFeeder::run() {
     const std::uint32_t seen = seq_.load(std::memory_order_acquire);
     take();
     const Slot& s = slots_[front_];
-    const bool waiting_for_merge = published && s.tick <= published_at;
+    const bool waiting_for_merge = published && (s.tick <= published_at || s.consumed < merged_by);
     if (!have || waiting_for_merge || s.left >= options_.refill_below) {
       sleeping_.store(true, std::memory_order_release);
       // A tick bumps seq_ when a refill is due; the timeout covers a loop that stopped ticking.
@@ -93,6 +114,7 @@ void ChunkFeeder::run() {
       const std::uint64_t nonfinite = actions_->stats().nonfinite;
       if (shape_ok && actions_->publish(chunk.data<float>(), static_cast<std::size_t>(chunk.dim(0)), t0)) {
         chunks_.fetch_add(1, std::memory_order_relaxed);
+        merged_by = actions_->stats().published;  // (this feeder is the buffer's publisher)
       } else {
         rejected_.fetch_add(1, std::memory_order_relaxed);
         // no free slot is the loop being behind, not an error; the rest name what to fix

@@ -290,9 +290,70 @@ TEST(ControlLoop, RunOrStartWhileRunningIsRefused) {
   loop.stop();
   loop.start(3);  // finishes on its own ...
   wait_until_done(loop);
-  EXPECT_THROW(loop.start(), std::logic_error);  // ... but must be stop()ped before a restart
-  loop.stop();
   EXPECT_EQ(loop.stats().ticks, 3u);
+  loop.start(2);  // ... and the next start() joins it
+  wait_until_done(loop);
+  loop.stop();
+  EXPECT_EQ(loop.stats().ticks, 2u);
+}
+
+TEST(ControlLoop, StopInItsCallbackThenStartAgainAndAnUncollectedErrorComesBackFromStart) {
+  auto clock = std::make_shared<SimulatedClock>();
+  ControlLoop* self = nullptr;
+  int calls = 0;
+  ControlLoop loop(at_hz(1000), [&](const TickInfo& t) {
+    ++calls;
+    if (t.tick == 3) self->stop();  // start() refused to run again after this
+    if (calls == 100) throw std::runtime_error("the arm's driver failed");
+  }, clock);
+  self = &loop;
+  loop.start();
+  wait_until_done(loop);
+  EXPECT_EQ(loop.stats().ticks, 4u);
+  loop.start();  // ticks 0-3 again, then the error at the 100th call overall ...
+  wait_until_done(loop);
+  calls = 99;
+  loop.start(10);
+  wait_until_done(loop);
+  try {  // ... is not lost to the next start()
+    loop.start();
+    FAIL() << "the uncollected error was dropped";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "the arm's driver failed");
+  }
+  EXPECT_FALSE(loop.running());
+  loop.start(1);
+  loop.stop();
+}
+
+TEST(ControlLoop, StopFromSeveralThreadsAtOnceJoinsOnce) {
+  auto clock = std::make_shared<SimulatedClock>();
+  for (int round = 0; round < 100; ++round) {  // two joins of one thread hung
+    ControlLoop loop(at_hz(1000), [](const TickInfo&) {}, clock);
+    loop.start();
+    std::thread a([&] { loop.stop(); });
+    std::thread b([&] { loop.stop(); });
+    a.join();
+    b.join();
+    EXPECT_FALSE(loop.running());
+  }
+}
+
+TEST(ControlLoop, HistogramBinsThatWrapAroundAreRefused) {
+  // bins + 1 wrapped to 0 at SIZE_MAX: the first tick wrote through a null pointer
+  EXPECT_THROW(mstar::Histogram(20, SIZE_MAX), std::invalid_argument);
+  EXPECT_THROW(mstar::Histogram(20, mstar::Histogram::kMaxBins + 1), std::invalid_argument);
+  mstar::Histogram(20, mstar::Histogram::kMaxBins);
+}
+
+TEST(ControlLoop, AClockAtTheEndOfTimeDoesNotWrapTheDeadlines) {
+  auto clock = std::make_shared<SimulatedClock>();
+  int ticks = 0;
+  ControlLoop loop(at_hz(1000), [&](const TickInfo&) {
+    if (++ticks == 2) clock->advance(INT64_MAX - clock->now_ns() - 10);  // UBSan: overflow
+  }, clock);
+  loop.run(5);
+  EXPECT_EQ(loop.stats().ticks + loop.stats().missed_deadlines, 5u);
 }
 
 // ---- SystemClock: real time on a noisy VM, so only loose bounds ----

@@ -7,8 +7,9 @@
 // `refill_below` actions from its tick on, calls the policy (a C++ Runtime request, or an
 // embedded Python model: whatever `infer` does, on this thread, never on the tick's) and
 // publishes the chunk stamped with the observation's tick; the buffer drops what the delay made
-// stale and merges the rest. One chunk per observation: after publishing it waits for a tick
-// past the one it published at, so a plan the loop has not merged yet is not asked for twice.
+// stale and merges the rest. One chunk per observation: after publishing it waits for an
+// observation made after the loop took the chunk in, so a plan the loop has not merged yet is
+// not asked for twice. stop() may be called from several threads at once (one joins).
 #pragma once
 
 #include <atomic>
@@ -68,6 +69,7 @@ class ChunkFeeder {
     std::vector<float> obs;
     std::uint64_t tick = 0;
     std::size_t left = 0;
+    std::uint64_t consumed = 0;  // chunks the loop had taken in when it was observed
   };
   void run();
 
@@ -87,6 +89,7 @@ class ChunkFeeder {
   Histogram latency_;  // feeder thread
   mutable std::mutex error_mu_;
   std::string last_error_;
+  std::mutex control_mu_;  // start/stop: who joins the thread
   std::thread thread_;
 };
 

@@ -24,6 +24,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,7 +64,8 @@ class SimulatedClock final : public Clock {
 /// first bin, NaN is ignored. Not thread-safe: one writer, read after it is done.
 class Histogram {
  public:
-  /// Throws std::invalid_argument unless max_value > 0 and bins > 0.
+  static constexpr std::size_t kMaxBins = std::size_t{1} << 24;
+  /// Throws std::invalid_argument unless max_value > 0 and 0 < bins <= kMaxBins.
   Histogram(double max_value, std::size_t bins);
   void add(double value) noexcept;
   std::uint64_t count() const noexcept { return count_; }
@@ -114,6 +116,8 @@ class ControlLoop {
   /// Throws std::invalid_argument for a rate outside [1e-6, 1e9] Hz, an empty callback
   /// or bad histogram options. The clock defaults to SystemClock.
   ControlLoop(ControlLoopOptions options, Callback on_tick, std::shared_ptr<Clock> clock = nullptr);
+  /// Stops and joins a start()ed loop. Never destroy the loop from its own callback: the
+  /// callback is still running inside it (a start()ed one terminates the process).
   ~ControlLoop();
   ControlLoop(const ControlLoop&) = delete;
   ControlLoop& operator=(const ControlLoop&) = delete;
@@ -126,10 +130,14 @@ class ControlLoop {
   /// std::logic_error if the loop is already running.
   void run(std::uint64_t ticks = 0);
   /// Runs on a thread of its own; stop() ends it, joins, and rethrows a callback exception.
-  /// Throws std::logic_error if running, or if a previous start() was not followed by stop().
+  /// Throws std::logic_error if running. A previous start() whose loop has ended (its ticks
+  /// done, or stop() from its callback) is joined here, and a callback exception of it nobody
+  /// collected with stop() is rethrown instead of starting.
   void start(std::uint64_t ticks = 0);
   /// Asks the loop to end (it notices within one period) and joins a start()ed thread. Safe to
-  /// call from the callback, from another thread during run(), or when not running.
+  /// call from the callback, from another thread during run(), when not running, and from
+  /// several threads at once (one joins, the others return). A stop() before run() is entered
+  /// is not remembered: to stop a loop that runs on another thread, use start() and stop().
   void stop();
   bool running() const noexcept { return running_.load(std::memory_order_acquire); }
 
@@ -151,6 +159,7 @@ class ControlLoop {
   std::int64_t period_ns_;  // integer period, so deadline n = start + n * period_ns_ is exact
   Histogram lateness_, tick_time_;
   std::atomic<bool> running_{false}, stop_{false};
+  std::mutex control_mu_;  // start/stop/destruction: who joins thread_
   std::thread thread_;
   std::exception_ptr thread_error_;  // a callback exception on the start() thread, for stop()
   // Written by the loop thread; the counters are atomic so a poller never races on them.
