@@ -71,6 +71,12 @@ def split_engines(model: Any, plan: Any, engines: Mapping[str, Engine]
     return local, remote
 
 
+#: The ZeroMQ contexts of runtimes not closed yet, held here: one that the garbage collector
+#: reached first, before its sockets (a runtime never closed, in a reference cycle), waited in
+#: term() for them for good and froze the whole process.
+_OPEN_CONTEXTS: set = set()
+
+
 class PlacedRuntime(Runtime):
     """Serves a model with some node groups in worker processes.
 
@@ -183,6 +189,7 @@ class PlacedRuntime(Runtime):
         try:
             self._workdir = tempfile.mkdtemp(prefix=f"mstar-placement-{os.getpid()}-")
             self._zctx = zmq.Context()
+            _OPEN_CONTEXTS.add(self._zctx)
             if launcher == "ray":  # workers anywhere in the cluster reach this node's address
                 self._ray_owned, self._host = connect_ray(ray_address)
                 self._hub = Hub(self._zctx, f"tcp://{self._host}:*", inline=True)
@@ -365,6 +372,7 @@ class PlacedRuntime(Runtime):
             self.kv_moves.close()
         if self._zctx is not None:
             self._zctx.term()
+            _OPEN_CONTEXTS.discard(self._zctx)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
         if self._ray_owned:

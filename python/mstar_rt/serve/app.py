@@ -154,14 +154,16 @@ def create_app(deployment: Deployment) -> FastAPI:
     if d.api_key is not None:
         app.add_middleware(_KeyCheck, api_key=d.api_key, state=state)
 
-    @app.api_route("/health", methods=["GET", "HEAD"],  # HEAD: what load balancers probe
-                   responses={503: {"description": "the model cannot serve (`reason`)"}})
+    @app.get("/health", responses={503: {"description": "the model cannot serve (`reason`)"}})
     async def health() -> Any:
         reason = await state.bridge.health()  # e.g. a tensor-parallel rank or a worker lost
         body = {"status": "ok" if reason is None else "unavailable", "model": d.name,
                 "admitted": state.bridge.admission.in_flight, "max_concurrent_requests":
                 d.max_concurrent_requests} | ({} if reason is None else {"reason": reason})
         return JSONResponse(body, 200 if reason is None else 503)
+
+    # what load balancers probe (out of the schema: it has no body to document)
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     keyed = (401,) if d.api_key is not None else ()
 

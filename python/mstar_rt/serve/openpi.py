@@ -330,11 +330,13 @@ def add_policy_routes(app: Any, state: Any) -> None:
     bridge, metrics = state.bridge, state.metrics
     endpoint = "policy"
 
-    @app.api_route("/healthz", methods=["GET", "HEAD"], response_class=PlainTextResponse)
+    @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> PlainTextResponse:
         reason = await bridge.health()
         return PlainTextResponse("OK\n" if reason is None else f"{reason}\n",
                                  200 if reason is None else 503)
+
+    app.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
 
     @app.websocket("/")
     async def policy(ws: WebSocket) -> None:
