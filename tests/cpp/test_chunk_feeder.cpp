@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -20,6 +21,20 @@ using mstar::ChunkFeeder;
 using mstar::ChunkFeederOptions;
 using mstar::Tensor;
 
+std::shared_ptr<ActionChunkBuffer> buffer_of(std::size_t horizon) {
+  ActionChunkOptions ao;
+  ao.horizon = horizon;
+  ao.action_dim = 1;
+  return std::make_shared<ActionChunkBuffer>(ao);
+}
+
+ChunkFeederOptions feeder_options(std::size_t refill_below) {
+  ChunkFeederOptions fo;
+  fo.obs_dim = 1;
+  fo.refill_below = refill_below;
+  return fo;
+}
+
 template <class F>
 bool eventually(F done, std::chrono::milliseconds within = 5000ms) {
   const auto end = std::chrono::steady_clock::now() + within;
@@ -33,13 +48,8 @@ bool eventually(F done, std::chrono::milliseconds within = 5000ms) {
 TEST(ChunkFeeder, AChunkPublishedBetweenPopAndObserveIsNotAskedForAgain) {
   // A chunk published while the tick ran (after its pop, before its observe) made the feeder
   // ask again: the observation still saw the old plan run short.
-  ActionChunkOptions ao;
-  ao.horizon = 10;
-  ao.action_dim = 1;
-  auto buffer = std::make_shared<ActionChunkBuffer>(ao);
-  ChunkFeederOptions fo;
-  fo.obs_dim = 1;
-  fo.refill_below = 5;
+  auto buffer = buffer_of(10);
+  const ChunkFeederOptions fo = feeder_options(5);
   std::mutex mu;
   std::condition_variable cv;
   bool gate = true;  // infer may return
@@ -84,14 +94,9 @@ TEST(ChunkFeeder, AChunkPublishedBetweenPopAndObserveIsNotAskedForAgain) {
 
 TEST(ChunkFeeder, StopFromSeveralThreadsAtOnceJoinsOnce) {
   // Two joins of one thread hung (a watchdog and the main thread stopping together).
-  ActionChunkOptions ao;
-  ao.horizon = 4;
-  ao.action_dim = 1;
-  auto buffer = std::make_shared<ActionChunkBuffer>(ao);
-  ChunkFeederOptions fo;
-  fo.obs_dim = 1;
+  auto buffer = buffer_of(4);
   for (int round = 0; round < 50; ++round) {
-    ChunkFeeder feeder(buffer, fo, [](const Tensor&, std::uint64_t) {
+    ChunkFeeder feeder(buffer, feeder_options(0), [](const Tensor&, std::uint64_t) {
       return Tensor::from<float>({0, 0}, {2, 1});
     });
     feeder.start();
