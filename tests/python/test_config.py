@@ -59,16 +59,21 @@ def test_serving_placement_and_embed_build_the_model_through_one_resolver(monkey
         rt.close()
 
 
-def test_a_model_file_named_like_a_loaded_module_does_not_replace_it(tmp_path):
+def test_a_model_file_named_like_a_loaded_module_does_not_replace_it(tmp_path, monkeypatch):
     import json
     import sys
 
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored afterwards
     # json.py took sys.modules["json"] for the whole process: json.dumps was gone
     (tmp_path / "json.py").write_text((ROOT / "examples/robot/policy.py").read_text())
     factory = resolve_factory(f"{tmp_path / 'json.py'}:ChunkPolicyModel")
     assert sys.modules["json"] is json and json.dumps({"a": 1}) == '{"a": 1}'
     assert factory.__module__.startswith("mstar_model_json_")
     assert resolve_factory(f"{tmp_path / 'json.py'}:ChunkPolicyModel") is factory  # reused
+    # its folder goes last on the path: a later "import json" (a worker process inherits the
+    # path as PYTHONPATH: torch failed to import there) still finds the standard library
+    assert sys.path[-1] == str(tmp_path)
+    del sys.modules[factory.__module__]
 
 
 def test_a_factory_that_refuses_its_args_is_a_config_error_but_its_own_bugs_are_not():

@@ -167,8 +167,8 @@ def _import(module: str, base_dir: str) -> Any:
     path = (Path(base_dir) / module).resolve()
     if not path.is_file():
         raise ModelFileMissing(f"model.class: model module file {path} does not exist")
-    if str(path.parent) not in sys.path:  # so the file's sibling imports work
-        sys.path.insert(0, str(path.parent))
+    if str(path.parent) not in sys.path:  # so the file's sibling imports work; last, so that a
+        sys.path.append(str(path.parent))  # json.py beside it shadows no module (nor workers')
     name = path.stem
     loaded = sys.modules.get(name)
     if loaded is not None and getattr(loaded, "__file__", None) == str(path):
