@@ -142,8 +142,8 @@ def test_images_and_goal_image_plan_as_their_features(serve, pair, encoder_pair)
     hf, encoder = encoder_pair
     config = VJEPA2CEMConfig(samples=16, top_k=4, iterations=2)
     g = torch.Generator().manual_seed(3)
-    images, goal_image = torch.randn(2, 3, 48, 48, generator=g), torch.randn(3, 48, 48,
-                                                                            generator=g)
+    images, goal_image = (torch.randn(*shape, generator=g).clamp(-2.1, 2.6)  # normalized pixels
+                          for shape in ((2, 3, 48, 48), (3, 48, 48)))
     with torch.no_grad():
         feats = F.layer_norm(hf.get_vision_features(
             torch.cat([images, goal_image[None]])[:, None].repeat(1, 2, 1, 1, 1)), (40,))

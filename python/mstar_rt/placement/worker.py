@@ -396,9 +396,8 @@ class Worker:
         for arena in (self.p2w, self.w2p, self.exports and self.exports.arena):
             if arena is not None:
                 arena.unlink()
-        for name in (mail.get("p2w"), mail.get("w2p")):
-            if name is not None:
-                unlink_quietly(name)
+        for name in filter(None, (mail.get("p2w"), mail.get("w2p"))):
+            unlink_quietly(name)
         workdir = os.path.dirname(self.cfg["endpoint"].removeprefix("ipc://"))
         if os.path.basename(workdir).startswith(f"mstar-placement-{self.cfg['parent_pid']}-"):
             shutil.rmtree(workdir, ignore_errors=True)
@@ -416,11 +415,10 @@ class Worker:
         self.outbox.close(sock=self.mail is not None)
         self.push.close(2000)
         self.ctx.term()
-        for ring in (self.p2w, self.w2p, self.exports and self.exports.arena, self.mail):
+        for ring in (self.p2w, self.w2p, self.exports and self.exports.arena, self.mail,
+                     self.bell):
             if ring is not None:
                 ring.close()
-        if self.bell is not None:
-            self.bell.close()
 
 
 def _item_ids(items: Any) -> list[int]:
@@ -493,7 +491,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         worker.serve()
     finally:
         worker.close()
-    return 0
+    # Closed: no finalization, where a K/V receiver woken in gloo's recv aborted the process.
+    sys.stdout.flush()  # (stderr is line-buffered)
+    os._exit(0)
 
 
 if __name__ == "__main__":
