@@ -21,7 +21,8 @@ few kernels as it can):
   6. decode speed at batch 1/4/16 through mstar_rt.Runtime: eager and CUDA graphs, torch and
      FlashInfer attention, vs transformers generate on the same weights.
 Writes benchmarks/results/gpu_check.json after every section (a run cut short keeps what it
-measured) and exits 1 when a correctness check failed. Sections past --budget-s are skipped.
+measured), and at the end gpu_check.png beside it (gpu_check_plot.py), and exits 1 when a
+correctness check failed. Sections past --budget-s are skipped.
 Without CUDA it says so and exits 0, writing a {"skipped": reason} record only where no real
 result would be overwritten. If the compiled core (mstar_rt._core) does not import, e.g. on a
 machine with another Python, it is built first with CMake (about half a minute on 16 cores).
@@ -47,6 +48,7 @@ from gpu_check_attention import attention_check
 from gpu_check_common import Report
 from gpu_check_decode import build_models, graph_check, speed
 from gpu_check_placement import placement_check
+from gpu_check_plot import plot
 from gpu_check_vla import pi0_check, smolvla_check
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,7 +172,9 @@ def main() -> int:
                 break
         report.write()
     report.write()
-    print(f"wrote {args.out}; failed: {report.failed or 'none'}")
+    png = args.out.with_suffix(".png")
+    print(f"wrote {args.out}" + (f" and {png}" if plot(report.data, png) else "")
+          + f"; failed: {report.failed or 'none'}")
     return 1 if report.failed else 0
 
 

@@ -24,6 +24,7 @@ def dry_run(tmp_path: Path, only: str) -> tuple[dict, str]:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["failed"] == []
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return result, proc.stdout
 
 
@@ -51,3 +52,27 @@ def test_gpu_check_placement_section_dry_runs_on_the_cpu(tmp_path):
         "placement_inputs_not_on_the_nodes_device", "placement_output_vs_in_process_rel",
         "placement_large_tensor_not_worker_to_worker"}
     assert result["figures"]["placement_ms_per_request_placed"] > 0
+
+
+def test_gpu_check_plot_reads_every_series_of_a_gpu_record(tmp_path):
+    """The figure's parsing of a record as a GPU run writes it: decode tokens/s per backend
+    sorted by batch, the VLA bars per family and mode, each check's value over its limit."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check_plot as gp
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    figures = {"decode_tok_s_b16_graphs_torch": 900.0, "decode_tok_s_b1_graphs_torch": 80.0,
+               "decode_tok_s_b1_hf_generate": 30.0, "ms_per_step_b1_hf_generate": 33.0,
+               "pi0_chunk_ms_1robot_eager": 40.0, "pi0_chunks_per_s_8robots_eager": 60.0,
+               "pi0_chunk_ms_1robot_graphs": 20.0, "pi0_chunks_per_s_8robots_graphs": 90.0,
+               "smolvla_chunk_ms_1robot_eager": 30.0}  # no 8-robot figure: no bar
+    checks = {"a_rel": {"value": 0.025, "limit": 0.05, "ok": True},
+              "b_flag": {"value": 1.0, "limit": 0.0, "ok": False}}
+    assert gp.decode_series(figures) == {"graphs_torch": [(1, 80.0), (16, 900.0)],
+                                         "hf_generate": [(1, 30.0)]}
+    assert gp.vla_bars(figures) == {"pi0": {"eager": (40.0, 60.0), "graphs": (20.0, 90.0)}}
+    assert gp.check_ratios(checks) == [("a_rel", 0.5, True), ("b_flag", 2.0, False)]
+    png = tmp_path / "g.png"
+    assert gp.plot({"machine": "test", "figures": figures, "checks": checks}, png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
