@@ -37,7 +37,8 @@ def test_mono_float_takes_mono_floats_and_names_what_else_came():
     lambda x: SileroVAD()(x),  # int16 heard no speech
     lambda x: PocketSphinxASR(ROBOT_COMMANDS_JSGF).recognize(x),  # returned ''
     lambda x: PartialRecognizer(ROBOT_COMMANDS_JSGF).feed(SpeechSegment(0, 0, x)),
-], ids=["silero", "pocketsphinx", "partial"])
+    lambda x: Endpointer().push(x, 0.0),  # stereo: one window as two, the positions doubled
+], ids=["silero", "pocketsphinx", "partial", "endpointer"])
 def test_speech_components_refuse_integer_and_stereo_audio(call):
     with pytest.raises(TypeError, match="int16"):
         call(INT16)

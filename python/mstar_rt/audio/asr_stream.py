@@ -79,6 +79,18 @@ class PartialRecognizer:
             self._utterance = None
 
 
+def _segments(item: Any, name: str) -> list[SpeechSegment]:
+    """A stream item as its segments; raw audio (iterated, rows of samples) is refused by name:
+    the recognizer takes the endpointer's mono segments, never a microphone's frames."""
+    if isinstance(item, (list, tuple)) and all(isinstance(s, SpeechSegment) for s in item):
+        return list(item)
+    shape = f" of shape {list(np.shape(item))}" if isinstance(item, np.ndarray) else ""
+    raise TypeError(f"PartialASRNode input '{name}' takes items that are lists of "
+                    "SpeechSegment (a VADNode's speech_name output), got "
+                    f"{type(item).__name__}{shape}; stream audio into a VADNode(speech_name=...) "
+                    "and that output on into this node")
+
+
 class PartialASRNode(NodeSubmodule):
     """Walk-graph node over a stream of ``[SpeechSegment, ...]`` items (a VADNode's
     ``speech_name`` output) -> ``{partials_name: [Partial, ...]}`` per execution. ``recognizer``:
@@ -102,7 +114,8 @@ class PartialASRNode(NodeSubmodule):
         return r
 
     def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> Any:
-        segments = [seg for item in inputs[self.input_name].new_items for seg in item]
+        name = self.input_name
+        segments = [seg for item in inputs[name].new_items for seg in _segments(item, name)]
         return self._recognizer(ctx.request), segments
 
     def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:

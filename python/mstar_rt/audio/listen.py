@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from mstar_rt.audio.samples import mix_down
 from mstar_rt.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, Parallel, StreamingGraphEdge
 from mstar_rt.model import Model, NodeSubmodule
 
@@ -60,7 +61,11 @@ class MicReader(NodeSubmodule):
                 x = self.input.read(self.device_block, timeout=0.5)
             except TimeoutError:
                 continue
-            self._buf = np.concatenate([self._buf, np.asarray(x, np.float32).reshape(-1)])
+            # AudioInput.read gives [n, channels] unless mono: flattened, a stereo input was
+            # one interleaved signal at twice its length
+            x = np.asarray(x)
+            x = mix_down(x, "MicReader (AudioInput.read)", x.shape[1] if x.ndim == 2 else 1)
+            self._buf = np.concatenate([self._buf, x])
             self.clock.note(self.heard + len(self._buf))
         if len(self._buf) < WINDOW:  # stopping: pad the last block
             self._buf = np.concatenate([self._buf, np.zeros(WINDOW - len(self._buf), np.float32)])

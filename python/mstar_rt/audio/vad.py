@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping, Optional
 
 import numpy as np
 
-from mstar_rt.audio.samples import mono_float
+from mstar_rt.audio.samples import mix_down, mono_float
 from mstar_rt.model import NodeSubmodule, RequestContext, WorkContext
 
 
@@ -156,8 +156,9 @@ class Endpointer:
         self._complete_at = pause_sample
 
     def push(self, window: np.ndarray, prob: float) -> list[VADEvent]:
-        """One window of samples and its speech probability; returns the events it completes."""
-        x = np.array(window, np.float32).reshape(-1)  # a copy: callers may reuse their buffer
+        """One window of mono float samples and its speech probability; returns the events it
+        completes."""
+        x = np.array(mono_float(window, "Endpointer.push"))  # a copy: callers reuse buffers
         pos, self._pos = self._pos, self._pos + len(x)
         events: list[VADEvent] = []
         if not self._speaking:
@@ -248,7 +249,10 @@ class VADNode(NodeSubmodule):
     """Walk-graph node over a stream of 16 kHz float32 samples, usually cut by ``Fixed(512)``.
 
     Stream items may be single samples or blocks of samples; whatever a window brings is cut
-    into 512-sample VAD windows (a remainder waits for the next window of the stream). Outputs
+    into 512-sample VAD windows (a remainder waits for the next window of the stream). A stereo
+    microphone's stream needs ``channels=2`` (as the device did): its items are then frames,
+    ``[k, 2]`` or flat interleaved ``[2k]`` (one frame: ``[2]``), their channels averaged. With
+    the default a ``[k, 2]`` item is refused and a flat one read as mono (it cannot show). Outputs
     per execution ``{vad_name: probability of its last VAD window (None if it completed none),
     events_name: [VADEvent, ...]}`` (and, with ``speech_name``, ``{speech_name:
     [SpeechSegment, ...]}`` for a streaming recognizer); at the end of the stream an utterance
@@ -261,10 +265,14 @@ class VADNode(NodeSubmodule):
     def __init__(self, input_name: str = "mic", vad_name: str = "vad",
                  events_name: str = "events", vad: Optional["SileroVAD"] = None,
                  endpointer: Optional["Endpointer"] = None, speech_name: Optional[str] = None,
-                 **endpointer_kwargs: Any) -> None:
+                 channels: int = 1, **endpointer_kwargs: Any) -> None:
         """``vad`` / ``endpointer``: ready instances for the first request (an agent's one
-        listening session); later requests get fresh ones built from ``endpointer_kwargs``."""
+        listening session); later requests get fresh ones built from ``endpointer_kwargs``.
+        ``channels``: of the stream's frames (see the class)."""
+        if not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"VADNode channels must be an int >= 1, got {channels!r}")
         self.input_name, self.vad_name, self.events_name = input_name, vad_name, events_name
+        self.channels = channels
         self.speech_name = speech_name
         if speech_name is not None:
             endpointer_kwargs["segments"] = True
@@ -289,16 +297,22 @@ class VADNode(NodeSubmodule):
 
     def prepare_inputs(self, ctx: WorkContext, inputs: dict[str, Any]) -> Any:
         window = inputs[self.input_name]  # a StreamChunk
-        items = window.new_items
-        what = f"VADNode input '{self.input_name}'"
-        try:  # items are samples ([k]) or blocks ([k, n], [k, n, 1]; stereo ones are refused)
+        return self._stream(ctx.request), self._samples(window.new_items), window.last
+
+    def _samples(self, items: list) -> np.ndarray:
+        """The items as mono samples, each item's layout checked by its own shape: stacked, k
+        stereo frames of ``[2]`` are k mono blocks of 2 samples, and k blocks ``[n, 2]`` a
+        ``[k, n, 2]`` no one passed."""
+        what = f"VADNode input '{self.input_name}' (channels={self.channels})"
+        try:
             x = np.asarray(items)
         except ValueError:  # blocks of different lengths
-            x = np.concatenate([mono_float(i, what) for i in items])
-        if x.ndim == 3 and x.shape[2] == 1:
-            x = x[..., 0]
-        x = mono_float(x.reshape(-1) if x.ndim == 2 else x, what)
-        return self._stream(ctx.request), x, window.last
+            x = np.asarray(None)
+        if x.dtype == object or x.ndim == 0 or len(x) == 0:
+            parts = [mix_down(i, what, self.channels) for i in items]
+            return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        mix_down(x[0], what, self.channels)  # every item has this shape
+        return mix_down(x.reshape(-1, *x.shape[2:]), what, self.channels)
 
     def end_stream(self, ctx: WorkContext) -> Mapping[str, Any]:
         """The audio ended where the last window ended: let the endpointer finish."""
