@@ -89,31 +89,58 @@ std::string ChunkPolicy::describe() const {
   return "ChunkPolicy(?)";
 }
 
+namespace {
+
+// Chunk `index`'s left context in a stream nothing was dropped from: C, clamped by the items
+// before it (s_0 + ... + s_(index-1)). Only a drop needs it; at most one pass over first sizes.
+std::uint64_t undisturbed_context(const ChunkPolicy& policy, std::uint64_t index) noexcept {
+  const std::uint64_t ctx = policy.context();
+  const std::vector<std::size_t>& first = policy.first_sizes();
+  std::uint64_t before = 0;
+  for (std::size_t i = 0; i < first.size() && i < index; ++i) {
+    before += first[i];
+    if (before >= ctx) return ctx;
+  }
+  if (index <= first.size()) return before;
+  const std::uint64_t steady_chunks = index - first.size();
+  const std::uint64_t steady = policy.steady_size();
+  return steady_chunks > (ctx - before) / steady ? ctx : before + steady_chunks * steady;
+}
+
+}  // namespace
+
 ChunkCursor::Next ChunkCursor::next(std::uint64_t oldest, std::uint64_t written, bool ended,
                                     Chunk* out) noexcept {
-  // Items lost to a drop_oldest ring: resume at the first survivor instead of waiting forever.
-  if (new_begin_ < oldest) new_begin_ = oldest;
-  const std::uint64_t full_end = new_begin_ + policy_->new_size(index_);
-  std::uint64_t end = full_end;
-  if (written < full_end) {
-    if (!ended) return Next::wait;
-    if (written <= new_begin_) return Next::finished;
-    end = written;  // the flush: a short last chunk, so nothing is dropped
-  }
   const std::uint64_t ctx = policy_->context();
-  std::uint64_t begin = new_begin_ > ctx ? new_begin_ - ctx : 0;
-  begin = std::max(begin, oldest);
-  out->begin = begin;
-  out->new_begin = new_begin_;
-  out->end = end;
-  out->index = index_;
-  out->last = ended && end == written;
+  std::uint64_t new_begin = new_begin_;
+  std::uint64_t begin = new_begin > ctx ? new_begin - ctx : 0;
+  if (begin < oldest) {
+    // A drop_oldest ring dropped items this window needs. A shorter window would break a
+    // consumer that decodes whole windows, so the window keeps its shape and moves up to the
+    // oldest survivor; survivors it then covers as context are never new.
+    const std::uint64_t c = undisturbed_context(*policy_, index_);
+    new_begin = std::max(new_begin, oldest + c);
+    begin = new_begin - c;
+  }
+  const std::uint64_t end = new_begin + policy_->new_size(index_);
+  need_ = end;
+  if (written >= end) {
+    *out = Chunk{begin, new_begin, end, index_, ended && end == written};
+    return Next::ready;
+  }
+  if (!ended) return Next::wait;
+  // The flush: no window is coming, so every survivor not yet new is, with what context is left.
+  new_begin = std::max(new_begin_, oldest);
+  if (written <= new_begin) return Next::finished;
+  begin = std::max(new_begin > ctx ? new_begin - ctx : 0, oldest);
+  *out = Chunk{begin, new_begin, written, index_, true};
   return Next::ready;
 }
 
 std::uint64_t ChunkCursor::advance(const Chunk& chunk) noexcept {
   new_begin_ = chunk.end;
   index_ = chunk.index + 1;
+  need_ = new_begin_ + policy_->new_size(index_);
   const std::uint64_t ctx = policy_->context();
   return new_begin_ > ctx ? new_begin_ - ctx : 0;
 }

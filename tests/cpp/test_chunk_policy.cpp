@@ -295,6 +295,71 @@ TEST(ChunkInvariant, EveryItemIsNewInExactlyOneChunk) {
   }
 }
 
+// A drop_oldest ring of `capacity` under a producer that overruns a slow consumer: a window
+// (other than the end-of-stream flush) always has the shape of the same chunk in an undisturbed
+// stream, and never reaches below the oldest stored item.
+TEST(ChunkInvariant, DropsNeverShortenAWindow) {
+  u64 seed = 0x9e3779b97f4a7c15u;
+  const auto random_below = [&seed](u64 n) {
+    seed = seed * 6364136223846793005u + 1442695040888963407u;
+    return (seed >> 33) % n;
+  };
+  const u64 total = 400;
+  for (const ChunkPolicy& policy : sample_policies()) {
+    const std::vector<Row> plain = simulate(policy, total + policy.max_chunk());
+    for (u64 spare : {0u, 3u}) {
+      const u64 capacity = policy.max_chunk() + spare;
+      SCOPED_TRACE(policy.describe() + " in a ring of " + std::to_string(capacity));
+      ChunkCursor cursor(policy);
+      Chunk c;
+      u64 written = 0, kept = 0, prev_end = 0, chunks = 0, drops_seen = 0;
+      bool ended = false, done = false;
+      while (!done) {
+        if (!ended) {
+          written = std::min(total, written + 1 + random_below(2 * capacity));
+          ended = written == total;
+        }
+        if (written > kept + capacity) ++drops_seen;
+        for (u64 takes = ended ? total + 1 : random_below(3); takes > 0 && !done; --takes) {
+          const u64 oldest = std::max(kept, written > capacity ? written - capacity : 0);
+          const ChunkCursor::Next r = cursor.next(oldest, written, ended, &c);
+          if (r == ChunkCursor::Next::wait) {
+            ASSERT_FALSE(ended);
+            ASSERT_LT(written - oldest, policy.max_chunk());  // a full ring always has a window
+            ASSERT_GT(cursor.needed_end(), written);
+            break;
+          }
+          if (r == ChunkCursor::Next::finished) {
+            ASSERT_TRUE(ended);
+            ASSERT_EQ(std::max(prev_end, oldest), written);  // every survivor was delivered
+            done = true;
+            break;
+          }
+          ASSERT_EQ(c.index, chunks++);
+          ASSERT_LT(c.index, plain.size());
+          ASSERT_GE(c.begin, oldest);
+          ASSERT_LE(c.end, written);
+          ASSERT_GE(c.new_begin, prev_end);
+          ASSERT_TRUE(c.new_begin == prev_end || oldest > kept) << "a gap without a drop";
+          ASSERT_LT(c.new_begin, c.end);
+          ASSERT_LE(c.size(), policy.max_chunk());
+          if (!c.last) {
+            const Row& undisturbed = plain[c.index];
+            ASSERT_EQ(c.new_begin - c.begin, undisturbed.new_begin - undisturbed.begin)
+                << "chunk " << c.index << " [" << c.begin << ", " << c.new_begin << ", "
+                << c.end << ")";
+            ASSERT_EQ(c.end - c.new_begin, undisturbed.end - undisturbed.new_begin);
+          }
+          prev_end = c.end;
+          kept = std::max(kept, cursor.advance(c));
+          done = c.last;
+        }
+      }
+      EXPECT_GT(drops_seen, 0u);
+    }
+  }
+}
+
 // ---- cursor details --------------------------------------------------------------------------
 
 TEST(ChunkCursorTest, WaitReportsHowManyItemsTheNextChunkNeeds) {
@@ -321,15 +386,70 @@ TEST(ChunkCursorTest, SkipsAheadToTheOldestStoredItemAfterDrops) {
   EXPECT_EQ(c.begin, 6u);
   EXPECT_EQ(c.new_begin, 6u);
   EXPECT_EQ(c.end, 10u);
+}
 
+// A drop once handed out [5, 7): half a window, though items 5..12 were stored.
+TEST(ChunkCursorTest, AWindowAfterADropHasThePolicysSizeAndStartsAtTheOldestSurvivor) {
+  ChunkPolicy policy = ChunkPolicy::sliding_window(4, 2);
+  ChunkCursor cursor(policy);
+  Chunk c;
+  ASSERT_EQ(cursor.next(0, 4, false, &c), ChunkCursor::Next::ready);
+  EXPECT_EQ(cursor.advance(c), 2u);
+  ASSERT_EQ(cursor.next(5, 13, false, &c), ChunkCursor::Next::ready);  // items 2..4 were dropped
+  EXPECT_EQ(c.begin, 5u);
+  EXPECT_EQ(c.new_begin, 7u);  // 5 and 6 are the window's context, as in any later window
+  EXPECT_EQ(c.end, 9u);
+  EXPECT_EQ(c.index, 1u);
+  EXPECT_FALSE(c.last);
+  EXPECT_EQ(cursor.advance(c), 7u);
+  ASSERT_EQ(cursor.next(7, 13, false, &c), ChunkCursor::Next::ready);  // back on the stride
+  EXPECT_EQ(c.begin, 7u);
+  EXPECT_EQ(c.new_begin, 9u);
+  EXPECT_EQ(c.end, 11u);
+
+  // Before the first window: it moves up whole and every item in it is new, as at the start.
+  ChunkCursor fresh(policy);
+  ASSERT_EQ(fresh.next(9, 13, false, &c), ChunkCursor::Next::ready);
+  EXPECT_EQ(c.begin, 9u);
+  EXPECT_EQ(c.new_begin, 9u);
+  EXPECT_EQ(c.end, 13u);
+}
+
+TEST(ChunkCursorTest, AfterADropTheCursorWaitsForAWholeWindow) {
   ChunkPolicy lc = ChunkPolicy::left_context(4, 2);
-  ChunkCursor with_context(lc);
-  ASSERT_EQ(with_context.next(0, 2, false, &c), ChunkCursor::Next::ready);
-  with_context.advance(c);
-  ASSERT_EQ(with_context.next(3, 5, false, &c), ChunkCursor::Next::ready);
-  EXPECT_EQ(c.begin, 3u);  // the context cannot reach below the oldest stored item
+  ChunkCursor cursor(lc);
+  Chunk c;
+  ASSERT_EQ(cursor.next(0, 2, false, &c), ChunkCursor::Next::ready);
+  EXPECT_EQ(cursor.advance(c), 0u);
+  // Chunk 1 is [0, 4) new from 2 undisturbed; item 0..2 are gone, so it moves up to [3, 7).
+  EXPECT_EQ(cursor.next(3, 5, false, &c), ChunkCursor::Next::wait);
+  EXPECT_EQ(cursor.needed_end(), 7u);
+  ASSERT_EQ(cursor.next(3, 7, false, &c), ChunkCursor::Next::ready);
+  EXPECT_EQ(c.begin, 3u);
+  EXPECT_EQ(c.new_begin, 5u);
+  EXPECT_EQ(c.end, 7u);
+  EXPECT_EQ(cursor.advance(c), 3u);
+  EXPECT_EQ(cursor.needed_end(), 9u);
+  ASSERT_EQ(cursor.next(3, 9, false, &c), ChunkCursor::Next::ready);
+  EXPECT_EQ(c.begin, 3u);  // the full context of 4 again
+  EXPECT_EQ(c.new_begin, 7u);
+}
+
+TEST(ChunkCursorTest, TheFlushAfterADropDeliversEverySurvivorAsNew) {
+  ChunkPolicy lc = ChunkPolicy::left_context(4, 2);
+  ChunkCursor cursor(lc);
+  Chunk c;
+  ASSERT_EQ(cursor.next(0, 2, false, &c), ChunkCursor::Next::ready);
+  cursor.advance(c);
+  EXPECT_EQ(cursor.next(3, 5, false, &c), ChunkCursor::Next::wait);
+  // The stream ends before a whole window survives: nothing to wait for, so no item is withheld.
+  ASSERT_EQ(cursor.next(3, 5, true, &c), ChunkCursor::Next::ready);
+  EXPECT_EQ(c.begin, 3u);
   EXPECT_EQ(c.new_begin, 3u);
   EXPECT_EQ(c.end, 5u);
+  EXPECT_TRUE(c.last);
+  cursor.advance(c);
+  EXPECT_EQ(cursor.next(3, 5, true, &c), ChunkCursor::Next::finished);
 }
 
 TEST(ChunkCursorTest, ResetStartsTheStreamOver) {

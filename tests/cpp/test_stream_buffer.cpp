@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -431,22 +432,50 @@ TEST(StreamBufferDropOldest, StreamSkipsAheadAfterDrops) {
   EXPECT_TRUE(rest.back().last);
 }
 
-TEST(StreamBufferDropOldest, ContextIsClampedToTheOldestSurvivingItem) {
+// The window after a drop used to be [5, 7): two items of a four-item window.
+TEST(StreamBufferDropOldest, AWindowAfterADropIsWholeAndBeginsAtTheOldestSurvivor) {
   StreamBuffer sb(sizeof(u32), 8, ChunkPolicy::sliding_window(4, 2), Overflow::drop_oldest);
   push_positions(sb, 0, 4);
   ChunkView v;
   ASSERT_EQ(sb.try_next_chunk(&v), WaitStatus::ready);
   sb.release_chunk();  // keeps 2, 3 as context
   push_positions(sb, 4, 13);  // 2 + 9 > 8: items 2..4 are dropped
+  EXPECT_EQ(sb.ring().stats().dropped, 3u);
   ASSERT_EQ(sb.try_next_chunk(&v), WaitStatus::ready);
-  EXPECT_EQ(v.chunk.begin, 5u);  // no context below the oldest survivor
-  EXPECT_EQ(v.chunk.new_begin, 5u);
+  EXPECT_EQ(v.chunk.begin, 5u);
+  EXPECT_EQ(v.chunk.new_begin, 7u);
+  EXPECT_EQ(v.chunk.end, 9u);
+  EXPECT_EQ(v.chunk.size(), 4u);
   expect_positions(v);
+  EXPECT_TRUE(in_storage(sb, v));
   sb.release_chunk();
   sb.close();
   const std::vector<Span> rest = drain(sb);
-  ASSERT_FALSE(rest.empty());
-  EXPECT_EQ(rest.back().end, 13u);
+  ASSERT_EQ(rest.size(), 2u);
+  EXPECT_EQ(rest[0].begin, 7u);
+  EXPECT_EQ(rest[0].new_begin, 9u);
+  EXPECT_EQ(rest[0].end, 11u);
+  EXPECT_EQ(rest[1].begin, 9u);
+  EXPECT_EQ(rest[1].end, 13u);
+  EXPECT_TRUE(rest[1].last);
+}
+
+// Windows that moved up after drops, lap after lap: whole, in place, one span across the wrap.
+TEST(StreamBufferDropOldest, WindowsAfterRepeatedDropsAreWholeAcrossTheWrap) {
+  StreamBuffer sb(sizeof(u32), 8, ChunkPolicy::left_context(3, 2), Overflow::drop_oldest);
+  u64 end = 0;
+  for (u64 lap = 0; lap < 6; ++lap) {
+    push_positions(sb, end, end + 7 + lap);  // overruns the ring on most laps
+    end += 7 + lap;
+    ChunkView v;
+    ASSERT_EQ(sb.try_next_chunk(&v), WaitStatus::ready);
+    EXPECT_EQ(v.chunk.size(), std::min<u64>(3, 2 * v.chunk.index) + 2);  // context, then 2 new
+    EXPECT_EQ(v.chunk.new_size(), 2u);
+    expect_positions(v);
+    EXPECT_TRUE(in_storage(sb, v));
+    sb.release_chunk();
+  }
+  EXPECT_GT(sb.ring().stats().dropped, 0u);
 }
 
 }  // namespace

@@ -71,6 +71,23 @@ def test_chunk_views_are_zero_copy_even_across_the_wrap():
             np.testing.assert_array_equal(chunk.data[:, 1], np.arange(chunk.begin, chunk.end))
 
 
+def test_a_window_after_drop_oldest_overflow_is_whole_and_holds_the_survivors():
+    # See docs/chunk_policies.md "Drops": it was [5, 7), half a window, though 8 items were stored.
+    buf = mstar_rt.StreamBuffer(np.int64, 8, mstar_rt.SlidingWindow(4, 2), overflow="drop_oldest")
+    for i in range(4):
+        buf.push(np.array(i, dtype=np.int64))
+    with buf.next_chunk(timeout=1) as chunk:
+        assert (chunk.begin, chunk.new_begin, chunk.end) == (0, 0, 4)
+    for i in range(4, 13):  # one at a time, as a live producer: items 2..4 are dropped
+        buf.push(np.array(i, dtype=np.int64))
+    buf.close()
+    got = []
+    for chunk in buf:
+        np.testing.assert_array_equal(chunk.data, np.arange(chunk.begin, chunk.end))
+        got.append((chunk.begin, chunk.new_begin, chunk.end, chunk.last))
+    assert got == [(5, 7, 9, False), (7, 9, 11, False), (9, 11, 13, True)]
+
+
 def test_a_held_chunk_blocks_the_producer_until_released():
     buf = mstar_rt.StreamBuffer(np.int32, 8, mstar_rt.Fixed(4), overflow="reject")
     buf.push(np.arange(8, dtype=np.int32))

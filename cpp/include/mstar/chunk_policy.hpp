@@ -8,7 +8,8 @@
 //
 // The fresh parts of consecutive chunks tile the stream exactly: chunk i+1's new_begin is chunk
 // i's end, so every item is new in exactly one chunk — including the tail, which the explicit end
-// of stream flushes as a final, possibly shorter chunk (marked `last`). No item is ever dropped.
+// of stream flushes as a final, possibly shorter chunk (marked `last`). No item is ever dropped
+// (but see "Drops" below for a drop_oldest ring, which drops items itself).
 // A chunk is ready once `end` items exist; the consumer then releases everything before the next
 // chunk's begin, which is all the ring has to keep.
 //
@@ -47,6 +48,21 @@
 //
 // If the stream ends exactly on a chunk boundary, no extra chunk is made: the end of stream then
 // marks nothing new, and ChunkCursor::next reports `finished`.
+//
+// Drops. A drop_oldest ring that overflows discards its oldest items, which may be items the next
+// chunk needs. A drop never shortens a chunk: chunk i keeps the shape it has in an undisturbed
+// stream (c_i = min(C, s0 + ... + s(i-1)) items of context, then s_i new items) and moves up so
+// that it begins at or after the oldest surviving item `oldest`:
+//     new_begin_i = max(end_(i-1), oldest + c_i)
+//     begin_i = new_begin_i - c_i,   end_i = new_begin_i + s_i
+// and is ready once end_i items exist (the cursor waits for a whole window, never hands out part
+// of one). Survivors that fall into the moved chunk's context are never delivered as new; the
+// gap in positions (new_begin_i > end_(i-1)) shows what was lost. Indexes run on. Only the flushed
+// last chunk is shorter: once the stream has ended, it makes every survivor not yet delivered new.
+//
+// SlidingWindow(W=4, S=2) in a drop_oldest ring of 8: chunk 0 is [0, 4), the consumer keeps 2, 3;
+// items 4..12 arrive before it asks again, so 2..4 are dropped. Chunk 1 is [5, 9) new from 7 (not
+// [5, 7)), chunk 2 is [7, 11) new from 9: back to windows of W, one stride apart.
 #pragma once
 
 #include <cstddef>
@@ -107,25 +123,30 @@ class ChunkCursor {
  public:
   enum class Next : std::uint8_t { ready, wait, finished };
 
-  explicit ChunkCursor(const ChunkPolicy& policy) : policy_(&policy) {}
+  explicit ChunkCursor(const ChunkPolicy& policy) : policy_(&policy), need_(policy.new_size(0)) {}
 
   /// The next chunk, given that items [oldest, written) are available and whether the producer
   /// has ended the stream. `oldest` is the first item still stored (items before it were
-  /// released, or dropped by a drop_oldest ring: the cursor then skips ahead to it).
+  /// released, or dropped by a drop_oldest ring: the chunk then moves up whole, see "Drops").
   /// On `wait`, `needed_end()` says how many items the chunk needs in total.
   Next next(std::uint64_t oldest, std::uint64_t written, bool ended, Chunk* out) noexcept;
 
   /// Marks `chunk` consumed; returns the first position the next chunk may read (release below).
   std::uint64_t advance(const Chunk& chunk) noexcept;
 
-  std::uint64_t needed_end() const noexcept { return new_begin_ + policy_->new_size(index_); }
+  std::uint64_t needed_end() const noexcept { return need_; }
   std::uint64_t index() const noexcept { return index_; }
-  void reset() noexcept { index_ = 0; new_begin_ = 0; }
+  void reset() noexcept {
+    index_ = 0;
+    new_begin_ = 0;
+    need_ = policy_->new_size(0);
+  }
 
  private:
   const ChunkPolicy* policy_;
   std::uint64_t index_ = 0;
-  std::uint64_t new_begin_ = 0;
+  std::uint64_t new_begin_ = 0;  ///< the end of the last chunk: drops never move it
+  std::uint64_t need_;           ///< end of the next chunk as last seen (a drop moves it up)
 };
 
 }  // namespace mstar
