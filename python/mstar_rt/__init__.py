@@ -24,12 +24,14 @@ from mstar_rt.graph import (
     Sequential,
     StreamingGraphEdge,
 )
+from mstar_rt.feeds import StreamInput
 from mstar_rt.model import Model, NodeSubmodule, RequestContext, StreamChunk, WorkContext
 from mstar_rt.runtime import (
     DeadlineExceeded,
     RequestCancelled,
     RequestFailed,
     RequestHandle,
+    RequestTooLarge,
     Runtime,
     compile_model,
 )
@@ -66,10 +68,12 @@ __all__ = [
     "RequestContext",
     "RequestFailed",
     "RequestHandle",
+    "RequestTooLarge",
     "Runtime",
     "Sequential",
     "StreamChunk",
     "StreamingGraphEdge",
+    "StreamInput",
     "WorkContext",
     "compile_model",
     "Chunk",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from mstar_rt import _core
 from mstar_rt.graph import (
@@ -100,6 +100,23 @@ def _loop_count(s: Loop, label: str, walk: str) -> int:
         raise GraphError(f"{label} in walk '{walk}' has max_iters={count}; it must be an integer "
                          f"from 1 to {_UINT32_MAX}")
     return count
+
+
+def _loop_names(s: Loop, label: str, walk: str) -> None:
+    """GraphError, naming the loop and walk, for a DynamicLoop name that is no string and for
+    ``outputs`` / ``accumulated_outputs`` that are no list of names: a lone string would be read
+    as its letters, and the builder's own TypeError names neither loop nor walk."""
+    if isinstance(s, DynamicLoop) and not isinstance(s.name, str):
+        raise GraphError(f"a DynamicLoop in walk '{walk}' is named {s.name!r}; name it with a "
+                         "string (check_stop stops loops by name)")
+    for key in ("outputs", "accumulated_outputs"):
+        value = getattr(s, key)
+        if isinstance(value, (str, bytes)):
+            raise GraphError(f"{label} in walk '{walk}' has {key}={value!r}; give a list, even "
+                             f"of one: {key}=[{value!r}]")
+        if isinstance(value, (list, tuple)) and not all(isinstance(x, str) and x for x in value):
+            raise GraphError(f"{label} in walk '{walk}' has {key}={value!r}; give a list of the "
+                             "value names made inside the loop")
 
 
 def _part_walks(s: Part, walk: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
@@ -188,6 +205,7 @@ def _section(root: Any, walk: str,
             # The builder holds loop counts as C++ integers; what is not one cannot reach it.
             label = f"DynamicLoop '{s.name}'" if kind is DynamicLoop else "Loop"
             count = _loop_count(s, label, walk)
+            _loop_names(s, label, walk)
         path.add(id(s))
         todo.append((s, (kind, children, count)))
         todo.extend((c, None) for c in reversed(children))
@@ -220,6 +238,17 @@ def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
     """Validates ``(G, W)`` and builds the IR. Raises :class:`GraphError` naming the problem.
     ``stream_end_nodes``: stream consumers told when their stream ends without a window marked
     last (:meth:`mstar_rt.NodeSubmodule.end_stream`)."""
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable) or \
+            not all(isinstance(x, str) and x for x in inputs):
+        raise GraphError(f"the model's inputs are {inputs!r}; give a list of the value names a "
+                         "request brings, e.g. inputs = ('image', 'prompt')")
+    if not isinstance(walks, Mapping):
+        raise GraphError(f"the model's walks are a {type(walks).__name__}; give a dict of walk "
+                         "name -> section, e.g. walks = {'main': Sequential('a', 'b')}")
+    for name in walks:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"the model has a walk named {name!r}; name each walk with a "
+                             "non-empty string")
     builder = _core.GraphBuilder()
     for x in inputs:
         builder.input(x)
@@ -247,8 +276,33 @@ def _submodule_batch(sub: NodeSubmodule) -> Any:
         return value
 
 
+#: What the runtime calls on a node's submodule; NodeSubmodule has them all.
+_SUBMODULE_METHODS = ("forward", "prepare_inputs", "check_stop", "split_batch", "end_stream",
+                      "cleanup")
+
+
+def _check_submodule(node: str, sub: Any) -> None:
+    """GraphError, naming the node, for a submodule that cannot run: a class (its forward would
+    be called unbound, failing every request) or an object without NodeSubmodule's methods."""
+    if isinstance(sub, type):
+        raise GraphError(f"node '{node}' has submodule {sub.__name__}, a class; pass an object: "
+                         f"submodule={sub.__name__}(...)")
+    lacking = [m for m in _SUBMODULE_METHODS if not callable(getattr(sub, m, None))]
+    if lacking:
+        raise GraphError(f"node '{node}' has submodule {sub!r}, which is not a NodeSubmodule "
+                         f"(it has no {', '.join(lacking)}); subclass mstar_rt.NodeSubmodule "
+                         "and override forward")
+
+
 def compile_model(model: Model) -> CompiledGraph:
     """Validates the model's graph and walks (GraphError on problems) and builds the IR."""
+    if isinstance(model, type):  # its methods would be called unbound, failing each request
+        raise TypeError(f"{model.__name__} is a class; pass a model object: {model.__name__}()")
+    if not isinstance(model, Model):
+        raise TypeError(f"a {type(model).__name__} is not a model; subclass mstar_rt.Model")
+    if isinstance(model.nodes, (GraphNode, str, bytes)) or not isinstance(model.nodes, Iterable):
+        raise GraphError(f"{type(model).__name__}.nodes is a {type(model.nodes).__name__}; give "
+                         "a list of GraphNodes")
     for n in model.nodes:
         if not isinstance(n, GraphNode):
             raise GraphError(f"{n!r} in {type(model).__name__}.nodes is not a GraphNode")
@@ -257,6 +311,8 @@ def compile_model(model: Model) -> CompiledGraph:
     if missing:
         raise ValueError(f"model {type(model).__name__} has no submodule for nodes {missing}; "
                          "give each GraphNode its submodule (GraphNode(..., submodule=...))")
+    for n in model.nodes:
+        _check_submodule(n.name, subs[n.name])
     batch = {n: _submodule_batch(s) for n, s in subs.items()}
     batch.update({n.name: n.max_batch for n in model.nodes if n.max_batch is not None})
     return compile_graph(model.nodes, model.walks, model.inputs, node_engines(model), batch,

@@ -16,7 +16,7 @@ naming the walk. Sections print and compare without recursion, so even such a wa
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 # GraphError (a ValueError) is the graph compiler's (C++, mstar::GraphError): it raises it for a
 # malformed graph or walk, and the DSL here for a malformed node.
@@ -85,10 +85,12 @@ class GraphNode:
     max_batch: Optional[int] = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "inputs", tuple(self.inputs))
-        object.__setattr__(self, "outputs", tuple(self.outputs))
+        if not isinstance(self.name, str):
+            raise GraphError(f"a node is named {self.name!r}; name it with a non-empty string")
         if not self.name or self.name == EMIT:
             raise GraphError(f"a node needs a name other than '' and {EMIT!r}")
+        object.__setattr__(self, "inputs", _listed(self.name, "inputs", self.inputs))
+        object.__setattr__(self, "outputs", _listed(self.name, "outputs", self.outputs))
         if self.engine is not None and (not isinstance(self.engine, str) or not self.engine):
             raise GraphError(f"node '{self.name}' has engine {self.engine!r}; name an engine "
                              "with a non-empty string")
@@ -113,6 +115,19 @@ class GraphNode:
             if n not in names:
                 names.append(n)
         return tuple(names)
+
+
+def _listed(node: str, what: str, value: Any) -> tuple:
+    """A node's ``inputs`` or ``outputs`` as a tuple. A lone string would be read as its letters
+    (``"image"`` as 'i', 'm', ...) and a lone edge is no list: both are refused, naming the fix."""
+    if isinstance(value, (str, bytes, GraphEdge, StreamingGraphEdge)):
+        raise GraphError(f"node '{node}' has {what}={value!r}; give a list, even of one: "
+                         f"{what}=[{value!r}]")
+    try:
+        return tuple(value)
+    except TypeError:
+        raise GraphError(f"node '{node}' has {what}={value!r}; give a list of "
+                         f"{'value names' if what == 'inputs' else 'outputs'}") from None
 
 
 class Section:
@@ -279,18 +294,17 @@ class Part(Section):
         self.walks = dict(walks) if isinstance(walks, Mapping) else walks
 
 
-def find_part(root: "SectionLike", name: str) -> Optional[Part]:
-    """The :class:`Part` named ``name`` in the section tree ``root`` (None if none)."""
-    todo: list[Any] = [root]
+def _sections(*roots: "SectionLike") -> Iterator[Section]:
+    """Every section of the trees ``roots``, each once."""
+    todo: list[Any] = list(roots)
     seen: set[int] = set()
     while todo:
         s = todo.pop()
         if not isinstance(s, Section) or id(s) in seen:
             continue
         seen.add(id(s))
+        yield s
         if isinstance(s, Part):
-            if s.name == name:
-                return s
             todo.extend(s.walks.values() if isinstance(s.walks, Mapping) else ())
         elif isinstance(s, Sequential):
             todo.extend(s.parts)
@@ -298,7 +312,16 @@ def find_part(root: "SectionLike", name: str) -> Optional[Part]:
             todo.extend(s.branches)
         elif isinstance(s, Loop):
             todo.append(s.section)
-    return None
+
+
+def find_part(root: "SectionLike", name: str) -> Optional[Part]:
+    """The :class:`Part` named ``name`` in the section tree ``root`` (None if none)."""
+    return next((s for s in _sections(root) if isinstance(s, Part) and s.name == name), None)
+
+
+def dynamic_loop_names(walks: Mapping[str, "SectionLike"]) -> frozenset[str]:
+    """The names of every :class:`DynamicLoop` in ``walks``: what a ``check_stop`` may name."""
+    return frozenset(s.name for s in _sections(*walks.values()) if isinstance(s, DynamicLoop))
 
 
 SectionLike = Union[Section, str]

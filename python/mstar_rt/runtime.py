@@ -16,32 +16,20 @@ from typing import Any, Iterator, Mapping, Optional
 from mstar_rt import _core
 from mstar_rt.compiler import compile_model
 from mstar_rt.engines.base import Engine, StatelessEngine
+from mstar_rt.feeds import FEED_ENGINE, FeedEngine, feeder
+from mstar_rt.graph import dynamic_loop_names
 from mstar_rt.lifetime import join_all, refuse_own_thread, track
 from mstar_rt.model import NO_DEADLINE, Model, NodeSubmodule, RequestContext
 from mstar_rt.nodes import NodeRunner, NodeTable, overrides
 from mstar_rt.registry import RequestRegistry
+from mstar_rt.request_errors import (  # re-exported: their home was here
+    DeadlineExceeded, RequestCancelled, RequestFailed, RequestTooLarge, request_failure)
 
 _TIMELINE_RECORD = "<IIIIqqq"  # the C++ TimelineEvent: node, walk, iteration, batch, 3 clocks
 _GATHER = threading.Lock()  # RequestHandle.result() gathering (brief; not one lock per request)
 
-
-class RequestFailed(RuntimeError):
-    """A node (or the model's state machine) raised while serving the request."""
-
-
-class RequestCancelled(RuntimeError):
-    """The request was cancelled before it finished."""
-
-
-class DeadlineExceeded(RequestFailed):
-    """A request submitted with ``fail_late`` did not make its deadline: its next work would have
-    started late (``node`` is where it had got to), or, with ``refused``, submit saw that the work
-    queued ahead of it could not be done in time. ``late_s``: how far past the deadline (refused:
-    the expected start's distance past it)."""
-
-    def __init__(self, message: str, node: str, refused: bool, late_s: float) -> None:
-        super().__init__(message)
-        self.node, self.refused, self.late_s = node, refused, late_s
+__all__ = ["DeadlineExceeded", "RequestCancelled", "RequestFailed", "RequestHandle",
+           "RequestTooLarge", "Runtime", "compile_model", "request_failure"]
 
 
 def _deadline_ns(deadline: float) -> int:
@@ -144,6 +132,15 @@ class RequestHandle:
         """Stops the request now; its queued work is dropped and its memory freed."""
         return self._runtime.cancel(self)
 
+    def feed(self, name: str, item: Any) -> None:
+        """Appends ``item`` to the stream ``name`` of a :func:`~mstar_rt.StreamInput` (feeds.py);
+        StreamClosedError once the stream or the request has ended."""
+        feeder(self._runtime, "feed", name).feed(self, name, item, self._error)
+
+    def end_stream(self, name: str) -> bool:
+        """Ends the fed stream ``name``; False if it had ended already or the request is over."""
+        return feeder(self._runtime, "end_stream", name).end_stream(self, name)
+
     def stats(self) -> list[dict]:
         """One record per node execution: node, walk, iteration, batch size, and the queued,
         started and finished times in seconds (monotonic clock)."""
@@ -207,7 +204,10 @@ class Runtime:
         self._loop_ids = g.name_ids
         # The one batch path of every node: the Conductor's run_batch runs it without leaving
         # C++; run() (an engine's own batches, the item-by-item retry) calls it from Python.
-        self.runner = NodeRunner(self.nodes.entries, self.requests, self._loop_ids)
+        # Only DynamicLoop names may stop: a value's name in check_stop was silently ignored.
+        self.runner = NodeRunner(self.nodes.entries, self.requests,
+                                 {n: g.name_ids[n] for n in dynamic_loop_names(model.walks)
+                                  if n in g.name_ids})
         self.node_names = self.nodes.names
         self.walk_names = list(g.walk_ids)
         self._input_names = frozenset(model.inputs)
@@ -229,7 +229,8 @@ class Runtime:
                              f"{list(g.engines)} (map nodes to engines in Model.engines)")
         self.engines: dict[str, Engine] = {}
         for engine_id, name in enumerate(g.engines):
-            engine = specs.get(name) or StatelessEngine()
+            engine = specs.get(name) or (FeedEngine() if name == FEED_ENGINE
+                                         else StatelessEngine())
             engine.attach(self, engine_id, name,
                           [i for i, n in enumerate(g.nodes) if n[1] == engine_id])
             self.engines[name] = engine
@@ -264,6 +265,9 @@ class Runtime:
         ``result()`` then returns what iterating has not taken."""
         if self._closed:
             raise RuntimeError("submit: the runtime is closed")
+        if not isinstance(inputs, Mapping):
+            raise TypeError(f"submit: inputs is a {type(inputs).__name__}; give a dict of value "
+                            f"name -> value, with the names {list(self.model.inputs)}")
         inputs = {**self._input_defaults, **inputs} if self._input_defaults else dict(inputs)
         if inputs.keys() != self._input_names:
             unknown = set(inputs) - self._input_names
@@ -352,7 +356,7 @@ class Runtime:
         late = {e[0]: e for e in expired}
         for rid, message in failed:
             x = late.get(rid)
-            self._end(rid, RequestFailed(message) if x is None
+            self._end(rid, request_failure(message) if x is None
                       else DeadlineExceeded(message, x[1], x[2], x[3]))
         for rid, section, part, finished in part_choices:
             self._next_part_walk(rid, section, part, finished)

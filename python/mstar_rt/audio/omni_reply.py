@@ -15,8 +15,8 @@ A turn's stages (:meth:`~mstar_rt.audio.turns.Turn.stages`) mean here: ``asr`` 0
 recognizer: the audio encoder runs inside the request), ``respond`` the thinker's first token
 (audio encoder + prefill), ``tts_first`` the first audio (talker, code predictor and code2wav's
 first window). ``Turn.text`` stays empty; ``Turn.reply`` is the thinker's transcript.
-Conversation history: the last ``history`` turns (the user's audio and the reply's transcript)
-precede each new utterance in the prompt.
+Conversation history: the last ``history`` turns (the user's audio and what the user heard of
+the reply's transcript, :mod:`~mstar_rt.audio.heard`) precede each new utterance in the prompt.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping, Optional
 import numpy as np
 
 from mstar_rt.audio.agent import RATE, WINDOW, VoiceAgent, check_input
+from mstar_rt.audio.heard import heard_tokens, played_samples
 from mstar_rt.audio.reply_stream import ReplyStream
 from mstar_rt.audio.turns import Turn
 from mstar_rt.models.qwen3_omni.chat import OmniChat
@@ -67,8 +68,9 @@ def _wav16(audio: np.ndarray, rate: int) -> str:
 class OmniRequest:
     """One omni request as the agent reads it. Iterating it yields the request's events under
     the reply walk's names (``token`` as ``reply``, ``audio`` as ``audio_out``) and records, as
-    they arrive, what the request made: its tokens, when each audio chunk came, when it ended.
-    ``agent.replies[turn.index]`` is the request that answered a turn."""
+    they arrive, what the request made: its tokens, when each audio chunk came, when it ended;
+    once the turn is over, what of it the user heard. ``agent.replies[turn.index]`` is the
+    request that answered a turn."""
 
     RENAME = {"token": "reply", "audio": "audio_out"}
 
@@ -80,6 +82,10 @@ class OmniRequest:
         self.audio_times: list[float] = []  # arrival of each audio chunk
         self.samples = 0  # at the model's rate
         self.ended_at = self.cancelled_at = NAN  # ended: ran to its end (NaN if cancelled)
+        # once it is over: samples (model's rate) that reached the speaker, how many of
+        # ``tokens`` they were made from, and the transcript of those the history keeps
+        self.played = self.heard_tokens = 0
+        self.heard: Optional[str] = None
 
     @property
     def id(self) -> int:
@@ -117,13 +123,15 @@ class OmniVoiceAgent(VoiceAgent):
     ``model``: served on a Runtime of the agent's own (``agent.runtime``). ``chat``: its chat
     format (default :func:`omni_chat`). ``system_prompt`` opens every prompt; ``speaker`` is the
     voice (None: the model's default). ``history``: how many earlier turns the prompt repeats
-    (0: none). ``max_tokens``, ``max_audio_frames`` and the ``*_sampling`` settings go into every
-    request; ``agent.inputs`` holds them and may be changed between turns. ``prebuffer_s``: the
+    (0: none), each the user's audio and the part of the reply that played (a barge-in cuts it
+    to the tokens its played audio was made from; nothing played: no assistant message).
+    ``max_tokens``, ``max_audio_frames`` and the ``*_sampling`` settings go into every request;
+    ``agent.inputs`` holds them and may be changed between turns. ``prebuffer_s``: the
     audio a reply holds before it starts to play, so that it does not run dry before the
     model's next chunk (Qwen3-Omni's code2wav windows hold 2, 4, 8, then 12 frames of 80 ms,
     the first ~137 ms after the decoder's trim: the default 0.2 s plays once the second is in);
-    a reply started at a pause has it ready by the endpoint, at no cost. ``input`` delivers 16 kHz; ``output`` takes any ``source_rate`` (the model's rate
-    needs no resampling here).
+    a reply started at a pause has it ready by the endpoint, at no cost. ``input`` delivers
+    16 kHz; ``output`` takes any ``source_rate`` (the model's rate needs no resampling here).
     """
 
     def __init__(self, model: Any, input: Any, output: Any, vad: Any, endpointer: Any,
@@ -153,6 +161,8 @@ class OmniVoiceAgent(VoiceAgent):
         self.history_turns = history
         self.history: list[tuple[Encoded, Encoded]] = []  # (user, assistant), oldest first
         self._history_lock = threading.Lock()
+        # held across a barge-in, so that the reply thread reads its flush's count whole
+        self._cutting = threading.Lock()
         self.replies: dict[int, OmniRequest] = {}
         self.listen(input, output, vad, endpointer, Runtime(model, poll_s=0.01), barge_in,
                     reply_timeout, preemptive)
@@ -176,10 +186,13 @@ class OmniVoiceAgent(VoiceAgent):
         return ids + self._header, features
 
     def _remember(self, user: Encoded, transcript: str) -> None:
+        """A reply of which nothing was heard leaves no assistant message: the next prompt
+        holds two user turns in a row, as the user lived it."""
         if self.history_turns <= 0:
             return
         try:
-            reply = self._encode({"role": "assistant", "content": transcript})
+            reply = (self._encode({"role": "assistant", "content": transcript}) if transcript
+                     else ([], []))
         except ValueError:  # a transcript the chat format refuses: the turn is not kept
             return
         with self._history_lock:
@@ -263,10 +276,38 @@ class OmniVoiceAgent(VoiceAgent):
                 raise TimeoutError(f"reply took over {self.reply_timeout} s") from None
         finally:
             timer.cancel()
-            t = self.chat.tokens
-            turn.reply = self.chat.decode([i for i in request.tokens if i not in t.reserved
-                                           and i != t.im_end])
-            self._remember(request.user, turn.reply)
+            turn.reply = self._text(request.tokens)
+
+    def _text(self, tokens: list[int]) -> str:
+        t = self.chat.tokens
+        return self.chat.decode([i for i in tokens if i not in t.reserved and i != t.im_end])
+
+    def _interrupt(self, now: Optional[float] = None) -> None:
+        with self._cutting:
+            super()._interrupt(now)
+
+    def _reply(self, turn: Turn, audio: np.ndarray, stream: Optional[ReplyStream]) -> None:
+        """Plays the reply, then keeps in the history what of it reached the speaker (a barge-in
+        may come while it is made or while it plays)."""
+        try:
+            super()._reply(turn, audio, stream)
+        finally:
+            request = self.replies.get(turn.index)
+            if request is not None:
+                self._remember(request.user, self._heard(turn, request))
+
+    def _heard(self, turn: Turn, request: OmniRequest) -> str:
+        cut = self.interrupted
+        if cut:  # the barge-in's flush is counted once it lets go
+            with self._cutting:
+                pass
+        whole = not cut and request.ended_at == request.ended_at  # ran to its end (not NaN)
+        request.played = played_samples(turn.written_frames, turn.flushed_frames, self.output,
+                                        self.sample_rate)
+        tokens = heard_tokens(request.tokens, request.played, whole,
+                              getattr(self.model, "tokens_read_by", None))
+        request.heard_tokens, request.heard = len(tokens), self._text(tokens)
+        return request.heard
 
 
 def open_omni_agent(model: Any, mic_source: Optional[str] = None,

@@ -39,7 +39,8 @@ from mstar_rt.distributed.disagg_args import check_args
 from mstar_rt.distributed.group import open_store
 from mstar_rt.distributed.kv_handoff import PrefillSide
 from mstar_rt.distributed.kv_transfer import KVChannel
-from mstar_rt.runtime import RequestCancelled, RequestFailed, RequestHandle, Runtime
+from mstar_rt.runtime import (RequestCancelled, RequestFailed, RequestHandle, Runtime,
+                              request_failure)
 
 _links = itertools.count()
 _RESTART = object()  # on the outbox: start a new decode process before the next handoff
@@ -359,7 +360,7 @@ class DisaggregatedLM:
             elif kind == dw.END:
                 handle = self.handles.get(msg[1])
                 if handle is not None:
-                    handle.finish(None if msg[2] is None else RequestFailed(
+                    handle.finish(None if msg[2] is None else request_failure(
                         f"decode of request {msg[1]} in process {proc.pid} failed: "
                         f"{msg[2]}"))
             elif kind == dw.STATS:

@@ -21,6 +21,7 @@ _LAZY = {
     "KVLayout": "mstar_rt.engines.paged_kv",
     "PagedKVCache": "mstar_rt.engines.paged_kv",
     "OutOfPages": "mstar_rt.engines.paged_kv",
+    "SequenceTooLarge": "mstar_rt.engines.paged_kv",
     "Causal": "mstar_rt.engines.masks",
     "PrefixBidirectional": "mstar_rt.engines.masks",
     "BlockCausal": "mstar_rt.engines.masks",

@@ -23,9 +23,12 @@ from mstar_rt.engines.attention import (
     AttentionBackend, AttentionPlan, StaticDecodeAttention, select_backend)
 from mstar_rt.engines.attention_base import SeqStep
 from mstar_rt.engines.base import Engine
+from mstar_rt.engines.kv_labels import missing_label, needs_label
 from mstar_rt.engines.masks import CAUSAL
-from mstar_rt.engines.paged_kv import KVLayout, OutOfPages, PagedKVCache, SequenceKV
+from mstar_rt.engines.paged_kv import (KVLayout, OutOfPages, PagedKVCache, SequenceKV,
+                                       SequenceTooLarge)
 from mstar_rt.model import NodeSubmodule
+from mstar_rt.request_errors import RequestTooLarge
 
 
 @dataclass
@@ -37,7 +40,12 @@ class KVWork:
     the engine admits it only when that many tokens' pages are free. ``payload`` is the
     submodule's own data (token ids, embeddings, sampling state). ``kv_import``: the label's
     K/V made elsewhere (another process's prefill); the engine writes it into its own pages
-    before the work's tokens, once, when the label does not exist yet."""
+    before the work's tokens, once, when the label does not exist yet. ``reserve_for`` says
+    what ``reserve`` counts in the request's own terms, and ``reserve_fix`` how the request could
+    ask for less: the words of its error when the cache can never hold it. ``must_exist``:
+    True fails the request when the label is missing (a decode step, a read of a prefix);
+    False lets a read of a missing label attend over nothing; None (the default) creates a
+    persisting work's label and fails a read of a missing label (see engines/kv_labels.py)."""
 
     num_tokens: int
     label: str = "main"
@@ -47,6 +55,9 @@ class KVWork:
     reserve: int = 0
     payload: Any = None
     kv_import: Optional[SequenceKV] = None
+    reserve_for: str = ""  # e.g. "a prompt of 12 tokens + max_tokens 500"
+    reserve_fix: str = "shorten the request"
+    must_exist: Optional[bool] = None
 
 
 class KVStep:
@@ -292,6 +303,13 @@ class KVCacheEngine(Engine):
                     if cache.import_sequence(rid, work.label, work.kv_import, reserve) is None:
                         waiting.append((node, item, work))  # its pages are not free yet
                         continue
+                if (work.fork_from is None and cache.sequence(rid, work.label) is None
+                        and needs_label(work.must_exist, work.persist)):
+                    # its pages go when its request ends, as the failure ends it
+                    self._fail([item.id], missing_label(
+                        self.host.nodes[node].name, self.name, work.label, work.persist,
+                        cache.labels(rid), cache.dropped_labels(rid)))
+                    continue
                 if work.persist:
                     seq = cache.admit(rid, work.label, work.num_tokens, work.reserve,
                                       work.fork_from)
@@ -299,6 +317,9 @@ class KVCacheEngine(Engine):
                     seq = cache.admit(rid, work.label, 0, 0, work.fork_from)
                 else:
                     seq = cache.sequence(rid, work.label)
+            except SequenceTooLarge as e:  # never: the request fails alone, holding nothing
+                self._fail([item.id], too_large(e, work))
+                continue
             except (OutOfPages, KeyError, ValueError) as e:
                 self._fail([item.id], str(e).strip("'\""))
                 continue
@@ -425,3 +446,12 @@ class KVCacheEngine(Engine):
                 host.report(host.queue.complete(node, ids, outs, stops))
             except Exception as e:
                 self._fail(ids, f"{type(e).__name__}: {e}")
+
+
+def too_large(e: SequenceTooLarge, work: KVWork) -> str:
+    """The failure message of a work whose sequence the cache can never hold, tagged so that its
+    request ends with :class:`~mstar_rt.request_errors.RequestTooLarge` (HTTP 400)."""
+    what = work.reserve_for or f"a sequence of {e.tokens} tokens"
+    return (f"{RequestTooLarge.TAG}{what} needs {e.pages} pages of {e.page_size} tokens but the "
+            f"KV cache has {e.num_pages}; raise num_pages to {e.pages} or more "
+            f"(kv_cache.num_pages in a serving config) or page_size, or {work.reserve_fix}")

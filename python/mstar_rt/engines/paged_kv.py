@@ -19,6 +19,21 @@ class OutOfPages(RuntimeError):
     """The cache cannot hold a sequence even when every other sequence has gone."""
 
 
+class SequenceTooLarge(OutOfPages):
+    """A sequence of ``tokens`` needs ``pages`` pages of ``page_size``, more than the cache's
+    ``num_pages``: it can never be admitted, however many others end."""
+
+    def __init__(self, tokens: int, pages: int, page_size: int, num_pages: int) -> None:
+        super().__init__(f"a sequence of {tokens} tokens needs {pages} pages of {page_size} "
+                         f"tokens but the KV cache has {num_pages}; raise num_pages or "
+                         "page_size, or shorten the request")
+        self.tokens, self.pages, self.page_size, self.num_pages = (tokens, pages, page_size,
+                                                                   num_pages)
+
+    def __reduce__(self) -> tuple:  # (pickle would call it with the message alone)
+        return type(self), (self.tokens, self.pages, self.page_size, self.num_pages)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What one cache holds: per layer, K and V of ``num_kv_heads`` x ``head_dim`` per token."""
@@ -93,6 +108,9 @@ class PagedKVCache:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._refs = [0] * num_pages
         self._seqs: dict[tuple[int, str], Sequence] = {}
+        # request -> every label it created, held now or dropped since: a read of a dropped
+        # label is then told apart from one of a label never written (until the request ends)
+        self._made: dict[int, set[str]] = {}
         self._lock = threading.Lock()
         #: When a list, every copy-on-write appends ``(source page, new page)`` to it, so a
         #: mirror of this cache (a tensor-parallel follower's share) can repeat the copy.
@@ -110,6 +128,13 @@ class PagedKVCache:
     def labels(self, request: int) -> list[str]:
         with self._lock:
             return [label for (r, label) in self._seqs if r == request]
+
+    def dropped_labels(self, request: int) -> list[str]:
+        """The labels ``request`` created here and no longer holds (dropped, or exported with
+        ``free``), sorted; forgotten when the request is released."""
+        with self._lock:
+            made = self._made.get(request, ())
+            return sorted(label for label in made if (request, label) not in self._seqs)
 
     @property
     def live_sequences(self) -> int:
@@ -142,8 +167,8 @@ class PagedKVCache:
               fork_from: Optional[str] = None) -> Optional[Sequence]:
         """Makes room to append ``new`` tokens to (request, label), creating the sequence
         (empty, or forked from ``fork_from``) if needed. Returns the sequence, or None when the
-        pages are not free now (the caller retries later). Raises :class:`OutOfPages` when the
-        cache could never hold it."""
+        pages are not free now (the caller retries later). Raises :class:`SequenceTooLarge` when
+        the cache could never hold it."""
         ps = self.page_size
         with self._lock:
             key = (request, label)
@@ -164,10 +189,8 @@ class PagedKVCache:
             if _ceil_div(reserve, ps) + int(cow) > self.num_pages:
                 if created:
                     self._drop(self._seqs.pop(key))
-                raise OutOfPages(
-                    f"a sequence of {reserve} tokens needs {_ceil_div(reserve, ps)} pages of {ps} "
-                    f"tokens but the KV cache has {self.num_pages}; raise num_pages or "
-                    "page_size, or shorten the request")
+                raise SequenceTooLarge(reserve, _ceil_div(reserve, ps) + int(cow), ps,
+                                       self.num_pages)
             # Admit only if this sequence's whole reservation fits beside everyone else's.
             own = max(need, _ceil_div(reserve, ps) - len(seq.pages)) + int(cow)
             if len(self._free) - own < self._outstanding(exclude=seq):
@@ -181,6 +204,8 @@ class PagedKVCache:
                 page = self._free.pop()
                 self._refs[page] = 1
                 seq.pages.append(page)
+            if created:
+                self._made.setdefault(request, set()).add(label)
             return seq
 
     def commit(self, request: int, label: str, new: int) -> None:
@@ -288,6 +313,7 @@ class PagedKVCache:
             if old is not None:
                 self._drop(old)
             self._fork_locked(request, src, dst)
+            self._made.setdefault(request, set()).add(dst)
 
     def _fork_locked(self, request: int, src: str, dst: str) -> Sequence:
         s = self._seqs[(request, src)]
@@ -312,6 +338,7 @@ class PagedKVCache:
             keys = [k for k in self._seqs if k[0] == request]
             for k in keys:
                 self._drop(self._seqs.pop(k))
+            self._made.pop(request, None)
             return len(keys)
 
     def _drop(self, seq: Sequence) -> None:

@@ -4,9 +4,11 @@ drawing from its own seeded generator so its tokens do not depend on what it was
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 
@@ -26,6 +28,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Checked whole here, at submit: a value that fails later fails inside a batch step,
         # where every request of the step is run again to find the culprit.
+        for name in ("max_tokens", "top_k", "seed", "temperature", "top_p", "repetition_penalty"):
+            v = getattr(self, name)  # NumPy scalars (a count computed with NumPy) as Python's
+            if isinstance(v, numbers.Integral) and not isinstance(v, (int, bool, np.bool_)):
+                object.__setattr__(self, name, int(v))
+            elif isinstance(v, numbers.Real) and not isinstance(v, (numbers.Integral, float)):
+                object.__setattr__(self, name, float(v))
         problems = []
         if not _integer(self.max_tokens) or self.max_tokens < 1:
             problems.append(f"max_tokens={self.max_tokens!r} (needs an integer >= 1)")
@@ -64,6 +72,10 @@ def _real(v: object) -> bool:
     return _integer(v) or isinstance(v, float) and math.isfinite(v)
 
 
+_TINY = torch.finfo(torch.float32).tiny
+_HUGE = torch.finfo(torch.float32).max
+
+
 def make_generator(params: SamplingParams, device: torch.device) -> Optional[torch.Generator]:
     if params.greedy:
         return None
@@ -95,7 +107,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         if p.greedy:
             out[i] = row.argmax()
             continue
-        row = row / p.temperature
+        # Shifted so the best logit is 0 and every other one <= 0: a temperature so small (or
+        # large) that float32 over- or underflows then still gives the top token, or the
+        # uniform draw, instead of NaN probabilities failing the whole batch step.
+        row = (row - row.max()) / min(max(p.temperature, _TINY), _HUGE)
         if p.top_k > 0 and p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -104,6 +119,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             probs = sorted_logits.softmax(-1)
             # Drop a token once the mass before it already reaches top_p (the first always stays).
             drop = probs.cumsum(-1) - probs >= p.top_p
+            drop[0] = False  # a top_p below float32's resolution compared as 0
             row = row.clone()
             row[order[drop]] = float("-inf")
         out[i] = torch.multinomial(row.softmax(-1), 1, generator=generators[i])[0]

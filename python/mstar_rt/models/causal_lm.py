@@ -106,10 +106,14 @@ class LMNode(KVNodeSubmodule):
             state.update(params=params, generator=make_generator(params, device),
                          history=ids.tolist(), generated=0, done=False)
             given = None
+            asked = f"a prompt of {ids.numel()} tokens + max_tokens {params.max_tokens}"
             if not self.prefill_samples:  # the last prompt token is the first decode input
                 given, ids = int(ids[-1]), ids[:-1]
             reserve = min(ids.numel() + params.max_tokens, self.max_seq_len)
-            return KVWork(ids.numel(), reserve=reserve, payload=(ids.to(device), state, given))
+            if ids.numel() + params.max_tokens > self.max_seq_len:
+                asked += f" (capped at max_seq_len {self.max_seq_len})"
+            return KVWork(ids.numel(), reserve=reserve, payload=(ids.to(device), state, given),
+                          reserve_for=asked, reserve_fix="lower max_tokens or shorten the prompt")
         if "params" not in state and self.handoffs is not None:  # prefill ran elsewhere
             return self.resume(ctx, inputs)
         tok = torch.tensor([int(inputs["token"])], dtype=torch.long, device=device)
@@ -239,7 +243,11 @@ def prompt_tensor(prompt: Any) -> torch.Tensor:
     if prompt is None or isinstance(prompt, (str, bytes)):
         raise TypeError(f"the prompt must be token ids (a 1-D sequence of integers), not "
                         f"{type(prompt).__name__}; tokenize text first")
-    t = prompt if torch.is_tensor(prompt) else torch.as_tensor(np.asarray(prompt))
+    a = None if torch.is_tensor(prompt) else np.asarray(prompt)
+    if a is not None and (a.dtype.kind not in "biufc" or a.dtype.kind == "u" and a.size
+                          and int(a.max()) >= 2**63):  # None, text, a generator, past int64
+        raise TypeError(f"prompt token ids must be integers below 2**63; got {prompt!r:.80}")
+    t = prompt if a is None else torch.as_tensor(a.astype(np.int64) if a.dtype.kind == "u" else a)
     if t.numel() == 0:
         return torch.zeros(0, dtype=torch.long)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():

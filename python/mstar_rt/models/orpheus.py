@@ -53,6 +53,10 @@ from mstar_rt.streaming import SlidingWindow
 #: later frames that the window lacks.
 ORPHEUS_POLICY = SlidingWindow(28, 7)
 
+#: The voices Orpheus 3B 0.1 ft was fine-tuned on (its README); pass as ``voices=`` to refuse
+#: others, which that model would otherwise read out in some voice of its own.
+ORPHEUS_FT_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+
 
 @dataclass(frozen=True)
 class OrpheusTokens:
@@ -169,7 +173,8 @@ class OrpheusTTS(Model):
     context short windows lack, so every policy is exact; with False it decodes from windows alone
     and the policy must hold the context (checked with :meth:`SnacStreamNode.check_policy`; e.g.
     :meth:`SnacStreamNode.exact_policy`). ``engine``: the LM's KVCacheEngine; ``codec_batch``:
-    windows decoded per SNAC call at most.
+    windows decoded per SNAC call at most. ``voices``: the voice names the LM knows (e.g.
+    :data:`ORPHEUS_FT_VOICES`); another is refused at submit. Empty (the default): any voice.
     """
 
     inputs = ("text", "prompt", "voice", "params")
@@ -183,12 +188,15 @@ class OrpheusTTS(Model):
                  max_seq_len: Optional[int] = None, engine: Optional[KVCacheEngine] = None,
                  max_batch: int = 64, codec_batch: int = 8, emit_tokens: bool = True,
                  emit_logits: bool = False, cuda_graphs: bool = False,
-                 compile: Union[bool, str] = False) -> None:
+                 compile: Union[bool, str] = False, voices: Sequence[str] = ()) -> None:
         vocab = int(lm.config.vocab_size)
         if vocab < tokens.min_vocab:
             raise ValueError(f"the LM's vocabulary has {vocab} tokens but the Orpheus token "
                              f"layout needs {tokens.min_vocab} (audio codes up to "
                              f"{tokens.audio_base + 7 * tokens.codebook_size - 1}); check tokens=")
+        self.voices = () if isinstance(voices, str) else tuple(voices)  # what serving offers
+        if isinstance(voices, str) or not all(isinstance(v, str) and v for v in self.voices):
+            raise TypeError(f"voices must be a sequence of voice names, not {voices!r}")
         self.tokens = tokens
         self.layout = tokens.layout
         self.decoder = decoder.eval()
@@ -230,12 +238,19 @@ class OrpheusTTS(Model):
         if voice is not None and not isinstance(voice, str):  # 123 became the text "123: "
             raise TypeError(f"'voice' must be a string (a voice name) or None, not "
                             f"{type(voice).__name__}")
+        if voice and self.voices and voice not in self.voices:
+            raise ValueError(f"unknown voice {voice!r}: this model speaks {list(self.voices)} "
+                             "(or give no voice)")
         if text is not None:
             if not isinstance(text, str):
                 raise TypeError(f"'text' must be a string, not {type(text).__name__}")
+            if not text.strip():  # the LM babbled on from the bare prompt
+                raise ValueError("'text' is empty or only whitespace: give the words to speak")
             ids = self.text_encoder(f"{voice}: {text}" if voice else text)
         else:
             ids = prompt_tensor(ids).tolist()  # integers only: [1.5, 2.7] was cast to [1, 2]
+            if not ids:
+                raise ValueError("'prompt' is empty: give the token ids of the text to speak")
             if voice:
                 ids = self.text_encoder(f"{voice}: ") + ids
         return self.tokens.prompt(torch.as_tensor(ids, dtype=torch.long).reshape(-1).tolist())
@@ -309,5 +324,5 @@ def tiny_snac(seed: int = 0, **config: Any) -> SnacDecoder:
     return decoder.fold_weight_norm().eval()
 
 
-__all__ = ["ORPHEUS_POLICY", "OrpheusTTS", "OrpheusTokens", "SpeechLM", "TextEncoder", "tiny_lm",
-           "tiny_snac"]
+__all__ = ["ORPHEUS_FT_VOICES", "ORPHEUS_POLICY", "OrpheusTTS", "OrpheusTokens", "SpeechLM",
+           "TextEncoder", "tiny_lm", "tiny_snac"]

@@ -432,7 +432,7 @@ async def unless_gone(work: Awaitable[Any], request: Request) -> Any:
 
 
 def error_of(e: BaseException) -> ApiError:
-    from mstar_rt.runtime import RequestCancelled, RequestFailed
+    from mstar_rt.runtime import RequestCancelled, RequestFailed, RequestTooLarge
 
     if isinstance(e, DeadlineExceeded):  # 503: come back later; 504: it ran out of time
         return ApiError(503 if e.refused else 504, str(e), "server_error",
@@ -441,6 +441,8 @@ def error_of(e: BaseException) -> ApiError:
         return ApiError(504, str(e), "timeout_error", code="request_timeout")
     if isinstance(e, RequestCancelled):
         return ApiError(503, str(e), "server_error", code="cancelled")
+    if isinstance(e, RequestTooLarge):  # the client's to fix (or the operator's num_pages)
+        return ApiError(400, e.reason, code="kv_cache_too_small")
     if isinstance(e, RequestFailed):
         return ApiError(500, f"the model failed on this request: {e}", "server_error",
                         code="request_failed")

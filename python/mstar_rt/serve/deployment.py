@@ -108,6 +108,11 @@ def check_speech(model: Any, speech: SpeechSpec) -> None:
     if unknown:
         raise ConfigError(f"speech.voices: the model has no voices {unknown}; it has "
                           f"{list(known)}")
+    inputs = tuple(getattr(model, "inputs", ()) or ())
+    stray = [k for k in speech.inputs if inputs and k not in inputs]
+    if stray:  # every speech request would be refused, as if the client had sent them
+        raise ConfigError(f"speech.inputs: {stray} are not inputs of the model; its inputs are "
+                          f"{list(inputs)}")
 
 
 def check_policy(model: Any, policy: PolicySpec) -> None:
@@ -117,6 +122,11 @@ def check_policy(model: Any, policy: PolicySpec) -> None:
         if emits and name not in emits:
             raise ConfigError(f"{key}: the model EMITs no {name!r}; it EMITs {list(emits)}")
     targets = list(policy.observation.values()) or list(inputs)
+    keys = list(policy.observation) or list(inputs)
+    stray = [k for k in policy.images if k not in keys]
+    if stray:  # a misspelt key is ignored: the image it meant would reach the model undecoded
+        raise ConfigError(f"policy.images names {stray}, which are not observation keys; "
+                          f"those are {keys}")
     for section in ("shapes", "dtypes"):
         for name in getattr(policy, section):
             if name not in targets:

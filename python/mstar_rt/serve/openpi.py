@@ -25,6 +25,7 @@ import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 from fastapi.responses import PlainTextResponse
 
+from mstar_rt.request_errors import RequestTooLarge
 from mstar_rt.serve.bridge import AtCapacity
 from mstar_rt.serve.config import PolicySpec
 from mstar_rt.serve.wire import MAX_DIMS, as_array
@@ -432,9 +433,9 @@ async def _serve_one(message: dict, adapter: PolicyAdapter, bridge: Any, state: 
         # Decoding (JPEG included) runs off the event loop, with the submit and the wait.
         outputs = await bridge.run(data, lambda raw: adapter.inputs(unpackb(raw)))
         reply = adapter.reply(outputs)
-    except (ValueError, TypeError) as e:  # ObservationError, or the model's validate_inputs
+    except (ValueError, TypeError) as e:  # ObservationError, validate_inputs, RequestTooLarge
         state.metrics.requests.inc(endpoint, "bad_request")
-        return None, f"error: {e}"
+        return None, f"error: {e.reason if isinstance(e, RequestTooLarge) else e}"
     except Exception as e:  # RequestFailed, RequestTimeout, a reply without actions
         state.outcome(endpoint, e)
         return None, f"error: the policy failed on this observation: {type(e).__name__}: {e}"

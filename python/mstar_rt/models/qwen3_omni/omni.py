@@ -177,6 +177,18 @@ class Qwen3Omni(Model):
             raise ValueError("this Qwen3-Omni has no audio encoder")
         return int(enc.output_length(frames))
 
+    def tokens_read_by(self, samples: int) -> int:
+        """How many of a reply's thinker tokens the talker had read when it made the reply's
+        first ``samples`` audio samples (24 kHz), to whole frames (one counts once half of it
+        is out; cap it by the tokens made). The talker reads one token per codec frame (frame
+        ``i`` after tokens 0 .. i, as transformers' ``trailing_text_hidden``) and is causal,
+        so those samples can hold no later text; it reads ahead of its speech, so this bounds
+        what they say rather than measuring it."""
+        if not self.speaks:
+            raise ValueError("this Qwen3-Omni has no talker: it makes no audio")
+        per_frame = self.code2wav.decoder.samples_per_frame
+        return (max(int(samples), 0) + per_frame // 2) // per_frame
+
     def health(self) -> Optional[str]:
         """A tensor-parallel thinker's health (None otherwise: nothing else can be lost)."""
         health = getattr(self.weights.thinker, "health", None)

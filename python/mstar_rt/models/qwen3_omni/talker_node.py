@@ -115,7 +115,8 @@ class TalkerNode(KVNodeSubmodule):
         if "talker_frames" not in state:  # the first iteration: prefill
             if not reply.items:  # the thinker said nothing (its first token ended the reply)
                 state.update(talker_frames=0, talker_stop=True, talker_max=0)
-                return KVWork(1, persist=False, payload=("skip", None, state, None))
+                return KVWork(1, persist=False, payload=("skip", None, state, None),
+                              must_exist=False)  # nothing to attend over: on purpose
             params = as_params(inputs.get("talker_sampling") or TALKER_SAMPLING)
             max_frames = int(inputs.get("max_audio_frames") or params.max_tokens)
             state.update(talker_params=params, talker_gen=make_generator(params, dev),

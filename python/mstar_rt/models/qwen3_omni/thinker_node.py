@@ -102,7 +102,8 @@ class ThinkerNode(KVNodeSubmodule):
         dev = self._device()
         if "prompt" not in inputs:  # decode: the token the last step made
             if state.get("thinker_done"):  # the prefill's token already ended the reply
-                return KVWork(1, persist=False, payload=("skip", None, state))
+                return KVWork(1, persist=False, payload=("skip", None, state),
+                              must_exist=False)  # reads nothing: its K/V may be gone
             tok = torch.tensor([int(inputs["token"])], dtype=torch.long, device=dev)
             return KVWork(1, payload=("decode", tok, state))
         ids = self.prompt_ids(inputs["prompt"])
