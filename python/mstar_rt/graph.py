@@ -319,9 +319,13 @@ def find_part(root: "SectionLike", name: str) -> Optional[Part]:
     return next((s for s in _sections(root) if isinstance(s, Part) and s.name == name), None)
 
 
-def dynamic_loop_names(walks: Mapping[str, "SectionLike"]) -> frozenset[str]:
-    """The names of every :class:`DynamicLoop` in ``walks``: what a ``check_stop`` may name."""
-    return frozenset(s.name for s in _sections(*walks.values()) if isinstance(s, DynamicLoop))
+def stop_names(name_ids: Mapping[str, int], model: Any,
+               node_names: Sequence[Sequence[str]]) -> dict[str, int]:
+    """The ids of the names a ``check_stop`` may give: the model's DynamicLoops, and names that
+    are no value (``node_names``: each node's inputs and outputs; nor a model input)."""
+    loops = {s.name for s in _sections(*model.walks.values()) if isinstance(s, DynamicLoop)}
+    values = set(model.inputs).union(*node_names)
+    return {n: i for n, i in name_ids.items() if n in loops or n not in values}
 
 
 SectionLike = Union[Section, str]

@@ -17,7 +17,7 @@ from mstar_rt import _core
 from mstar_rt.compiler import compile_model
 from mstar_rt.engines.base import Engine, StatelessEngine
 from mstar_rt.feeds import FEED_ENGINE, FeedEngine, feeder
-from mstar_rt.graph import dynamic_loop_names
+from mstar_rt.graph import stop_names
 from mstar_rt.lifetime import join_all, refuse_own_thread, track
 from mstar_rt.model import NO_DEADLINE, Model, NodeSubmodule, RequestContext
 from mstar_rt.nodes import NodeRunner, NodeTable, overrides
@@ -204,10 +204,11 @@ class Runtime:
         self._loop_ids = g.name_ids
         # The one batch path of every node: the Conductor's run_batch runs it without leaving
         # C++; run() (an engine's own batches, the item-by-item retry) calls it from Python.
-        # Only DynamicLoop names may stop: a value's name in check_stop was silently ignored.
-        self.runner = NodeRunner(self.nodes.entries, self.requests,
-                                 {n: g.name_ids[n] for n in dynamic_loop_names(model.walks)
-                                  if n in g.name_ids})
+        # A value's name in check_stop was silently ignored: only loops may be named (a
+        # segment's runtime also stops loops of its parent's walks, which it does not hold).
+        #: name -> id of what a check_stop may name (the runner holds this very dict)
+        self.stop_ids = stop_names(g.name_ids, model, g.node_inputs + g.node_outputs)
+        self.runner = NodeRunner(self.nodes.entries, self.requests, self.stop_ids)
         self.node_names = self.nodes.names
         self.walk_names = list(g.walk_ids)
         self._input_names = frozenset(model.inputs)

@@ -117,7 +117,8 @@ class LMNode(KVNodeSubmodule):
         if "params" not in state and self.handoffs is not None:  # prefill ran elsewhere
             return self.resume(ctx, inputs)
         tok = torch.tensor([int(inputs["token"])], dtype=torch.long, device=device)
-        return KVWork(1, payload=(tok, state, None))
+        # must_exist: a step whose K/V left (dropped, lost) would decode from an empty cache
+        return KVWork(1, payload=(tok, state, None), must_exist=True)
 
     def resume(self, ctx: WorkContext, inputs: dict) -> KVWork:
         """A request's first decode step after a prefill elsewhere: its handoff (``state``,

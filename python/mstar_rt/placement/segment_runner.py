@@ -53,9 +53,9 @@ class _SegmentRuntime(Runtime):
         # A node may stop a DynamicLoop of the model's that no segment here holds (a prefill
         # ending its request names the decode loop of a walk on another worker): an id past
         # every loop's, which the Conductor ignores, as one process does for a loop not running.
-        ids = self.graph.name_ids
+        ids, past = self.stop_ids, len(self.graph.names) + len(self.graph.name_ids)
         for name in loops:
-            ids.setdefault(name, len(self.graph.names) + len(ids))
+            ids.setdefault(name, past + len(ids))
 
     def report(self, outcome: tuple) -> None:
         if outcome[0]:

@@ -134,7 +134,8 @@ class TalkerNode(KVNodeSubmodule):
         else:
             text = self.tts_pad
         codes, frame_embed = frame
-        return KVWork(1, payload=("decode", (frame_embed.to(dev) + text)[None], state, codes))
+        return KVWork(1, payload=("decode", (frame_embed.to(dev) + text)[None], state, codes),
+                      must_exist=True)
 
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:

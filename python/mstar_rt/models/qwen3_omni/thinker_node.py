@@ -105,7 +105,7 @@ class ThinkerNode(KVNodeSubmodule):
                 return KVWork(1, persist=False, payload=("skip", None, state),
                               must_exist=False)  # reads nothing: its K/V may be gone
             tok = torch.tensor([int(inputs["token"])], dtype=torch.long, device=dev)
-            return KVWork(1, payload=("decode", tok, state))
+            return KVWork(1, payload=("decode", tok, state), must_exist=True)
         ids = self.prompt_ids(inputs["prompt"])
         audio = list(inputs.get("audio_embeds") or [])
         slots = int((ids == self.audio_token).sum())
