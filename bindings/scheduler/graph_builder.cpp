@@ -84,7 +84,7 @@ lowers the Python DSL into it; C++ models (mstar::Model) use the same one.)doc")
       .def("input", &GraphBuilder::input, py::arg("name"), py::return_value_policy::reference_internal)
       .def("node", &GraphBuilder::node, py::arg("name"), py::arg("inputs"), py::arg("outputs"),
            py::arg("engine") = "default", py::arg("max_batch") = 1, py::arg("on_stream_end") = false,
-           py::return_value_policy::reference_internal)
+           py::arg("untimed") = false, py::return_value_policy::reference_internal)
       .def("walk", &GraphBuilder::walk, py::arg("name"), py::arg("root"),
            py::return_value_policy::reference_internal)
       .def("compile", &GraphBuilder::compile);

@@ -234,10 +234,12 @@ def _max_batch(node: str, value: Any) -> int:
 def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
                   inputs: Sequence[str], engine_of: Mapping[str, str],
                   max_batch_of: Mapping[str, int],
-                  stream_end_nodes: frozenset[str] = frozenset()) -> CompiledGraph:
+                  stream_end_nodes: frozenset[str] = frozenset(),
+                  untimed_nodes: frozenset[str] = frozenset()) -> CompiledGraph:
     """Validates ``(G, W)`` and builds the IR. Raises :class:`GraphError` naming the problem.
     ``stream_end_nodes``: stream consumers told when their stream ends without a window marked
-    last (:meth:`mstar_rt.NodeSubmodule.end_stream`)."""
+    last (:meth:`mstar_rt.NodeSubmodule.end_stream`); ``untimed_nodes``: nodes whose items are
+    held open, not run (a StreamInput's source), which deadline estimates leave out."""
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable) or \
             not all(isinstance(x, str) and x for x in inputs):
         raise GraphError(f"the model's inputs are {inputs!r}; give a list of the value names a "
@@ -257,7 +259,8 @@ def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
             raise GraphError(f"{n!r} is not a GraphNode")
         builder.node(n.name, list(n.inputs), [_edge(o, n.name) for o in n.outputs],
                      engine_of.get(n.name, "default"),
-                     _max_batch(n.name, max_batch_of.get(n.name, 1)), n.name in stream_end_nodes)
+                     _max_batch(n.name, max_batch_of.get(n.name, 1)), n.name in stream_end_nodes,
+                     n.name in untimed_nodes)
     parts: dict[tuple[str, str], tuple[str, ...]] = {}
     for name, root in walks.items():
         builder.walk(name, _section(root, name, parts))
@@ -316,4 +319,5 @@ def compile_model(model: Model) -> CompiledGraph:
     batch = {n: _submodule_batch(s) for n, s in subs.items()}
     batch.update({n.name: n.max_batch for n in model.nodes if n.max_batch is not None})
     return compile_graph(model.nodes, model.walks, model.inputs, node_engines(model), batch,
-                         frozenset(n for n, s in subs.items() if hears_stream_end(s)))
+                         frozenset(n for n, s in subs.items() if hears_stream_end(s)),
+                         frozenset(n for n, s in subs.items() if getattr(s, "untimed", False)))

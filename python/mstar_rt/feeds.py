@@ -13,6 +13,7 @@ last windows as its chunk policy cuts them. A request's end lets its held items 
 from __future__ import annotations
 
 import threading
+import traceback
 from typing import Any, Optional
 
 from mstar_rt._core import StreamClosedError
@@ -30,6 +31,7 @@ class FeedSource(NodeSubmodule):
     """A StreamInput's submodule: never called, as its engine holds its item."""
 
     max_batch = _BATCH
+    untimed = True  # its item's time in flight is the caller's stream, not a run (compiler.py)
 
     def __init__(self, streams: tuple[str, ...]) -> None:
         self.streams = streams
@@ -115,7 +117,10 @@ class FeedEngine(Engine):
         host = self.host
         assert host is not None
         while not host.closed:
-            self._take(host.poll_s)
+            try:
+                self._take(host.poll_s)
+            except Exception:  # keep taking: a dead thread would hold every later stream open
+                traceback.print_exc()
 
     def _take(self, timeout: float) -> bool:
         """Takes a batch of source items: held, or completed if their stream is over already;
@@ -140,6 +145,11 @@ class FeedEngine(Engine):
             host.report(host.queue.complete(node, ended, [{}] * len(ended)))
         self._forget_gone({it.request for it in items})
         return True
+
+    def _take_queued(self) -> None:
+        """Takes every source item queued now, here rather than on the engine's thread."""
+        while self._take(0.0):
+            pass
 
     def _forget_gone(self, requests: Any) -> bool:
         """Releases those of ``requests`` that have ended: a request's end may have released it
@@ -177,9 +187,13 @@ class FeedEngine(Engine):
             raise StreamClosedError(f"feed({name!r}): request {handle.id} {how}; feed a "
                                     "request only while it runs")
         source, name_id = found
-        if (handle.id, source) in self._ended:
+        self._take_queued()  # a next walk's item opens its stream again (clears _ended)
+        with self._lock:
+            ended = (handle.id, source) in self._ended
+        if ended:
             raise StreamClosedError(f"feed({name!r}): the stream of request {handle.id} was "
-                                    "ended by end_stream; feed before ending it")
+                                    "ended by end_stream; feed before ending it (or, where a "
+                                    "next walk feeds it again, once that walk has started)")
         host = self.host
         assert host is not None
         host.report(host.queue.push_stream(handle.id, source, name_id, item))
@@ -193,6 +207,7 @@ class FeedEngine(Engine):
         host = self.host
         assert host is not None
         key = (handle.id, found[0])
+        self._take_queued()
         with self._lock:
             if key in self._ended:
                 return False
@@ -203,9 +218,10 @@ class FeedEngine(Engine):
         if item is None:
             # taken here, as waiting for the engine's thread would hold the consumer's last
             # windows back by a wake-up
-            while self._take(0.0):
-                pass
+            self._take_queued()
         if self._forget_gone((handle.id,)):  # it ended meanwhile: nothing left to end
+            if item is not None:  # popped above, so release() could not let it go
+                host.report(host.queue.fail_items([item], "the request ended"))
             return False
         if item is not None:
             host.report(host.queue.complete(found[0], [item], [{}]))

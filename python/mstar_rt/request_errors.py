@@ -5,6 +5,8 @@ a kind of failure that a front end must tell apart travels as a tag in that text
 
 from __future__ import annotations
 
+import re
+
 
 class RequestFailed(RuntimeError):
     """A node (or the model's state machine) raised while serving the request."""
@@ -44,5 +46,12 @@ class RequestTooLarge(RequestFailed, ValueError):
 
 def request_failure(message: str) -> RequestFailed:
     """The error of a request failed with ``message``: :class:`RequestTooLarge` when an engine
-    tagged it so, else :class:`RequestFailed`."""
-    return (RequestTooLarge if RequestTooLarge.TAG in message else RequestFailed)(message)
+    tagged it so, else :class:`RequestFailed`. The tag counts only where the engine's own words
+    begin (after the Conductor's "node ... failed: "): a node's error that quotes a user's text
+    or another request's failure is no client error."""
+    tagged = _TAGGED.match(message) is not None
+    return (RequestTooLarge if tagged else RequestFailed)(message)
+
+
+# "node 'n' in walk 'w' failed: " (and a decode process's "decode of request ... failed: ")
+_TAGGED = re.compile(r"(?:[^:]* failed: )*" + re.escape(RequestTooLarge.TAG))

@@ -18,9 +18,9 @@ GraphBuilder& GraphBuilder::input(std::string name) {
 
 GraphBuilder& GraphBuilder::node(std::string name, std::vector<std::string> inputs,
                                  std::vector<Edge> outputs, std::string engine,
-                                 std::uint32_t max_batch, bool on_stream_end) {
+                                 std::uint32_t max_batch, bool on_stream_end, bool untimed) {
   nodes_.push_back({std::move(name), std::move(inputs), std::move(outputs), std::move(engine),
-                    max_batch, on_stream_end});
+                    max_batch, on_stream_end, untimed});
   return *this;
 }
 
@@ -473,6 +473,7 @@ GraphSpec GraphBuilder::compile() const {
     spec.engine = static_cast<EngineId>(e - ir.engines.begin());
     spec.max_batch = n.max_batch;
     spec.on_stream_end = n.on_stream_end;
+    spec.untimed = n.untimed;
     for (const auto& x : n.inputs) spec.inputs.push_back(names(x));
     for (const auto& x : output_names(n)) spec.outputs.push_back(names(x));
     ir.nodes.push_back(std::move(spec));

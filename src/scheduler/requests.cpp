@@ -122,9 +122,11 @@ void Conductor::Impl::complete_one(const Completion& c, std::int64_t t, Outcome*
   --r.inflight;
   --inflight;
   const NodeSpec& n = g.nodes[item->node];
-  note_batch_time(item->node, (t - item->started_ns + item->gap_ns) /
-                                 std::max<std::uint32_t>(item->batch_size, 1));
-  engine_done_ns[n.engine] = t;
+  if (!n.untimed) {  // a held source's time in flight is the caller's, not a cost to estimate
+    note_batch_time(item->node, (t - item->started_ns + item->gap_ns) /
+                                   std::max<std::uint32_t>(item->batch_size, 1));
+    engine_done_ns[n.engine] = t;
+  }
   for (Handle h : c.outputs)
     if (h == kReservedHandle) throw std::invalid_argument("complete: handle ~0 is reserved");
   for (Handle h : c.outputs) retain(h);  // balanced below: unreferenced outputs are released

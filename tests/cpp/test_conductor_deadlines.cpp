@@ -1,6 +1,7 @@
 // Deadlines that are kept (SubmitOptions::fail_late): late work fails its request naming the node,
 // expire() clears late work before a worker takes it, submit refuses a request the queue ahead
-// cannot serve in time, and requests without the option only use the deadline for ordering.
+// cannot serve in time (estimated from nodes' run times, which an untimed node's hold is not),
+// and requests without the option only use the deadline for ordering.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -132,6 +133,22 @@ TEST_F(TwoSteps, SubmitRefusesARequestTheQueueAheadCannotServeInTime) {
   for (RequestId r : ahead) EXPECT_EQ(app.finished.count(r), 1u);
   EXPECT_EQ(app.finished.count(later), 1u);
   app.expect_all_released();
+}
+
+TEST_F(TwoSteps, AnUntimedNodesTimeInFlightTeachesNothing) {
+  // a held open for 40 ms (a source the caller feeds, NodeSpec::untimed): not a run time, so a
+  // request due in 10 ms is admitted; timed, the same hold refuses it.
+  for (bool untimed : {true, false}) {
+    ir.g.nodes[a].untimed = untimed;
+    App app(ir.g);
+    app.submit(main, {{ir.name("x"), 0}});
+    run_slowly(app, 40ms);
+    app.drain();
+    const RequestId r = app.submit(main, {{ir.name("x"), 1}}, kept(now_ns() + 10'000'000));
+    EXPECT_EQ(app.expired.count(r), untimed ? 0u : 1u) << "untimed=" << untimed;
+    app.drain();
+    app.expect_all_released();
+  }
 }
 
 TEST_F(TwoSteps, AFreshConductorAdmitsEverythingItHasNoTimesFor) {

@@ -289,3 +289,44 @@ def test_a_stream_input_must_be_a_branch_of_its_walks_root_parallel():
         StreamInput("mic", GraphEdge("sum", "audio"))
     with pytest.raises(GraphError, match="StreamInput 'mic' takes StreamingGraphEdge"):
         StreamInput("mic")
+
+
+def test_a_walk_run_again_feeds_a_new_stream_right_after_the_last_was_ended(serve):
+    """Turn by turn: each turn is the same walk again. Ending turn 1's stream must not refuse
+    turn 2's feeds, nor make its end_stream a no-op (the request then never ended)."""
+    turns = []
+
+    def next_walk(r, w, p):
+        turns.append(w)
+        return "listen" if len(turns) < 3 else None
+
+    rt = serve(fed_model(mstar_rt.Fixed(2), walks={"listen": Parallel("mic", "sum")},
+                         next_walk=next_walk))
+    h = rt.submit({})
+    for turn in range(3):
+        assert wait_until(lambda: len(turns) == turn, T)
+        for p in range(3):
+            h.feed("audio", frame(10 * turn + p))
+        assert h.end_stream("audio")
+    got = h.result(timeout=T)["sum"]
+    assert [w[5] for w in got] == [[0, 1], [2], [10, 11], [12], [20, 21], [22]]
+    assert idle(rt) == IDLE
+
+
+def test_a_long_open_stream_does_not_make_fail_late_requests_refused(serve):
+    """The source item stays in flight as long as the caller streams; counted as the node's
+    run time it made deadline admission refuse every later fail_late request ("node 'mic'
+    would run about 300 ms")."""
+    import time
+
+    rt = serve(fed_model(mstar_rt.Fixed(2)))
+    h = rt.submit({})
+    h.feed("audio", frame(0))
+    time.sleep(0.3)
+    h.end_stream("audio")
+    h.result(timeout=T)
+    h = rt.submit({}, deadline=0.1, fail_late=True)  # was: DeadlineExceeded, refused
+    h.feed("audio", frame(1))
+    h.end_stream("audio")
+    assert h.result(timeout=T)["sum"] == [(FRAME, 0, 0, 1, True, [1])]
+    assert idle(rt) == IDLE

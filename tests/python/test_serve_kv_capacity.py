@@ -183,3 +183,18 @@ def test_an_openpi_observation_past_the_kv_cache_gets_an_error_frame_and_frees_e
         wait_until(lambda: _all_free(s.rt), "every page to be released")
         assert s.state.metrics.requests.value("policy", "bad_request") == 2
         assert s.state.metrics.requests.value("policy", "failed") == 0
+
+
+@pytest.mark.parametrize("message, too_large", [
+    ("RequestTooLarge: a prompt of 9 tokens needs 3 pages", True),
+    ("node 'prefill' in walk 'prefill' failed: RequestTooLarge: needs 3 pages", True),
+    ("decode of request 4 in process 77 failed: node 'decode' in walk 'decode' failed: "
+     "RequestTooLarge: needs 3 pages", True),
+    # a node's own error quoting a client's text, or another failure's: the model's failure
+    ("node 'tts' in walk 'main' failed: ValueError: cannot say 'RequestTooLarge: x'", False),
+    ("node 'a' in walk 'main' failed: KeyError: b failed: RequestTooLarge: x", False),
+])
+def test_only_an_engines_own_tag_makes_a_failure_the_clients(message, too_large):
+    from mstar_rt.request_errors import request_failure
+    err = request_failure(message)
+    assert isinstance(err, RequestTooLarge) is too_large and isinstance(err, RequestFailed)

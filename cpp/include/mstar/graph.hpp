@@ -35,6 +35,10 @@ struct NodeSpec {
   /// one stream-end work item (WorkItem::stream_end), with no chunk. Otherwise the end of
   /// stream costs no call, and either way every chunk is one the chunk policy makes.
   bool on_stream_end = false;
+  /// A node whose work item is held open, not computed (a stream source the caller feeds,
+  /// mstar_rt.StreamInput): how long it stays in flight says nothing of a node's cost, so it is
+  /// kept out of the per-node run times that deadline admission (fail_late) estimates from.
+  bool untimed = false;
 };
 
 /// `part`: one part of a request that advances on its own (e.g. a thinker and a talker of one

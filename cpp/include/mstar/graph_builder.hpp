@@ -100,10 +100,11 @@ class GraphBuilder {
   GraphBuilder& input(std::string name);
   /// Declares a node with everything the graph needs to know of it: what it reads, where its
   /// outputs go, which engine runs it, how many executions one batch may hold, and whether it
-  /// wants a call when its stream ends with no chunk marked last (NodeSpec::on_stream_end).
+  /// wants a call when its stream ends with no chunk marked last (NodeSpec::on_stream_end), and
+  /// whether its items are held open rather than run (NodeSpec::untimed).
   GraphBuilder& node(std::string name, std::vector<std::string> inputs, std::vector<Edge> outputs,
                      std::string engine = "default", std::uint32_t max_batch = 1,
-                     bool on_stream_end = false);
+                     bool on_stream_end = false, bool untimed = false);
   GraphBuilder& walk(std::string name, Section root);
 
   /// Validates the nodes and walks and compiles them into the IR: node ids follow the order the
@@ -119,6 +120,7 @@ class GraphBuilder {
     std::string engine;
     std::uint32_t max_batch;
     bool on_stream_end;
+    bool untimed;
   };
 
  private:

@@ -126,7 +126,10 @@ class TalkerNode(KVNodeSubmodule):
             rows = self.prefill_rows(prompt.items[0], reply.items[0],
                                      self.speaker_id(inputs.get("speaker")))
             reserve = min(rows.shape[0] + max_frames + 1, self.max_seq_len)
-            return KVWork(rows.shape[0], reserve=reserve, payload=("prefill", rows, state, None))
+            return KVWork(rows.shape[0], reserve=reserve, payload=("prefill", rows, state, None),
+                          reserve_for=f"a talker prompt of {rows.shape[0]} rows + "
+                                      f"max_audio_frames {max_frames}",
+                          reserve_fix="lower max_audio_frames or shorten the prompt")
         if reply.items:
             text = self.module.text_projection(reply.items[0].to(dev, self._dtype()))
         elif not state["talker_eos_sent"]:

@@ -124,7 +124,10 @@ class ThinkerNode(KVNodeSubmodule):
             embeds = embeds.clone()
             embeds[ids.to(dev) == self.audio_token] = torch.cat(audio).to(embeds)
         reserve = min(ids.numel() + max_tokens, self.max_seq_len)
-        return KVWork(ids.numel(), reserve=reserve, payload=("prefill", (ids, embeds), state))
+        return KVWork(ids.numel(), reserve=reserve, payload=("prefill", (ids, embeds), state),
+                      reserve_for=f"a thinker prompt of {ids.numel()} tokens + max_tokens "
+                                  f"{max_tokens}",
+                      reserve_fix="lower max_tokens or shorten the prompt")
 
     @torch.inference_mode()
     def forward_kv(self, works: list[KVWork], step: KVStep) -> list[Mapping[str, Any]]:
