@@ -81,6 +81,14 @@ def test_numpy_scalars_are_taken_as_sampling_parameters(lm_rt):
         SamplingParams(max_tokens=np.int64(0))
 
 
+def test_a_misspelt_sampling_parameter_is_refused_naming_the_fields(lm_rt):
+    # was Python's "unexpected keyword argument 'temprature'", naming no field it takes
+    with pytest.raises(TypeError, match=r"params \['temprature'\] are not sampling parameters; "
+                                        r"the fields are \[.*'temperature'"):
+        lm_rt.submit({"prompt": [1, 2], "params": {"max_tokens": 2, "temprature": 0.5}})
+    assert settled(lm_rt, T) == ZERO_LIVE and all_pages_free(lm_rt)
+
+
 # ---- prompts ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt", [[None], ["a"], [1, "2"], (i for i in range(3)), [2**63],

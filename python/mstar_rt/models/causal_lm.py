@@ -265,6 +265,11 @@ def as_params(p: Union[None, SamplingParams, Mapping[str, Any]]) -> SamplingPara
     if isinstance(p, SamplingParams):
         return p
     if isinstance(p, Mapping):
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(str(k) for k in p if k not in known)
+        if unknown:  # Python's own words name one key and not what is allowed
+            raise TypeError(f"params {unknown} are not sampling parameters; the fields are "
+                            f"{sorted(known)}")
         return SamplingParams(**p)
     raise TypeError(f"params must be SamplingParams or a dict of its fields, not {type(p).__name__}")
 
