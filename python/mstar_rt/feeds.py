@@ -12,25 +12,22 @@ last windows as its chunk policy cuts them. A request's end lets its held items 
 
 from __future__ import annotations
 
-import threading
-import traceback
 from typing import Any, Optional
 
 from mstar_rt._core import StreamClosedError
-from mstar_rt.engines.base import Engine
+from mstar_rt.engines.held_sources import SOURCE_BATCH, HeldSources
 from mstar_rt.graph import GraphError, GraphNode, Loop, Parallel, Part, Sequential, \
     StreamingGraphEdge
 from mstar_rt.model import NodeSubmodule
 
 #: The engine that holds every StreamInput's source items (the Runtime makes it).
 FEED_ENGINE = "fed-streams"
-_BATCH = 64
 
 
 class FeedSource(NodeSubmodule):
     """A StreamInput's submodule: never called, as its engine holds its item."""
 
-    max_batch = _BATCH
+    max_batch = SOURCE_BATCH
     untimed = True  # its item's time in flight is the caller's stream, not a run (compiler.py)
 
     def __init__(self, streams: tuple[str, ...]) -> None:
@@ -76,15 +73,12 @@ def _names_in(section: Any) -> list[str]:
     return out
 
 
-class FeedEngine(Engine):
+class FeedEngine(HeldSources):
     """Holds each StreamInput's work item per request until its stream is ended (or the request
     ends); feeds and ends streams for :class:`~mstar_rt.RequestHandle`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._lock = threading.Lock()
-        self._held: dict[tuple[int, int], int] = {}  # (request, source node) -> its item
-        self._over: set[tuple[int, int]] = set()     # ended before its item was taken
         self._ended: set[tuple[int, int]] = set()    # end_stream called (feed refuses then)
         self.streams: dict[str, tuple[int, int]] = {}  # stream -> (source node, name id)
         self.walks: dict[str, frozenset[str]] = {}  # stream -> the walks it is fed in
@@ -113,54 +107,11 @@ class FeedEngine(Engine):
                 self.streams[stream] = (n, host.graph.name_ids[stream])
                 self.walks[stream] = frozenset(mine)
 
-    def serve(self) -> None:
-        host = self.host
-        assert host is not None
-        while not host.closed:
-            try:
-                self._take(host.poll_s)
-            except Exception:  # keep taking: a dead thread would hold every later stream open
-                traceback.print_exc()
+    def opened(self, key: tuple[int, int]) -> None:
+        self._ended.discard(key)  # a next walk's stream: open again, if an earlier one ended
 
-    def _take(self, timeout: float) -> bool:
-        """Takes a batch of source items: held, or completed if their stream is over already;
-        whether there was one."""
-        host = self.host
-        assert host is not None
-        batch = host.queue.next_batch(self.engine_id, _BATCH, timeout)
-        if batch is None:
-            return False
-        node, _walk, items = batch
-        ended = []
-        with self._lock:
-            for it in items:
-                key = (it.request, node)
-                if key in self._over:
-                    self._over.discard(key)
-                    ended.append(it.id)
-                else:  # a new walk's stream: open again, if an earlier walk's was ended
-                    self._held[key] = it.id
-                    self._ended.discard(key)
-        if ended:
-            host.report(host.queue.complete(node, ended, [{}] * len(ended)))
-        self._forget_gone({it.request for it in items})
-        return True
-
-    def _take_queued(self) -> None:
-        """Takes every source item queued now, here rather than on the engine's thread."""
-        while self._take(0.0):
-            pass
-
-    def _forget_gone(self, requests: Any) -> bool:
-        """Releases those of ``requests`` that have ended: a request's end may have released it
-        before this engine stored what it now holds for it. Whether any had ended."""
-        host = self.host
-        assert host is not None
-        # knows(): submit queues a request's items before it registers the request
-        gone = [r for r in requests if not host.requests.knows(r)]
-        for r in gone:
-            self.release(r)
-        return bool(gone)
+    def forgotten(self, request_id: int) -> None:
+        self._ended = {k for k in self._ended if k[0] != request_id}
 
     def _stream(self, handle: Any, name: str, verb: str) -> Optional[tuple[int, int]]:
         """(source node, name id) of stream ``name`` for a running request; None once the
@@ -187,8 +138,8 @@ class FeedEngine(Engine):
             raise StreamClosedError(f"feed({name!r}): request {handle.id} {how}; feed a "
                                     "request only while it runs")
         source, name_id = found
-        self._take_queued()  # a next walk's item opens its stream again (clears _ended)
-        with self._lock:
+        self.take_queued()  # a next walk's item opens its stream again (clears _ended)
+        with self.lock:
             ended = (handle.id, source) in self._ended
         if ended:
             raise StreamClosedError(f"feed({name!r}): the stream of request {handle.id} was "
@@ -204,46 +155,20 @@ class FeedEngine(Engine):
         found = self._stream(handle, name, "end_stream")
         if found is None:
             return False
-        host = self.host
-        assert host is not None
         key = (handle.id, found[0])
-        self._take_queued()
-        with self._lock:
+        self.take_queued()
+        with self.lock:
             if key in self._ended:
                 return False
             self._ended.add(key)
-            item = self._held.pop(key, None)
-            if item is None:
-                self._over.add(key)  # not taken yet: completed as it is taken
-        if item is None:
-            # taken here, as waiting for the engine's thread would hold the consumer's last
-            # windows back by a wake-up
-            self._take_queued()
-        if self._forget_gone((handle.id,)):  # it ended meanwhile: nothing left to end
-            if item is not None:  # popped above, so release() could not let it go
-                host.report(host.queue.fail_items([item], "the request ended"))
-            return False
-        if item is not None:
-            host.report(host.queue.complete(found[0], [item], [{}]))
-        return True
-
-    def release(self, request_id: int) -> None:
-        """The request ended: its held items are let go, so that it can be reaped."""
-        host = self.host
-        assert host is not None
-        with self._lock:
-            keys = [k for k in self._held if k[0] == request_id]
-            items = [self._held.pop(k) for k in keys]
-            self._over = {k for k in self._over if k[0] != request_id}
-            self._ended = {k for k in self._ended if k[0] != request_id}
-        if items:
-            host.report(host.queue.fail_items(items, "the request ended"))
+        return self.end(*key)
 
     @property
     def held(self) -> int:
         """Source items held, ended early or streams ended, over all requests (0 when idle)."""
-        with self._lock:
-            return len(self._held) + len(self._over) + len(self._ended)
+        n = super().held  # (takes the lock itself)
+        with self.lock:
+            return n + len(self._ended)
 
 
 def feeder(runtime: Any, verb: str, name: str) -> FeedEngine:

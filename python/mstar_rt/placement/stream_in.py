@@ -11,14 +11,12 @@ window fails its request by id (``failed`` with ``request``)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
-from mstar_rt.engines.base import Engine
+from mstar_rt.engines.held_sources import SOURCE_BATCH, HeldSources
 from mstar_rt.model import NodeSubmodule
 
 STREAM_IN_ENGINE = "segment-stream-in"
-SOURCE_BATCH = 64
 
 
 def source_name(segment: str, stream: str) -> str:
@@ -46,79 +44,11 @@ class SourceSubmodule(NodeSubmodule):
         raise RuntimeError("a stream's source node is held by its engine, never run")
 
 
-class StreamInEngine(Engine):
-    """Holds the source nodes' work items in flight until :meth:`end` (or the request's end)."""
+class StreamInEngine(HeldSources):
+    """Holds the source nodes' work items in flight until :meth:`end` (or the request's end).
+    The segment runner calls :meth:`release`: a segment run borrows its cache id, so its
+    Runtime does not."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self._held: dict[tuple[int, int], int] = {}  # (request, source node) -> its item
-        self._over: set[tuple[int, int]] = set()     # ended before its item was taken
-
-    def serve(self) -> None:
-        host = self.host
-        assert host is not None
-        while not host.closed:
-            self._take(host.poll_s)
-
-    def _take(self, timeout: float) -> bool:
-        """Takes a batch of source items (held, or completed if their stream is over already);
-        whether there was one."""
-        host = self.host
-        assert host is not None
-        batch = host.queue.next_batch(self.engine_id, SOURCE_BATCH, timeout)
-        if batch is None:
-            return False
-        node, _walk, items = batch
-        # knows(), not a bare get(): submit queues a run's items before it registers the run
-        # (under the registry's lock), and a source item taken in between read as a request
-        # gone, ending the stream empty -- the talker then spoke nothing and the request
-        # "finished" without its audio (about 1 in 8,000 omni requests under load).
-        gone = {it.request for it in items if not host.requests.knows(it.request)}
-        ended = []
-        with self._lock:
-            for it in items:
-                key = (it.request, node)
-                if key in self._over or it.request in gone:
-                    self._over.discard(key)
-                    ended.append(it.id)
-                else:
-                    self._held[key] = it.id
-        if ended:
-            host.report(host.queue.complete(node, ended, [{}] * len(ended)))
-        return True
-
-    def end(self, request: int, node: int) -> None:
-        """The stream of source ``node`` is over for ``request``: its item completes. One not
-        taken yet is taken here (waiting for this engine's thread would hold the consumer's
-        last windows back by a thread wake-up, up to a GIL switch interval)."""
-        host = self.host
-        assert host is not None
-        key = (request, node)
-        with self._lock:
-            item = self._held.pop(key, None)
-        if item is None:
-            while self._take(0.0):
-                pass
-            live = host.requests.knows(request)  # (its lock is never taken under ours)
-            with self._lock:
-                item = self._held.pop(key, None)
-                if item is None and live:
-                    self._over.add(key)  # its item is still on the way: completed when taken
-        if item is not None:
-            host.report(host.queue.complete(node, [item], [{}]))
-
-    def release(self, request_id: int) -> None:
-        """The request ended: its held items are let go (the request can then be reaped). The
-        segment runner calls it: a segment run borrows its cache id, so its Runtime does not."""
-        host = self.host
-        assert host is not None
-        with self._lock:
-            keys = [k for k in self._held if k[0] == request_id]
-            items = [self._held.pop(k) for k in keys]
-            self._over = {k for k in self._over if k[0] != request_id}
-        if items:
-            host.report(host.queue.fail_items(items, "the request ended"))
 
 class Feed:
     """One run's entering streams in the worker: its sources' ids and which have ended."""
