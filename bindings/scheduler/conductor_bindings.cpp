@@ -251,17 +251,19 @@ class PyConductor {
     c_->complete(done, out);
   }
 
-  /// One item of node `producer`'s stream `name` for `request` (Conductor::push_stream).
+  /// One item of node `producer`'s stream `name` for `request` (Conductor::push_stream):
+  /// (whether a stream took it, the outcome).
   py::tuple push_stream(RequestId request, NodeId producer, NameId name, py::handle value) {
     Outcome out;
     const Handle h = put(value);
+    bool taken = false;
     try {
-      c_->push_stream(request, producer, name, h, &out);
+      taken = c_->push_stream(request, producer, name, h, &out);
     } catch (...) {
       drop(h);
       throw;
     }
-    return outcome(out);
+    return py::make_tuple(taken, outcome(out));
   }
 
   py::tuple fail_items(const std::vector<std::uint64_t>& ids, const std::string& msg,
@@ -506,7 +508,8 @@ waiting) and report complete(); each call that changes state returns its outcome
       .def("push_stream", &PyConductor::push_stream, py::arg("request"), py::arg("producer"),
            py::arg("name"), py::arg("value"),
            "Appends value to the stream name (id) of node producer (id), as one more execution "
-           "of it would (placement: a stream leaving a worker's segment).")
+           "of it would (placement: a stream leaving a worker's segment); (whether a stream "
+           "took it, the outcome): False for a request not running or a stream ended.")
       .def("fail_items", &PyConductor::fail_items, py::arg("items"), py::arg("message"),
            py::arg("named") = false,
            "Fails the items' requests with the message, after \"node '<node>' in walk '<walk>' "

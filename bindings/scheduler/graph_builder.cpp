@@ -87,6 +87,8 @@ lowers the Python DSL into it; C++ models (mstar::Model) use the same one.)doc")
            py::arg("untimed") = false, py::return_value_policy::reference_internal)
       .def("walk", &GraphBuilder::walk, py::arg("name"), py::arg("root"),
            py::return_value_policy::reference_internal)
+      .def("elsewhere", &GraphBuilder::elsewhere, py::arg("name"),
+           py::return_value_policy::reference_internal)
       .def("compile", &GraphBuilder::compile);
 }
 

@@ -289,6 +289,9 @@ class GraphBuilder:
         untimed: bool = False,
     ) -> Self: ...
     def walk(self, name: str, root: Section | str) -> Self: ...
+    def elsewhere(self, name: str) -> Self:
+        """Node ``name`` runs outside this graph's walks (placement: in a worker's segment), so
+        compile() lets it sit in no walk; any other node in no walk is refused."""
     def compile(self) -> GraphSpec: ...
 
 class NodeRunner:
@@ -351,9 +354,11 @@ class Conductor:
     ) -> _Outcome:
         """Completes the items; ``failed`` (item id, why): items of the batch that failed after
         its forward (NodeRunner.run's fourth answer), failed in the same outcome."""
-    def push_stream(self, request: int, producer: int, name: int, value: Any) -> _Outcome:
+    def push_stream(self, request: int, producer: int, name: int, value: Any
+                    ) -> tuple[bool, _Outcome]:
         """Appends value to the stream ``name`` (id) of node ``producer`` (id), as one more
-        execution of it would (placement: a stream leaving a worker's segment)."""
+        execution of it would (placement: a stream leaving a worker's segment). (whether a
+        stream took it, the outcome): False for a request not running or a stream ended."""
     def fail_items(self, items: Sequence[int], message: str, named: bool = False) -> _Outcome:
         """Fails the items' requests with the message, after "node '<node>' in walk '<walk>'
         failed: " unless named (the message says where)."""

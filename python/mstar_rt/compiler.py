@@ -235,11 +235,14 @@ def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
                   inputs: Sequence[str], engine_of: Mapping[str, str],
                   max_batch_of: Mapping[str, int],
                   stream_end_nodes: frozenset[str] = frozenset(),
-                  untimed_nodes: frozenset[str] = frozenset()) -> CompiledGraph:
+                  untimed_nodes: frozenset[str] = frozenset(),
+                  elsewhere: frozenset[str] = frozenset()) -> CompiledGraph:
     """Validates ``(G, W)`` and builds the IR. Raises :class:`GraphError` naming the problem.
     ``stream_end_nodes``: stream consumers told when their stream ends without a window marked
     last (:meth:`mstar_rt.NodeSubmodule.end_stream`); ``untimed_nodes``: nodes whose items are
-    held open, not run (a StreamInput's source), which deadline estimates leave out."""
+    held open, not run (a StreamInput's source), which deadline estimates leave out;
+    ``elsewhere``: nodes that run outside the walks (Model.nodes_elsewhere), which may sit in
+    no walk."""
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable) or \
             not all(isinstance(x, str) and x for x in inputs):
         raise GraphError(f"the model's inputs are {inputs!r}; give a list of the value names a "
@@ -264,6 +267,8 @@ def compile_graph(nodes: Sequence[GraphNode], walks: Mapping[str, SectionLike],
     parts: dict[tuple[str, str], tuple[str, ...]] = {}
     for name, root in walks.items():
         builder.walk(name, _section(root, name, parts))
+    for n in elsewhere:
+        builder.elsewhere(n)
     compiled = CompiledGraph.of(builder.compile())
     compiled.parts = parts
     return compiled
@@ -320,4 +325,5 @@ def compile_model(model: Model) -> CompiledGraph:
     batch.update({n.name: n.max_batch for n in model.nodes if n.max_batch is not None})
     return compile_graph(model.nodes, model.walks, model.inputs, node_engines(model), batch,
                          frozenset(n for n, s in subs.items() if hears_stream_end(s)),
-                         frozenset(n for n, s in subs.items() if getattr(s, "untimed", False)))
+                         frozenset(n for n, s in subs.items() if getattr(s, "untimed", False)),
+                         frozenset(model.nodes_elsewhere))

@@ -16,8 +16,7 @@ from typing import Any, Optional
 
 from mstar_rt._core import StreamClosedError
 from mstar_rt.engines.held_sources import SOURCE_BATCH, HeldSources
-from mstar_rt.graph import GraphError, GraphNode, Loop, Parallel, Part, Sequential, \
-    StreamingGraphEdge
+from mstar_rt.graph import GraphError, GraphNode, Parallel, StreamingGraphEdge, node_places
 from mstar_rt.model import NodeSubmodule
 
 #: The engine that holds every StreamInput's source items (the Runtime makes it).
@@ -51,28 +50,6 @@ def StreamInput(node: str, *edges: StreamingGraphEdge) -> GraphNode:
     return GraphNode(node, (), edges, submodule=FeedSource(streams), engine=FEED_ENGINE)
 
 
-def _names_in(section: Any) -> list[str]:
-    """Every node name in a section tree, once per place in it (a section object used in two
-    places is read once: the compiler's own limits are not this check's business)."""
-    out: list[str] = []
-    todo, seen = [section], set()
-    while todo:
-        s = todo.pop()
-        if isinstance(s, str):
-            out.append(s)
-        elif id(s) not in seen:
-            seen.add(id(s))
-            if isinstance(s, Sequential):
-                todo.extend(s.parts)
-            elif isinstance(s, Parallel):
-                todo.extend(s.branches)
-            elif isinstance(s, Loop):
-                todo.append(s.section)
-            elif isinstance(s, Part):
-                todo.extend(s.walks.values())
-    return out
-
-
 class FeedEngine(HeldSources):
     """Holds each StreamInput's work item per request until its stream is ended (or the request
     ends); feeds and ends streams for :class:`~mstar_rt.RequestHandle`."""
@@ -94,7 +71,7 @@ class FeedEngine(HeldSources):
             mine: set[str] = set()
             for w, root in walks.items():
                 top = isinstance(root, Parallel) and entry.name in root.branches
-                if _names_in(root).count(entry.name) > top:
+                if node_places(root).count(entry.name) > top:
                     raise GraphError(f"StreamInput '{entry.name}' sits inside walk '{w}'; put "
                                      "it as a branch of the walk's root Parallel, e.g. "
                                      f"Parallel('{entry.name}', <the rest of the walk>)")
@@ -147,7 +124,12 @@ class FeedEngine(HeldSources):
                                     "next walk feeds it again, once that walk has started)")
         host = self.host
         assert host is not None
-        host.report(host.queue.push_stream(handle.id, source, name_id, item))
+        taken, outcome = host.queue.push_stream(handle.id, source, name_id, item)
+        host.report(outcome)
+        if not taken:  # the request (or the stream) ended since the checks above
+            raise StreamClosedError(f"feed({name!r}): request {handle.id} ended while the item "
+                                    "was fed, so no stream took it; feed a request only while "
+                                    "it runs")
 
     def end_stream(self, handle: Any, name: str) -> bool:
         """Ends stream ``name`` of ``handle``'s request; False if it had ended already or the

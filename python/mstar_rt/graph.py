@@ -304,14 +304,24 @@ def _sections(*roots: "SectionLike") -> Iterator[Section]:
             continue
         seen.add(id(s))
         yield s
-        if isinstance(s, Part):
-            todo.extend(s.walks.values() if isinstance(s.walks, Mapping) else ())
-        elif isinstance(s, Sequential):
-            todo.extend(s.parts)
-        elif isinstance(s, Parallel):
-            todo.extend(s.branches)
-        elif isinstance(s, Loop):
-            todo.append(s.section)
+        todo.extend(_children(s))
+
+
+def node_places(*roots: "SectionLike") -> list[str]:
+    """Every node name in the section trees ``roots``, once per place in them (a section object
+    used in two places is read once)."""
+    return [x for s in _sections(*roots) for x in _children(s) if isinstance(x, str)] + \
+        [r for r in roots if isinstance(r, str)]
+
+
+def _children(s: Section) -> tuple:
+    if isinstance(s, Part):
+        return tuple(s.walks.values()) if isinstance(s.walks, Mapping) else ()
+    if isinstance(s, Sequential):
+        return tuple(s.parts)
+    if isinstance(s, Parallel):
+        return tuple(s.branches)
+    return (s.section,) if isinstance(s, Loop) else ()
 
 
 def find_part(root: "SectionLike", name: str) -> Optional[Part]:

@@ -165,6 +165,9 @@ class Model:
     walks: Mapping[str, SectionLike] = {}
     #: Names a request brings; they stay visible in every walk of the request.
     inputs: Sequence[str] = ()
+    #: Nodes that run outside the walks (placement: inside a worker's segment), which may sit
+    #: in no walk; any other node in no walk is refused, as it would never run.
+    nodes_elsewhere: frozenset[str] = frozenset()
     @property
     def submodules(self) -> Mapping[str, NodeSubmodule]:
         """Node name -> the submodule that runs it, for every node. Setting it (the older form,

@@ -29,6 +29,11 @@ GraphBuilder& GraphBuilder::walk(std::string name, Section root) {
   return *this;
 }
 
+GraphBuilder& GraphBuilder::elsewhere(std::string name) {
+  elsewhere_.insert(std::move(name));
+  return *this;
+}
+
 namespace {
 
 using Node = GraphBuilder::Node;
@@ -485,6 +490,17 @@ GraphSpec GraphBuilder::compile() const {
     WalkCompiler wc(name, root, graph, inputs_, persisted, names, node_ids);
     ir.walks.push_back(wc.spec());
   }
+  std::vector<bool> walked(ir.nodes.size(), false);
+  for (const WalkSpec& w : ir.walks)
+    for (const SectionSpec& s : w.sections)
+      if (s.kind == SectionKind::node) walked[s.node] = true;
+  std::string idle;  // a node in no walk never runs: a walk it was meant for, forgotten
+  for (std::size_t i = 0; i < walked.size(); ++i)
+    if (!walked[i] && !elsewhere_.count(ir.nodes[i].name))
+      idle += (idle.empty() ? "'" : ", '") + ir.nodes[i].name + "'";
+  if (!idle.empty())
+    throw GraphError("nodes [" + idle + "] are in no walk, so they would never run; put each "
+                     "in a walk or leave it out of the model's nodes");
   ir.names = names.list;
   return ir;
 }

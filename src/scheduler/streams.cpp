@@ -91,13 +91,14 @@ void Conductor::Impl::pump(Request& r, std::size_t st, Outcome* out) {
   done(r, a, out);
 }
 
-void Conductor::push_stream(RequestId id, NodeId producer, NameId name, Handle h, Outcome* out) {
+bool Conductor::push_stream(RequestId id, NodeId producer, NameId name, Handle h, Outcome* out) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (producer >= impl_->g.nodes.size() || name >= impl_->g.names.size())
     throw std::invalid_argument("push_stream: unknown node or name id");
   if (h == 0 || h == kReservedHandle) throw std::invalid_argument("push_stream: not a value handle");
   impl_->retain(h);  // balanced below: a value no stream took is released
   Request* r = impl_->find(id);
+  bool taken = false;
   if (r != nullptr && r->state == Request::State::running) {
     for (int st : impl_->index[r->walk].produces_streams[producer]) {
       StreamState& s = r->streams[static_cast<std::size_t>(st)];
@@ -105,12 +106,14 @@ void Conductor::push_stream(RequestId id, NodeId producer, NameId name, Handle h
       impl_->retain(h);
       s.items.push_back(h);
       ++s.written;
+      taken = true;
       impl_->pump(*r, static_cast<std::size_t>(st), out);
       if (r->state != Request::State::running) break;
     }
   }
   impl_->release(h, out);
   if (r != nullptr) impl_->reap(id);
+  return taken;
 }
 
 void Conductor::Impl::clear_streams(Request& r, Outcome* out) {

@@ -255,7 +255,8 @@ TEST(ConductorParts, TheCompilerNamesThePartAndWalk) {
   EXPECT_NE(error_of(Section::part("", {{"k", "a"}})).find("needs a name"), std::string::npos);
   EXPECT_NE(error_of(Section::part("p", {{"k", "b"}, {"l", "c"}})).find("another walk of Part 'p'"),
             std::string::npos);
-  EXPECT_EQ(error_of(Section::par({Section::part("p", {{"k", "b"}}), Section::part("q", {{"l", "c"}})})),
+  EXPECT_EQ(error_of(Section::par({Section::part("p", {{"k", "b"}}), Section::part("q", {{"l", "c"}}),
+                                   "a", "d"})),
             "");  // a stream between two Parts is a stream within the walk
 }
 

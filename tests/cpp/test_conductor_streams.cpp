@@ -285,7 +285,7 @@ TEST(Conductor, StreamInsideAnOuterLoopRestartsEachIteration) {
 // push_stream: a node standing for a section another process runs (placement's segment
 // stand-in) appends its stream's items while in flight; the consumer gets them in windows as
 // it would a producer's; the stand-in's end ends the stream. A push for a request no longer
-// running is dropped and released; an unknown node is refused.
+// running is released and answered false; an unknown node is refused.
 TEST(Conductor, PushStreamFeedsTheConsumerWhileTheProducerIsInFlight) {
   IR ir;
   ir.node("S", "e0", {"x"}, {"s", "y"});
@@ -307,7 +307,7 @@ TEST(Conductor, PushStreamFeedsTheConsumerWhileTheProducerIsInFlight) {
       std::lock_guard<std::mutex> lock(app.mu);
       h = app.put_locked(v);
     }
-    app.c.push_stream(r, ir.node_id("S"), ir.name("s"), h, &o);
+    EXPECT_TRUE(app.c.push_stream(r, ir.node_id("S"), ir.name("s"), h, &o));
     app.handle(o);
     app.step(1);  // the consumer runs each window as it fills
   }
@@ -321,6 +321,16 @@ TEST(Conductor, PushStreamFeedsTheConsumerWhileTheProducerIsInFlight) {
   Outcome o;
   app.c.complete({done}, &o);
   app.handle(o);
+  {
+    Outcome after_end;  // the stream has ended: not taken, said so, not read
+    Handle h;
+    {
+      std::lock_guard<std::mutex> lock(app.mu);
+      h = app.put_locked(99);
+    }
+    EXPECT_FALSE(app.c.push_stream(r, ir.node_id("S"), ir.name("s"), h, &after_end));
+    app.handle(after_end);
+  }
   app.drain();
   EXPECT_EQ(app.emitted(r, ir.name("o")), (std::vector<long>{10 + 20, 30}));
   const auto windows = app.items_of(ir.node_id("C"), r);
@@ -333,7 +343,7 @@ TEST(Conductor, PushStreamFeedsTheConsumerWhileTheProducerIsInFlight) {
     std::lock_guard<std::mutex> lock(app.mu);
     h = app.put_locked(40);
   }
-  app.c.push_stream(r, ir.node_id("S"), ir.name("s"), h, &late);
+  EXPECT_FALSE(app.c.push_stream(r, ir.node_id("S"), ir.name("s"), h, &late));  // said so
   app.handle(late);
   EXPECT_THROW(app.c.push_stream(r, 99, ir.name("s"), h, &late), std::invalid_argument);
   app.expect_all_released();

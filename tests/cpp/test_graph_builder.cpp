@@ -115,6 +115,25 @@ TEST(GraphBuilder, SpeaksTheWordsOfThePythonDsl) {
                             "accumulated output; choose one (last value or every value)");
 }
 
+TEST(GraphBuilder, RefusesANodeInNoWalk) {
+  // A node in no walk never runs: its outputs never come, with nothing said. A node in a
+  // Part's sub-walk of another walk counts as walked.
+  GraphBuilder b;
+  b.input("x")
+      .node("a", {"x"}, {Edge::emit("y")})
+      .node("b", {"x"}, {Edge::emit("z")})
+      .node("c", {"x"}, {Edge::emit("u")})
+      .walk("w", "a");
+  EXPECT_EQ(error_of(b), "nodes ['b', 'c'] are in no walk, so they would never run; put each in "
+                         "a walk or leave it out of the model's nodes");
+  GraphBuilder placed = b;  // placement's parent: 'c' runs in a worker's segment
+  placed.elsewhere("c");
+  EXPECT_EQ(error_of(placed), "nodes ['b'] are in no walk, so they would never run; put each in "
+                              "a walk or leave it out of the model's nodes");
+  b.walk("v", Section::part("p", {{"one", "b"}, {"two", "c"}}));
+  EXPECT_EQ(error_of(b), "no GraphError");
+}
+
 TEST(GraphBuilder, RefusesLoopCountsAndBatchLimitsOutOfRange) {
   for (std::int64_t n : {std::int64_t{0}, std::int64_t{-1}, std::int64_t{1} << 32}) {
     GraphBuilder b;

@@ -212,9 +212,22 @@ def graphs(draw) -> dict:
     walks = draw(st.dictionaries(st.sampled_from(["w", "prefill", "decode"]), sections(leaf),
                                  min_size=0 if draw(st.integers(0, 19)) == 0 else 1,
                                  max_size=3))
+    if walks and draw(st.integers(0, 9)):  # mostly without nodes in no walk, which it refuses
+        walked = {n for root in walks.values() for n in leaves(root)}
+        nodes = [n for n in nodes if n[0] in walked] or nodes
     return {"inputs": draw(st.lists(st.sampled_from(["x", "s"]), min_size=1, max_size=2,
                                     unique=True)),
             "nodes": nodes, "walks": walks}
+
+
+def leaves(s: tuple) -> list[str]:
+    """The node names in a section tuple."""
+    kind = s[0]
+    if kind == "node":
+        return [s[1]]
+    if kind in ("seq", "par"):
+        return [n for c in s[1] for n in leaves(c)]
+    return leaves(s[1] if kind == "loop" else s[2])
 
 
 @st.composite

@@ -106,6 +106,7 @@ class Parted(Segmented):
 
     def __init__(self) -> None:
         super().__init__()
+        self.nodes = [n for n in self.nodes if n.name != "gen"]  # no walk runs it here
         self.walks = {"main": Part("p", {"first": Sequential("pre", "a", "b"),
                                          "again": Sequential("c", "d"), "end": "post"})}
 

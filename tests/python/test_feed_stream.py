@@ -204,6 +204,23 @@ def test_feeding_an_ended_stream_a_finished_or_a_cancelled_request_raises(serve)
     assert idle(rt) == IDLE
 
 
+def test_a_feed_racing_its_requests_end_raises_rather_than_dropping_the_item(serve):
+    """The handle's checks pass (it reads running), then the request ends before the item
+    reaches the stream: the Conductor answers that no stream took it, and feed says so."""
+    from types import SimpleNamespace
+
+    rt = serve(fed_model(mstar_rt.Fixed(2)))
+    h = rt.submit({})
+    h.feed("audio", frame(0))
+    h.end_stream("audio")
+    assert [w[0] for w in h.result(timeout=T)["sum"]] == [0]
+    stale = SimpleNamespace(id=h.id, done=False, context=h.context)  # a view from before
+    with pytest.raises(StreamClosedError, match=rf"request {h.id} ended while the item was "
+                                                "fed, so no stream took it"):
+        rt.engines[FEED_ENGINE].feed(stale, "audio", frame(1), None)
+    assert idle(rt) == IDLE
+
+
 def test_undeclared_stream_names_raise_naming_the_fed_streams(serve):
     rt = serve(fed_model(mstar_rt.Fixed(2)))
     h = rt.submit({})

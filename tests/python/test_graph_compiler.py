@@ -136,6 +136,9 @@ CASES = {
     "no walks": (
         _dsl([N("a", ["x"], ["y"])], {}),
         lambda b: b.node("a", ["x"], _out("y"))),
+    "a node in no walk": (
+        _dsl([N("a", ["x"], ["y"]), N("b", ["x"], ["z"])], {"w": "a"}),
+        lambda b: b.node("a", ["x"], _out("y")).node("b", ["x"], _out("z")).walk("w", "a")),
 }
 
 

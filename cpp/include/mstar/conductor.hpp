@@ -152,9 +152,11 @@ class Conductor {
   /// Appends `value` to the stream `name` that node `producer` makes, as one more execution of
   /// the producer would, while that node is in flight: placement's stand-in for a section a
   /// worker runs reports the items of a stream leaving the section as they are made (its end
-  /// ends the stream, as a producer's scope does). Ignored for a request that is not running
-  /// or a stream already ended; throws std::invalid_argument for an unknown node or name.
-  void push_stream(RequestId request, NodeId producer, NameId name, Handle value, Outcome* out);
+  /// ends the stream, as a producer's scope does). Returns whether a stream took the value:
+  /// false (the value released) for a request that is not running or a stream already ended,
+  /// so a caller feeding from outside can say so. Throws std::invalid_argument for an unknown
+  /// node or name.
+  bool push_stream(RequestId request, NodeId producer, NameId name, Handle value, Outcome* out);
   /// Fails the fail_late requests whose queued work is past its deadline. Submit, start_walk
   /// and complete do this themselves; an engine worker calls it before next_batch so that it
   /// never takes such work. Costs no lock and no clock read while no fail_late request is live.

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -106,6 +107,10 @@ class GraphBuilder {
                      std::string engine = "default", std::uint32_t max_batch = 1,
                      bool on_stream_end = false, bool untimed = false);
   GraphBuilder& walk(std::string name, Section root);
+  /// Says node `name` runs outside this graph's walks (placement: inside a worker's segment,
+  /// while the parent's graph keeps the node for its id), so compile() lets it sit in no walk.
+  /// Any other node in no walk is refused: it would never run.
+  GraphBuilder& elsewhere(std::string name);
 
   /// Validates the nodes and walks and compiles them into the IR: node ids follow the order the
   /// nodes were declared in, walk ids the order of the walks, name ids the order names are first
@@ -127,6 +132,7 @@ class GraphBuilder {
   std::vector<std::string> inputs_;
   std::vector<Node> nodes_;
   std::vector<std::pair<std::string, Section>> walks_;
+  std::set<std::string> elsewhere_;
 };
 
 }  // namespace mstar

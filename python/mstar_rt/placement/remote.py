@@ -66,6 +66,7 @@ class PlacedModel(Model):
             # Appended: the model's own nodes keep their ids, which both processes share.
             self.nodes += stand_in_nodes(segments.segments)
             self.walks = segments.walks
+            self.nodes_elsewhere = frozenset(n for seg in segments.segments for n in seg.nodes)
             for seg in segments.segments:
                 # one taking streams hears their end: that last window answers for the run
                 kind = RemoteStreamEndSubmodule if seg.takes else RemoteSubmodule

@@ -100,7 +100,7 @@ def deliver_emits(rt: "PlacedRuntime", msg: dict) -> None:
         try:
             if e[0] < 0 or type(e[3]) is not int or e[3] < 0 or name is None:
                 raise ValueError("unknown node or name")
-            outcome = rt.conductor.push_stream(e[0], e[3], name, e[2])
+            outcome = rt.conductor.push_stream(e[0], e[3], name, e[2])[1]
         except ValueError as x:
             raise ProtocolError(f"stream item [{e[0]}, {e[1]!r}, ..., {e[3]!r}]: {x}") from None
         rt.report(outcome)

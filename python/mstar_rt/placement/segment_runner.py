@@ -258,7 +258,7 @@ class SegmentRunner:
                 if feed.result is not None or feed.ended[k]:
                     continue
                 for value in inputs[names[k]]:
-                    rt.report(rt.conductor.push_stream(sub, source, name, value))
+                    rt.report(rt.conductor.push_stream(sub, source, name, value)[1])
                 if lasts[k]:
                     feed.ended[k] = True
                     rt.engines[STREAM_IN_ENGINE].end(sub, source)
