@@ -35,6 +35,7 @@ def our_segments(rt=None) -> list[str]:
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -42,8 +43,8 @@ def alive(pid: int) -> bool:
     # a zombie of ours still answers kill(0); it is dead for our purposes
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # it went meanwhile
         return False
 
 

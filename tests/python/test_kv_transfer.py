@@ -33,7 +33,8 @@ from mstar_rt.models.causal_lm import CausalLM
 
 from child_env import child_env
 from kv_models import gather, tiny_llama
-from tp_support import alive, children
+from placement_support import alive
+from tp_support import children
 from walk_models import close_within, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py

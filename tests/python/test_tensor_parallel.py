@@ -31,7 +31,8 @@ from mstar_rt.models.llama import load_llama  # noqa: E402
 
 from child_env import child_env  # noqa: E402
 from llama_ref import BASE, greedy, make_lm, make_prompts, run_all  # noqa: E402
-from tp_support import alive, children, follower_pids, run_steps, save_llama  # noqa: E402
+from placement_support import alive  # noqa: E402
+from tp_support import children, follower_pids, run_steps, save_llama  # noqa: E402
 from walk_models import close_within, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py

@@ -29,7 +29,8 @@ from mstar_rt.models.qwen3_omni.thinker_tp import load_thinker_tp, thinker_share
 import omni_tiny as ot  # noqa: E402
 from omni_tp_support import (assert_same_steps, omni_answers, omni_requests,  # noqa: E402
                               with_dense_layer_and_biases)
-from tp_support import alive, children, follower_pids  # noqa: E402
+from placement_support import alive  # noqa: E402
+from tp_support import children, follower_pids  # noqa: E402
 from walk_models import close_within, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py

@@ -28,15 +28,6 @@ def save_llama(path, seed: int = 0, **overrides) -> None:
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def children() -> list[int]:
     """Live processes whose parent is this one."""
     me, out = str(os.getpid()), []
@@ -45,7 +36,7 @@ def children() -> list[int]:
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, IndexError):
+            except (FileNotFoundError, ProcessLookupError, IndexError):  # it went meanwhile
                 continue
             if fields[1] == me and fields[0] != "Z":
                 out.append(int(entry))
