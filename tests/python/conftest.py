@@ -4,18 +4,21 @@ import pytest
 
 from mstar_rt import Runtime
 
-from leak_check import leftovers, shm_files
+from leak_check import leftovers, serve_threads, shm_files
 from walk_models import close_within, engine_threads, open_all_gates
 
 
 @pytest.fixture(scope="module", autouse=True)
 def nothing_left_behind():
-    """Fails the module that leaves placement files in /dev/shm or placement workers running."""
-    before = shm_files()
+    """Fails the module that leaves placement files in /dev/shm, placement workers or serving
+    threads running."""
+    before = shm_files(), serve_threads()
     yield
-    files, pids = leftovers(before)
-    assert not files and not pids, (
-        f"this module left behind /dev/shm files {sorted(files)} and worker pids {sorted(pids)}")
+    files, pids, threads = leftovers(before)
+    assert not files and not pids and not threads, (
+        f"this module left behind /dev/shm files {sorted(files)}, worker pids {sorted(pids)} "
+        f"and {len(threads)} serving threads (e.g. {sorted(threads)[:3]}): a server not "
+        "stopped, or an app whose app.state.serve was never closed")
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
 """What a test module may not leave behind: placement's shared-memory files (arenas, mailboxes)
-named for this process, and placement workers still running as its children. conftest.py
-checks both after every module, so a leak fails the module that made it, not a later sweep."""
+named for this process, placement workers still running as its children, and serving threads (a
+server's, or the thread pool of an app whose state was never closed). conftest.py checks after
+every module, so a leak fails the module that made it, not a later sweep."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 SHM_DIR = "/dev/shm"
@@ -39,12 +41,21 @@ def worker_children() -> set[int]:
     return found
 
 
-def leftovers(before: set[str], grace_s: float = 5.0) -> tuple[set[str], set[int]]:
-    """(files, pids) still there ``grace_s`` after a module ended: a closing runtime's workers
-    take a moment to exit."""
+def serve_threads() -> set[str]:
+    """Names of live serving threads (serve/bridge.py and serve/server.py name them
+    ``mstar-serve...``)."""
+    return {t.name for t in threading.enumerate() if t.name.startswith("mstar-serve")}
+
+
+def leftovers(before: tuple[set[str], set[str]], grace_s: float = 5.0
+              ) -> tuple[set[str], set[int], set[str]]:
+    """(files, pids, threads) still there ``grace_s`` after a module ended that were not there
+    at its start (``before``: ``shm_files()``, ``serve_threads()``): a closing runtime's workers
+    and a closed pool's threads take a moment to exit."""
     deadline = time.monotonic() + grace_s
     while True:
-        files, pids = shm_files() - before, worker_children()
-        if not (files or pids) or time.monotonic() > deadline:
-            return files, pids
+        files, pids = shm_files() - before[0], worker_children()
+        threads = serve_threads() - before[1]
+        if not (files or pids or threads) or time.monotonic() > deadline:
+            return files, pids, threads
         time.sleep(0.05)

@@ -20,27 +20,19 @@ class Server:
         import uvicorn
 
         self.app, self.host = app, host
-        try:  # the family from the name: an IPv6-only name (ip6-localhost) binds too
-            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-        except (socket.gaierror, UnicodeError) as e:
-            raise OSError(f"cannot bind {host}:{port}: the host is not an address this machine "
-                          f"resolves ({e}); check server.host") from None
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self._sock.bind(address)
-        except OSError as e:
-            self._sock.close()
-            raise OSError(f"cannot bind {host}:{port} ({e}); pick another server.port "
-                          "(0 = any free port), or check server.host") from None
-        # Listening now, not when uvicorn starts: a client that connects as soon as the URL is
-        # printed waits in the backlog instead of being refused.
-        self._sock.listen(2048)
-        self.port: int = self._sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(
-            app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3,
-            ws_max_size=MAX_BODY_BYTES))
+            self._sock = _listen(host, port)
+            self.port: int = self._sock.getsockname()[1]
+            self._server = uvicorn.Server(uvicorn.Config(
+                app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3,
+                ws_max_size=MAX_BODY_BYTES))
+        except BaseException:
+            # The server owns the app's state from here on (stop() closes it); one that never
+            # existed must close it too, or the state's thread pool outlives the failure.
+            if hasattr(self, "_sock"):
+                self._sock.close()
+            self._close_state()
+            raise
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -91,3 +83,25 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port``, or an OSError naming the config key to fix."""
+    try:  # the family from the name: an IPv6-only name (ip6-localhost) binds too
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise OSError(f"cannot bind {host}:{port}: the host is not an address this machine "
+                      f"resolves ({e}); check server.host") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        # Listening now, not when uvicorn starts: a client that connects as soon as the URL is
+        # printed waits in the backlog instead of being refused.
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port} ({e}); pick another server.port "
+                      "(0 = any free port), or check server.host") from None
+    return sock
