@@ -123,6 +123,36 @@ def test_the_bell_wakes_a_poll_and_drains(tmp_path):
     assert not os.path.exists(bell.path)
 
 
+def test_a_sent_batch_wakes_a_sleeping_hub_to_watch_for_its_reply(tmp_path):
+    """Hub.expect (PlacedRuntime.submit calls it after sending): a hub asleep in poll is rung,
+    so that it watches the mailboxes while the worker runs; one awake, or one that never
+    watches (spin_us 0), is left alone: a ring would cost the sender a wake-up for nothing."""
+    import zmq
+
+    from mstar_rt.placement.hub import Hub
+
+    zctx = zmq.Context()
+    hubs = [Hub(zctx, f"ipc://{tmp_path}/{i}.sock", bell_path=str(tmp_path / f"{i}.bell"),
+                spin_us=spin) for i, spin in enumerate((200.0, 0.0))]
+    try:
+        watching, never = hubs
+        poller = select.poll()
+        poller.register(watching.bell.fileno(), select.POLLIN)
+        watching.expect()  # awake: nothing
+        assert poller.poll(0) == []
+        watching.sleeping = True
+        watching.expect()
+        assert poller.poll(0)
+        watching.bell.drain()
+        never.sleeping = True
+        never.expect()
+        assert select.select([never.bell.fileno()], [], [], 0)[0] == []
+    finally:
+        for hub in hubs:
+            hub.close()
+        zctx.destroy(0)
+
+
 def test_a_watcher_sees_mail_without_sleeping_and_gives_up_after_its_budget(box):
     writer, reader = box
     address, seen = reader.watch()

@@ -42,6 +42,7 @@ class Hub:
         self.links: dict[int, "WorkerLink"] = {}
         self.bad_frames = 0
         self._stop = False
+        self.sleeping = False  # in poll, waiting for a bell (expect() rings it)
         self._thread = threading.Thread(target=self._run, name="mstar-placement-hub", daemon=True)
 
     def start(self, links: Mapping[int, "WorkerLink"]) -> None:
@@ -57,8 +58,10 @@ class Hub:
             poller.register(bell.fileno(), zmq.POLLIN)
         while not self._stop:
             mail = self._mail_soon()
-            ready = dict(poller.poll(0 if mail else 1 if any(link.holds for link in
-                                                              self.links.values()) else 100))
+            timeout = 0 if mail else 1 if any(link.holds for link in self.links.values()) else 100
+            self.sleeping = timeout > 0
+            ready = dict(poller.poll(timeout))
+            self.sleeping = False
             if mail:
                 ready[bell.fileno()] = zmq.POLLIN
             if not ready:
@@ -77,6 +80,14 @@ class Hub:
                 else:
                     frames = sock.recv_multipart()
                 self._deliver(frames, None)
+
+    def expect(self) -> None:
+        """A batch just left for a worker: wakes this thread if it sleeps, so that it watches
+        the mailboxes for the reply (:meth:`_mail_soon`) while the worker runs, instead of
+        being woken by the reply's bell (a wake-up costs tens of µs on a VM, and the reply
+        then waits for it). A thread that just went to sleep is woken by the reply as before."""
+        if self.sleeping and self.spin_s > 0 and self.bell is not None:
+            self.bell.ring()
 
     def _mail_soon(self) -> bool:
         """Whether a reply arrived within the spin budget: the local workers' mailbox heads

@@ -293,15 +293,18 @@ class PlacedRuntime(Runtime):
         # for the GIL while this thread packs (so submit leaves them asleep). Not from the hub's
         # thread (a callback submitting), which must never wait for a worker; the engine
         # threads are woken for whatever is left.
-        inline = not deferring()
+        inline, sent = not deferring(), False
         for engine in self._remote_engines:
             try:
                 if inline and engine.link.state == "up":
                     batch = self.conductor.next_batch(engine.engine_id, engine.max_batch, 0.0)
                     if batch is not None:
                         engine.link.send_batch(*batch)
+                        sent = True
             finally:
                 self.conductor.wake(engine.engine_id)
+        if sent and self._hub is not None:
+            self._hub.expect()
         return handle
 
     def ended(self, handle: Any, error: Optional[BaseException]) -> None:
