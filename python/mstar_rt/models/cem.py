@@ -26,8 +26,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
-from mstar_rt.model import Model, NodeSubmodule, WorkContext
+from mstar_rt.models.cem_walk import CEMWalk
 from mstar_rt.models.config_checks import check_fields
 from mstar_rt.models.sampling import request_seed
 from mstar_rt.models.world_model import check_rollout_inputs, real_tensor
@@ -154,93 +153,7 @@ def energy(final_states: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
     return (final_states - goal).abs().sum(-1)
 
 
-def plan_seed(ctx: WorkContext, seed: Any) -> int:
-    """The seed of a request's candidates: its own, or one drawn at its first iteration and
-    kept for the rest (each iteration's draw is then still its own)."""
-    if seed is not None:
-        return int(seed)
-    return ctx.request.state.setdefault("cem_seed", request_seed(None))
-
-
-def sample_generator(seed: int, iteration: int, device: Any) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed((int(seed) * 1_000_003 + iteration) % (2 ** 63))
-    return g
-
-
-class _PlanNode(NodeSubmodule):
-    max_batch = 16
-
-    def __init__(self, planner: "CEMPlanner") -> None:
-        self.planner = planner
-
-
-class ContextNode(_PlanNode):
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        pl, outs = self.planner, []
-        for b in batch:
-            ctx = plan_context(pl.predictor, b["frames"], b["states"], b["past_actions"],
-                               b["goal_state"], pl.config.horizon)
-            shape = (pl.config.horizon, pl.predictor.config.action_dim)
-            dev, dt = pl.predictor.device, pl.predictor.dtype
-            outs.append({"context": ctx, "mean": torch.zeros(shape, device=dev, dtype=dt),
-                         "std": torch.full(shape, pl.config.init_std, device=dev, dtype=dt)})
-        return outs
-
-
-class SampleNode(_PlanNode):
-    def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> Any:
-        return inputs, ctx.iteration, plan_seed(ctx, inputs["seed"])
-
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        c, outs = self.planner.config, []
-        for inputs, iteration, seed in batch:
-            mean, std = inputs["mean"], inputs["std"]
-            g = sample_generator(seed, iteration, mean.device)
-            noise = torch.randn((c.samples, *mean.shape), generator=g, device=mean.device,
-                                dtype=mean.dtype)
-            cand = mean + std * noise
-            if c.max_action is not None:
-                cand = cand.clamp(-c.max_action, c.max_action)
-            outs.append({"candidates": cand})
-        return outs
-
-
-class EvaluateNode(_PlanNode):
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        pl, outs = self.planner, []
-        for b in batch:  # one batch of S rollouts per request
-            ctx: PlanContext = b["context"]
-            final, _ = rollout_batch(pl.predictor, ctx, b["candidates"])
-            outs.append({"energies": energy(final, ctx.goal)})
-        return outs
-
-
-class UpdateNode(_PlanNode):
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        c, outs = self.planner.config, []
-        for b in batch:
-            best = b["energies"].topk(c.top_k, largest=False)
-            elites = b["candidates"][best.indices]
-            m = c.momentum
-            mean = m * b["mean"] + (1 - m) * elites.mean(0)
-            std = (m * b["std"] + (1 - m) * elites.std(0, unbiased=False)).clamp(min=c.min_std)
-            outs.append({"mean": mean, "std": std, "best_energy": float(best.values[0])})
-        return outs
-
-
-class ActNode(_PlanNode):
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        pl, outs = self.planner, []
-        for b in batch:
-            ctx: PlanContext = b["context"]
-            final, _ = rollout_batch(pl.predictor, ctx, b["mean"][None])
-            outs.append({"action": b["mean"][0], "plan": b["mean"],
-                         "energy": float(energy(final, ctx.goal)[0])})
-        return outs
-
-
-class CEMPlanner(Model):
+class CEMPlanner(CEMWalk):
     """The ``plan`` walk (see the module docstring). Inputs: ``frames [C, N, E]``, ``states
     [C, S]``, ``past_actions [C - 1, A]`` (optional with one frame), ``goal_state [S]`` and
     ``seed``. EMITs ``best_energy`` per iteration, then ``action [A]``, ``plan [H, A]`` and the
@@ -251,30 +164,41 @@ class CEMPlanner(Model):
 
     def __init__(self, predictor: ACPredictor, config: Optional[CEMConfig] = None) -> None:
         self.predictor = predictor.eval()
-        self.config = c = config or CEMConfig()
+        c = config or CEMConfig()
         check_plan_fits(c.horizon, predictor.config.max_frames)
-        self.nodes = [
-            GraphNode("cem_context", ["frames", "states", "past_actions", "goal_state"],
-                      ["context", "mean", "std"]),
-            GraphNode("cem_sample", ["mean", "std", "seed"], ["candidates"]),
-            GraphNode("cem_evaluate", ["context", "candidates"], ["energies"]),
-            GraphNode("cem_update", ["candidates", "energies", "mean", "std"],
-                      ["mean", "std", GraphEdge(EMIT, "best_energy")]),
-            GraphNode("cem_act", ["context", "mean"],
-                      [GraphEdge(EMIT, "action"), GraphEdge(EMIT, "plan"),
-                       GraphEdge(EMIT, "energy")]),
-        ]
-        self.walks = {"plan": Sequential(
-            "cem_context",
-            Loop(Sequential("cem_sample", "cem_evaluate", "cem_update"), c.iterations,
-                 outputs=["mean", "std"]),
-            "cem_act")}
-        self.submodules = {"cem_context": ContextNode(self), "cem_sample": SampleNode(self),
-                           "cem_evaluate": EvaluateNode(self), "cem_update": UpdateNode(self),
-                           "cem_act": ActNode(self)}
-        self.engines = {n: "planner" for n in self.submodules}
+        super().__init__(c, ["frames", "states", "past_actions", "goal_state"])
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         request_seed(inputs.get("seed"))  # checked; a request without one draws its own
         plan_context(self.predictor, inputs["frames"], inputs["states"], inputs["past_actions"],
                      inputs["goal_state"], self.config.horizon, check_only=True)
+
+    def start(self, inputs: Mapping[str, Any]) -> tuple[PlanContext, torch.Tensor, torch.Tensor]:
+        p, c = self.predictor, self.config
+        ctx = plan_context(p, inputs["frames"], inputs["states"], inputs["past_actions"],
+                           inputs["goal_state"], c.horizon)
+        shape = (c.horizon, p.config.action_dim)
+        return (ctx, torch.zeros(shape, device=p.device, dtype=p.dtype),
+                torch.full(shape, c.init_std, device=p.device, dtype=p.dtype))
+
+    def sample(self, mean: torch.Tensor, std: torch.Tensor,
+               noise: torch.Tensor) -> torch.Tensor:
+        cand = mean + std * noise
+        m = self.config.max_action
+        return cand if m is None else cand.clamp(-m, m)
+
+    def energies(self, context: PlanContext, candidates: torch.Tensor) -> torch.Tensor:
+        final, _ = rollout_batch(self.predictor, context, candidates)
+        return energy(final, context.goal)
+
+    def refit(self, mean: torch.Tensor, std: torch.Tensor,
+              elites: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        m = c.momentum
+        return (m * mean + (1 - m) * elites.mean(0),
+                (m * std + (1 - m) * elites.std(0, unbiased=False)).clamp(min=c.min_std))
+
+    def act(self, context: PlanContext, mean: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        final, _ = rollout_batch(self.predictor, context, mean[None])
+        return mean[0], mean, float(energy(final, context.goal)[0])

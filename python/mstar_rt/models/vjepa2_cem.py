@@ -26,10 +26,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from mstar_rt.graph import EMIT, GraphEdge, GraphNode, Loop, Sequential
-from mstar_rt.model import Model, NodeSubmodule, WorkContext
-from mstar_rt.models.cem import (PlanContext, check_plan_fits, history_kv, plan_seed,
-                                 rollout_batch, sample_generator)
+from mstar_rt.graph import GraphNode
+from mstar_rt.models.cem import PlanContext, check_plan_fits, history_kv, rollout_batch
+from mstar_rt.models.cem_walk import CEMWalk
 from mstar_rt.models.config_checks import check_fields
 from mstar_rt.models.sampling import request_seed
 from mstar_rt.models.vjepa2_encoder import VJEPA2FrameEncoder, check_images
@@ -128,86 +127,7 @@ def evaluate(predictor: VJEPA2ACPredictor, context: PlanContext, actions: torch.
                       for i in range(0, actions.shape[0], step)])
 
 
-class _Node(NodeSubmodule):
-    max_batch = 16
-
-    def __init__(self, planner: "VJEPA2Planner") -> None:
-        self.planner = planner
-
-
-class ContextNode(_Node):
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        pl, outs = self.planner, []
-        c, p = pl.config, pl.predictor
-        for b in batch:
-            ctx = vjepa2_plan_context(p, b["frames"], b["states"], b["past_actions"], b["goal"],
-                                      c.horizon)
-            mean = torch.zeros(c.horizon, 4, device=p.device, dtype=p.dtype)
-            std = torch.ones_like(mean)
-            std[:, :3] = c.maxnorm
-            outs.append({"context": ctx, "mean": mean, "std": std})
-        return outs
-
-
-class SampleNode(_Node):
-    def prepare_inputs(self, ctx: WorkContext, inputs: dict) -> Any:
-        return inputs, ctx.iteration, plan_seed(ctx, inputs["seed"])
-
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        c, outs = self.planner.config, []
-        for inputs, iteration, seed in batch:
-            mean, std = inputs["mean"], inputs["std"]
-            g = sample_generator(seed, iteration, mean.device)
-            noise = torch.randn((c.samples, *mean.shape), generator=g, device=mean.device,
-                                dtype=mean.dtype)
-            moves = noise * std + mean
-            moves[..., :3] = moves[..., :3].clamp(-c.maxnorm, c.maxnorm)
-            moves[..., 3:] = moves[..., 3:].clamp(-c.max_gripper, c.max_gripper)
-            outs.append({"candidates": full_actions(moves)})
-        return outs
-
-
-class EvaluateNode(_Node):
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        p, n = self.planner.predictor, self.planner.config.max_rollouts
-        return [{"energies": evaluate(p, b["context"], b["candidates"], n)} for b in batch]
-
-
-class UpdateNode(_Node):
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        c, outs = self.planner.config, []
-        for b in batch:
-            best = b["energies"].topk(c.top_k, largest=False)
-            elites = b["candidates"][best.indices]
-            sel_mean, sel_std = elites.mean(0), elites.std(0)  # unbiased, as upstream
-            mean, std = b["mean"], b["std"]
-            new_mean = torch.cat([
-                sel_mean[..., TRANSLATION] * (1 - c.momentum_mean) + mean[..., :3] * c.momentum_mean,
-                sel_mean[..., GRIPPER] * (1 - c.momentum_mean_gripper)
-                + mean[..., 3:] * c.momentum_mean_gripper], -1)
-            new_std = torch.cat([
-                sel_std[..., TRANSLATION] * (1 - c.momentum_std) + std[..., :3] * c.momentum_std,
-                sel_std[..., GRIPPER] * (1 - c.momentum_std_gripper)
-                + std[..., 3:] * c.momentum_std_gripper], -1)
-            outs.append({"mean": new_mean, "std": new_std,
-                         "best_energy": float(best.values[0])})
-        return outs
-
-
-class ActNode(_Node):
-    def forward(self, batch: list[Any]) -> list[Mapping[str, Any]]:
-        pl, outs = self.planner, []
-        for b in batch:
-            moves = b["mean"].clone()
-            grip = moves[..., 3:]
-            grip[grip.abs() < pl.config.gripper_round] = 0
-            plan = full_actions(moves)
-            energy = evaluate(pl.predictor, b["context"], plan[None])
-            outs.append({"action": plan[0], "plan": plan, "energy": float(energy[0])})
-        return outs
-
-
-class VJEPA2Planner(Model):
+class VJEPA2Planner(CEMWalk):
     """The ``plan`` walk (see the module docstring). Inputs: ``frames [C, N, E]`` and ``goal
     [N, E]`` (layer-normed encoder features) -- or, with ``encoder``, camera ``images`` and
     ``goal_image`` (see ``vjepa2_encoder.check_images``) --, ``states [C, 7]``, ``past_actions
@@ -219,45 +139,20 @@ class VJEPA2Planner(Model):
                  encoder: Optional[VJEPA2FrameEncoder] = None) -> None:
         self.predictor = predictor.eval()
         self.encoder = encoder
-        self.config = c = config or VJEPA2CEMConfig()
+        c = config or VJEPA2CEMConfig()
         check_plan_fits(c.horizon, predictor.config.max_frames)
         if predictor.config.action_dim != 7:
             raise ValueError("the planner samples 7-d end-effector actions (xyz, rotation, "
                              f"gripper); this predictor takes {predictor.config.action_dim}")
-        self.nodes = [
-            GraphNode("cem_context", ["frames", "states", "past_actions", "goal"],
-                      ["context", "mean", "std"]),
-            GraphNode("cem_sample", ["mean", "std", "seed"], ["candidates"]),
-            GraphNode("cem_evaluate", ["context", "candidates"], ["energies"]),
-            GraphNode("cem_update", ["candidates", "energies", "mean", "std"],
-                      ["mean", "std", GraphEdge(EMIT, "best_energy")]),
-            GraphNode("cem_act", ["context", "mean"],
-                      [GraphEdge(EMIT, "action"), GraphEdge(EMIT, "plan"),
-                       GraphEdge(EMIT, "energy")]),
-        ]
-        steps: list[Any] = [
-            "cem_context",
-            Loop(Sequential("cem_sample", "cem_evaluate", "cem_update"), c.iterations,
-                 outputs=["mean", "std"]),
-            "cem_act"]
-        submodules: dict[str, NodeSubmodule] = {
-            "cem_context": ContextNode(self), "cem_sample": SampleNode(self),
-            "cem_evaluate": EvaluateNode(self), "cem_update": UpdateNode(self),
-            "cem_act": ActNode(self)}
-        engines = {n: "planner" for n in submodules}
+        first = None
         self.inputs = ("frames", "states", "past_actions", "goal", "seed")
         if encoder is not None:
             check_encoder_fits(encoder, predictor.config)
             self.inputs = ("images", "goal_image", "states", "past_actions", "seed")
-            self.nodes.insert(0, GraphNode("encoder", ["images", "goal_image"],
-                                           ["frames", "goal"]))
-            steps.insert(0, "encoder")
-            submodules["encoder"] = EncoderNode(
-                encoder, {"images": "frames", "goal_image": "goal"}, predictor.device,
-                predictor.dtype)
-            engines["encoder"] = "encoder"
-        self.submodules, self.engines = submodules, engines
-        self.walks = {"plan": Sequential(*steps)}
+            first = (GraphNode("encoder", ["images", "goal_image"], ["frames", "goal"]),
+                     EncoderNode(encoder, {"images": "frames", "goal_image": "goal"},
+                                 predictor.device, predictor.dtype), "encoder")
+        super().__init__(c, ["frames", "states", "past_actions", "goal"], first)
 
     def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         request_seed(inputs.get("seed"))  # checked; a request without one draws its own
@@ -273,3 +168,45 @@ class VJEPA2Planner(Model):
             goal = torch.zeros(()).expand(c.num_patches, c.embed_dim)
         vjepa2_plan_context(self.predictor, frames, inputs["states"], inputs.get("past_actions"),
                             goal, self.config.horizon, check_only=True)
+
+    def start(self, inputs: Mapping[str, Any]) -> tuple[PlanContext, torch.Tensor, torch.Tensor]:
+        p, c = self.predictor, self.config
+        ctx = vjepa2_plan_context(p, inputs["frames"], inputs["states"], inputs["past_actions"],
+                                  inputs["goal"], c.horizon)
+        mean = torch.zeros(c.horizon, 4, device=p.device, dtype=p.dtype)
+        std = torch.ones_like(mean)
+        std[:, :3] = c.maxnorm
+        return ctx, mean, std
+
+    def sample(self, mean: torch.Tensor, std: torch.Tensor,
+               noise: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        moves = noise * std + mean
+        moves[..., :3] = moves[..., :3].clamp(-c.maxnorm, c.maxnorm)
+        moves[..., 3:] = moves[..., 3:].clamp(-c.max_gripper, c.max_gripper)
+        return full_actions(moves)
+
+    def energies(self, context: PlanContext, candidates: torch.Tensor) -> torch.Tensor:
+        return evaluate(self.predictor, context, candidates, self.config.max_rollouts)
+
+    def refit(self, mean: torch.Tensor, std: torch.Tensor,
+              elites: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        sel_mean, sel_std = elites.mean(0), elites.std(0)  # unbiased, as upstream
+        new_mean = torch.cat([
+            sel_mean[..., TRANSLATION] * (1 - c.momentum_mean) + mean[..., :3] * c.momentum_mean,
+            sel_mean[..., GRIPPER] * (1 - c.momentum_mean_gripper)
+            + mean[..., 3:] * c.momentum_mean_gripper], -1)
+        new_std = torch.cat([
+            sel_std[..., TRANSLATION] * (1 - c.momentum_std) + std[..., :3] * c.momentum_std,
+            sel_std[..., GRIPPER] * (1 - c.momentum_std_gripper)
+            + std[..., 3:] * c.momentum_std_gripper], -1)
+        return new_mean, new_std
+
+    def act(self, context: PlanContext, mean: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        moves = mean.clone()
+        grip = moves[..., 3:]
+        grip[grip.abs() < self.config.gripper_round] = 0
+        plan = full_actions(moves)
+        return plan[0], plan, float(evaluate(self.predictor, context, plan[None])[0])
