@@ -355,6 +355,40 @@ def test_a_receiver_fails_items_whose_kv_never_come_within_kv_timeout_s():
     assert failed[-1][0] == [71]
 
 
+def test_k_v_a_sender_cannot_send_fail_their_request_naming_the_worker_they_were_for():
+    """The sender's channel broke (here it never came up: no store answers; in the soak, the
+    receiving worker was killed mid-move): the request fails naming rank 2 and the channel, and
+    the K/V it exported are not kept."""
+    import socket
+    from types import SimpleNamespace
+
+    from mstar_rt.placement.kv_moves import WorkerMoves
+
+    exported: list = []
+    engine = SimpleNamespace(export_request=lambda rid, free, device: exported.append(rid) or [],
+                             release=lambda rid: None)
+    sub = SimpleNamespace(handoff_state=lambda state: {})
+    host = SimpleNamespace(requests={5: SimpleNamespace(context=SimpleNamespace(state={}))},
+                           every_engine={"lm": engine}, submodules_of=lambda name: [sub])
+    failed: list = []
+    moves = WorkerMoves(host, 1, lambda ids, message: None, lambda *a: None,
+                        lambda rid, message: failed.append((rid, message)))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        moves.notice("kv_send", {"request": 5, "engine": "lm", "key": "1g0-2g0e0", "port": port,
+                                 "timeout_s": 0.3, "peer": 2})
+        assert wait_until(lambda: failed, timeout=T)
+        assert exported == [5]  # freed from the sender's pages as it was exported
+        (rid, message), = failed
+        assert rid == 5 and message.startswith(
+            "its K/V could not be sent to worker rank 2: the K/V channel broke (1g0-2g0e0): it "
+            "could not be set up"), message
+    finally:
+        moves.close()
+
+
 def test_a_request_the_decode_cache_can_never_hold_fails_alone(reference):
     small = [NodeGroup(["prefill"], rank=1),
              NodeGroup(["decode"], rank=2, model_kwargs={"num_pages": 6})]

@@ -251,8 +251,8 @@ class _Pair:
     peer, and every send or recv may wait: never on the worker's message loop)."""
 
     def __init__(self, moves: "WorkerMoves", key: str, rank: int, port: int,
-                 timeout_s: float, host: str) -> None:
-        self.moves, self.key, self.rank = moves, key, rank
+                 timeout_s: float, host: str, peer: Any = None) -> None:
+        self.moves, self.key, self.rank, self.peer = moves, key, rank, peer
         self.port, self.timeout_s, self.host = port, timeout_s, host
         self.jobs: "queue.Queue[Any]" = queue.Queue()
         self.expected: set[int] = set()  # receiver: requests whose message is still due
@@ -280,7 +280,7 @@ class _Pair:
                 if self.rank == 0:
                     description, kv = job
                     if self.broken is not None:  # queued as it broke: never sent
-                        self.moves.send_failed(description, self.broken)
+                        self.moves.send_failed(description, self.broken, self.peer)
                     elif kv is None:
                         channel.send(description)
                     else:
@@ -291,7 +291,7 @@ class _Pair:
                 traceback.print_exc()
                 self.fail_all(str(e))
                 if self.rank == 0:  # a sender goes on: each job queued meanwhile fails too
-                    self.moves.send_failed(job[0], self.broken or str(e))
+                    self.moves.send_failed(job[0], self.broken or str(e), self.peer)
                     continue
                 return
             try:
@@ -334,7 +334,8 @@ class WorkerMoves:
                         if tuple(part.split("g")[0] for part in k.split("-")) == ranks]:
                 self.pairs.pop(old).jobs.put(None)
             p = self.pairs[key] = _Pair(self, key, rank, int(msg["port"]),
-                                        float(msg["timeout_s"]), msg.get("host", "127.0.0.1"))
+                                        float(msg["timeout_s"]), msg.get("host", "127.0.0.1"),
+                                        msg.get("peer"))
         return p
 
     def notice(self, kind: str, msg: dict) -> None:
@@ -409,11 +410,14 @@ class WorkerMoves:
         for node, walk, items in held:
             self.dispatch(node, walk, items)
 
-    def send_failed(self, description: dict, why: str) -> None:
+    def send_failed(self, description: dict, why: str, peer: Any = None) -> None:
         """A sender's channel broke before this request's K/V left (they were freed at export):
-        the request fails, named, rather than waiting on the receiver's side."""
+        the request fails, naming the worker they were for (usually the one that died), rather
+        than waiting on the receiver's side."""
         rid = int(description.get("request", -1))
-        self.fail_request(rid, description.get("error") or f"its K/V could not be sent: {why}")
+        to = f" to worker rank {peer}" if peer is not None else ""
+        self.fail_request(rid, description.get("error")
+                          or f"its K/V could not be sent{to}: {why}")
 
     def expire(self) -> None:
         """Fails the requests whose K/V have not arrived within the parent's kv_timeout_s (a
