@@ -355,10 +355,11 @@ def test_a_receiver_fails_items_whose_kv_never_come_within_kv_timeout_s():
     assert failed[-1][0] == [71]
 
 
-def test_k_v_a_sender_cannot_send_fail_their_request_naming_the_worker_they_were_for():
-    """The sender's channel broke (here it never came up: no store answers; in the soak, the
-    receiving worker was killed mid-move): the request fails naming rank 2 and the channel, and
-    the K/V it exported are not kept."""
+def test_k_v_that_cannot_move_fail_their_request_naming_the_other_worker():
+    """The channel broke (here it never came up: no store answers; in the soak, the other
+    worker was killed mid-move): on the sender, the request fails naming rank 2, the worker the
+    K/V were for, and the channel, the K/V it exported not kept; on the receiver, its held
+    items fail naming rank 1, the worker they were to come from."""
     import socket
     from types import SimpleNamespace
 
@@ -387,6 +388,20 @@ def test_k_v_a_sender_cannot_send_fail_their_request_naming_the_worker_they_were
             "could not be set up"), message
     finally:
         moves.close()
+    sub.handoffs = None
+    items: list = []
+    receiver = WorkerMoves(host, 2, lambda ids, message: items.append((ids, message)),
+                           lambda *a: None)
+    try:
+        receiver.notice("kv_recv", {"request": 5, "engine": "lm", "key": "1g0-2g0e0",
+                                    "port": port, "timeout_s": 0.3, "peer": 1})
+        assert receiver.hold(3, 0, [SimpleNamespace(id=50, request=5)]) == []  # held: coming
+        assert wait_until(lambda: items, timeout=T)
+        (ids, message), = items
+        assert ids == [50] and message.startswith(
+            "its K/V never arrived from worker rank 1: the K/V channel broke (1g0-2g0e0)"), message
+    finally:
+        receiver.close()
 
 
 def test_a_request_the_decode_cache_can_never_hold_fails_alone(reference):

@@ -305,7 +305,12 @@ class _Pair:
         with self.moves.lock:  # no notice may add a request this thread will never receive
             self.broken, due = f"{BROKEN} ({self.key}): {message}", list(self.expected)
         for rid in due:
-            self.moves.failed(rid, f"its K/V never arrived: {self.broken}")
+            self.moves.failed(rid, f"its K/V never arrived{self.sender()}: {self.broken}")
+
+    def sender(self) -> str:
+        """' from worker rank N' on a receiver's side (N: the sender, usually the one that died)."""
+        return f" from worker rank {self.peer}" if self.rank == 1 and self.peer is not None \
+            else ""
 
 
 class WorkerMoves:
@@ -363,7 +368,7 @@ class WorkerMoves:
                 if broken is None:
                     p.expected.add(rid)
             if broken is not None:
-                self.failed(rid, f"its K/V cannot arrive: {broken}")
+                self.failed(rid, f"its K/V cannot arrive{p.sender()}: {broken}")
                 return
             p.jobs.put(rid)
             return
